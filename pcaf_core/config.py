@@ -1,0 +1,270 @@
+"""Typed configuration for every run: model, memory, profile, data, training, evaluation.
+
+The dataclasses double as Hydra structured configs (``experiments`` registers them), so a
+wrong key or type fails at composition. Value checks live in ``__post_init__`` and raise
+:class:`ConfigError` naming the offending field; call :func:`validate` on an assembled
+:class:`RunConfig` (or build the dataclasses directly) to run them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MODEL_VARIANTS = (
+    "pcaf",  # PCAF with learned gate; the route comes from MemoryConfig.route
+    "pcaf_no_gate",  # constant gate MemoryConfig.fixed_gate, still masked when no candidate
+    "pcaf_no_cache",  # PCAF parameters, parametric path only
+    "local_conv",  # embedding + conv blocks + head
+    "transformer_dense",
+    "transformer_local",
+    "transformer_global_local",
+    "linear_attention",
+)
+PCAF_VARIANTS = ("pcaf", "pcaf_no_gate", "pcaf_no_cache")
+CACHE_VARIANTS = ("pcaf", "pcaf_no_gate")
+TRANSFORMER_VARIANTS = ("transformer_dense", "transformer_local", "transformer_global_local", "linear_attention")
+ROUTES = ("context", "semantic", "hybrid")
+SEMANTIC_INDEXES = ("dense", "bucketed")
+CANDIDATE_POLICIES = ("topk_score", "recent", "first")
+MODES = ("nt", "ar")
+GELU_FORMS = ("tanh", "erf")
+L2NORM_FORMS = ("rsqrt_eps", "max_eps")
+ROUTER_FORMS = ("linear_bias", "layernorm_linear")
+POSITIONAL_FORMS = ("trainable_jax", "fixed_torch")
+INIT_FORMS = ("jax_normal", "torch_default")
+PRECISIONS = ("fp32", "bf16")
+EVAL_PROTOCOLS = ("reference", "full", "both")
+DATASETS = ("wikitext2", "wikitext103", "pg19", "pg19_mini")
+DATA_LAYOUTS = ("tokens", "raw", "hf")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the field and what to do."""
+
+
+def _require(cond: bool, section: str, name: str, value: Any, what: str) -> None:
+    if not cond:
+        raise ConfigError(f"{section}.{name}={value!r} is invalid: {what}")
+
+
+def _one_of(section: str, name: str, value: Any, allowed: tuple) -> None:
+    _require(value in allowed, section, name, value, f"expected one of {list(allowed)}")
+
+
+@dataclass
+class ModelConfig:
+    """Network shape. ``vocab_size`` V, ``d_model`` d, ``d_hidden`` (MLP and head width)."""
+
+    variant: str = "pcaf"
+    vocab_size: int = 20000
+    d_model: int = 256
+    d_hidden: int = 1000
+    n_layers: int = 2
+    kernel_size: int = 5
+    n_heads: int = 4
+    window: int = 128  # local attention: keys with t - s < window (self included)
+    n_global: int = 16  # global-local attention: the first n_global positions are visible to all
+    linear_chunk: int = 64  # linear attention chunk length (an implementation detail; exact)
+    max_seq_len: int = 1024  # the trainable positional table has max_seq_len rows
+
+    def __post_init__(self) -> None:
+        s = "model"
+        _one_of(s, "variant", self.variant, MODEL_VARIANTS)
+        for name in ("vocab_size", "d_model", "d_hidden", "n_layers", "kernel_size", "n_heads",
+                     "window", "linear_chunk", "max_seq_len"):
+            _require(int(getattr(self, name)) >= 1, s, name, getattr(self, name), "must be >= 1")
+        _require(self.vocab_size >= 3, s, "vocab_size", self.vocab_size,
+                 "must hold the specials <pad>, <unk>, <eos>")
+        _require(self.n_global >= 0, s, "n_global", self.n_global, "must be >= 0")
+        if self.variant in TRANSFORMER_VARIANTS:
+            _require(self.d_model % self.n_heads == 0, s, "n_heads", self.n_heads,
+                     f"must divide d_model={self.d_model}")
+        if self.variant in PCAF_VARIANTS:
+            _require(self.d_model >= 2, s, "d_model", self.d_model, "the gate needs d_model // 2 >= 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class MemoryConfig:
+    """Associative memory: address buckets B, top-K, context order n, semantic router S/τ/λ."""
+
+    route: str = "context"
+    semantic_index: str = "dense"  # dense = the reference's all-pairs overlap; bucketed = argmax bucket
+    candidate_policy: str = "topk_score"
+    num_buckets: int = 32768
+    top_k: int = 16
+    context_order: int = 1
+    semantic_buckets: int = 256
+    semantic_temperature: float = 0.2
+    semantic_score_scale: float = 1.0
+    fixed_gate: float = 0.5  # used by pcaf_no_gate
+
+    def __post_init__(self) -> None:
+        s = "memory"
+        _one_of(s, "route", self.route, ROUTES)
+        _one_of(s, "semantic_index", self.semantic_index, SEMANTIC_INDEXES)
+        _one_of(s, "candidate_policy", self.candidate_policy, CANDIDATE_POLICIES)
+        _require(self.num_buckets >= 1, s, "num_buckets", self.num_buckets, "B must be >= 1")
+        _require(self.top_k >= 1, s, "top_k", self.top_k, "K must be >= 1")
+        _require(self.context_order >= 1, s, "context_order", self.context_order, "n must be >= 1")
+        _require(self.semantic_buckets >= 1, s, "semantic_buckets", self.semantic_buckets, "S must be >= 1")
+        _require(self.semantic_temperature > 0, s, "semantic_temperature", self.semantic_temperature,
+                 "tau must be > 0")
+        _require(self.semantic_score_scale >= 0, s, "semantic_score_scale", self.semantic_score_scale,
+                 "lambda must be >= 0")
+        _require(0.0 <= self.fixed_gate <= 1.0, s, "fixed_gate", self.fixed_gate, "must lie in [0, 1]")
+
+
+@dataclass
+class ProfileConfig:
+    """A named set of switches: what the reference code does where it differs from the normative spec.
+
+    ``pcaf_core.profiles`` defines ``reference_jax``, ``reference_torch`` and ``corrected``;
+    docs/SPEC.md gives the formula behind each switch.
+    """
+
+    name: str = "corrected"
+    # --- hashing -------------------------------------------------------------------------
+    hash_int32_wraparound: bool = False
+    # --- architecture details ------------------------------------------------------------
+    gelu: str = "tanh"
+    l2norm: str = "rsqrt_eps"
+    router: str = "linear_bias"
+    router_in_context_models: bool = False  # unused router params carried by non-semantic PCAF
+    local_conv_full_param_set: bool = False  # local_conv carries PCAF's memory/gate/router params
+    positional: str = "trainable_jax"
+    init: str = "jax_normal"
+    # --- correctness quirks ---------------------------------------------------------------
+    semantic_ar_target_leak: bool = False
+    hybrid_dedup: bool = True
+    nt_mixture_floor: bool = False  # log max(p_cache, 1e-6) inside logaddexp: unnormalised
+    ar_mixture_floor: bool = False  # prob-space mixture, log max(p, 1e-8)
+    ar_accuracy_parametric_only: bool = False
+    gate_clip_when_empty: bool = False  # clip lambda to >= 1e-5 even when the gate was masked to 0
+    # --- training regularisation ----------------------------------------------------------
+    dropout: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 = no clipping
+    weight_decay_all_params: bool = True
+
+    def __post_init__(self) -> None:
+        s = "profile"
+        _one_of(s, "gelu", self.gelu, GELU_FORMS)
+        _one_of(s, "l2norm", self.l2norm, L2NORM_FORMS)
+        _one_of(s, "router", self.router, ROUTER_FORMS)
+        _one_of(s, "positional", self.positional, POSITIONAL_FORMS)
+        _one_of(s, "init", self.init, INIT_FORMS)
+        _require(0.0 <= self.dropout < 1.0, s, "dropout", self.dropout, "must lie in [0, 1)")
+        _require(self.grad_clip_norm >= 0, s, "grad_clip_norm", self.grad_clip_norm, "must be >= 0 (0 = off)")
+
+
+@dataclass
+class DataConfig:
+    """Corpus, tokenizer budget and token budgets (REFERENCE.md §5.1)."""
+
+    name: str = "wikitext2"
+    layout: str = "tokens"
+    data_dir: str | None = None  # None: PCAF_DATA_DIR, then the project's data/ directory
+    cache_dir: str | None = None  # None: <repo>/data_cache
+    max_vocab: int = 20000
+    min_freq: int = 2
+    max_train_tokens: int = 0  # 0 = the whole split
+    max_eval_tokens: int = 0
+    eval_split: str = "validation"
+
+    def __post_init__(self) -> None:
+        s = "data"
+        _one_of(s, "name", self.name, DATASETS)
+        _one_of(s, "layout", self.layout, DATA_LAYOUTS)
+        _require(self.max_vocab >= 4, s, "max_vocab", self.max_vocab, "must exceed the 3 specials")
+        _require(self.min_freq >= 1, s, "min_freq", self.min_freq, "must be >= 1")
+        _require(self.max_train_tokens >= 0, s, "max_train_tokens", self.max_train_tokens, "must be >= 0")
+        _require(self.max_eval_tokens >= 0, s, "max_eval_tokens", self.max_eval_tokens, "must be >= 0")
+        _one_of(s, "eval_split", self.eval_split, ("validation", "test"))
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation budget and schedule (REFERENCE.md §5.4-5.5)."""
+
+    mode: str = "nt"
+    seq_len: int = 1024
+    batch_size: int = 64
+    steps: int = 5000
+    lr: float = 3e-4
+    warmup_steps: int = 0
+    min_lr_ratio: float = 1.0  # 1.0 with warmup 0 = constant LR, as the reference default
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    precision: str = "fp32"
+    seed: int = 1234
+    train_sample_seed: int = 10001
+    checkpoint_every: int = 0  # 0 = only at the end
+
+    def __post_init__(self) -> None:
+        s = "train"
+        _one_of(s, "mode", self.mode, MODES)
+        _require(self.seq_len >= 2, s, "seq_len", self.seq_len, "T must be >= 2")
+        _require(self.batch_size >= 1, s, "batch_size", self.batch_size, "must be >= 1")
+        _require(self.steps >= 1, s, "steps", self.steps, "must be >= 1")
+        _require(self.lr > 0, s, "lr", self.lr, "must be > 0")
+        _require(0 <= self.warmup_steps <= self.steps, s, "warmup_steps", self.warmup_steps,
+                 f"must lie in [0, steps={self.steps}]")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, s, "min_lr_ratio", self.min_lr_ratio, "must lie in [0, 1]")
+        _require(self.weight_decay >= 0, s, "weight_decay", self.weight_decay, "must be >= 0")
+        _require(0 <= self.beta1 < 1, s, "beta1", self.beta1, "must lie in [0, 1)")
+        _require(0 <= self.beta2 < 1, s, "beta2", self.beta2, "must lie in [0, 1)")
+        _require(self.eps > 0, s, "eps", self.eps, "must be > 0")
+        _one_of(s, "precision", self.precision, PRECISIONS)
+        _require(self.checkpoint_every >= 0, s, "checkpoint_every", self.checkpoint_every, "must be >= 0")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation cadence and protocol (DESIGN.md §7)."""
+
+    protocol: str = "both"
+    every: int = 500
+    batches: int = 50
+    batch_size: int = 0  # 0 = the training batch size
+    eval_sample_seed: int = 20001
+    full_max_windows: int = 0  # 0 = every window of the split (the full protocol)
+    ppl_cap_log: float = 20.0  # reference: PPL = exp(min(20, loss))
+
+    def __post_init__(self) -> None:
+        s = "eval"
+        _one_of(s, "protocol", self.protocol, EVAL_PROTOCOLS)
+        _require(self.every >= 1, s, "every", self.every, "must be >= 1")
+        _require(self.batches >= 1, s, "batches", self.batches, "must be >= 1")
+        _require(self.batch_size >= 0, s, "batch_size", self.batch_size, "must be >= 0 (0 = train batch)")
+        _require(self.full_max_windows >= 0, s, "full_max_windows", self.full_max_windows, "must be >= 0")
+
+
+@dataclass
+class RunConfig:
+    """Everything one run needs. ``experiments`` builds it from Hydra; tests build it directly."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.variant in TRANSFORMER_VARIANTS and self.profile.positional == "trainable_jax":
+            _require(self.train.seq_len <= self.model.max_seq_len, "train", "seq_len", self.train.seq_len,
+                     f"exceeds model.max_seq_len={self.model.max_seq_len} (the positional table's rows)")
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Re-run every section's checks (after fields were mutated) and return ``cfg``."""
+    for f in fields(cfg):
+        getattr(cfg, f.name).__post_init__()
+    cfg.__post_init__()
+    return cfg

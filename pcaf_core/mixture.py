@@ -1,0 +1,130 @@
+"""Scores → cache weights → p_cache; gate masking; the mixture and its accuracy (REFERENCE.md §4).
+
+Shapes: B sequences, Q queries per sequence (1 in NT mode, T in AR mode), C candidate slots, V vocab.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pcaf_core.routing import Candidates
+
+SEMANTIC_OVERLAP_FLOOR = 1e-6  # log(max(m, 1e-6)) in the route term
+NT_CACHE_FLOOR = 1e-6  # reference NT: log(max(p_cache, 1e-6)) for every vocabulary entry
+AR_PROB_FLOOR = 1e-8  # reference AR: log(max(p, 1e-8))
+GATE_CLIP = 1e-5  # lambda is clipped to [1e-5, 1 - 1e-5]
+MASKED_SCORE = -1e9
+
+
+def selection_score(query: np.ndarray, keys: np.ndarray, recency: np.ndarray, rho: float) -> np.ndarray:
+    """Ranking score of every record for every query: ``q_t·k_s/√d + ρ·r_s``.
+
+    query: ``[B, Q, d]``; keys: ``[B, T, d]``; recency: ``[T]``. Returns ``[B, Q, T]``. √d uses d_model.
+    """
+    d = query.shape[-1]
+    return np.einsum("bqd,btd->bqt", query, keys) / np.sqrt(d) + rho * recency[None, None, :]
+
+
+def candidate_scores(
+    query: np.ndarray,
+    keys: np.ndarray,
+    recency: np.ndarray,
+    rho: float,
+    cand: Candidates,
+    overlap: np.ndarray | None = None,
+    semantic_score_scale: float = 0.0,
+) -> np.ndarray:
+    """Score of each candidate slot: ``q·k_s/√d + ρ·r_s [+ λ_sem·log(max(m_s, 1e-6))]``.
+
+    The route term is added for semantic and hybrid routes (``overlap`` ``[B, Q, T]`` given), to every
+    slot including the hybrid's context slots. Returns ``[B, Q, C]`` (empty slots hold junk; mask them).
+    """
+    B, Q, d = query.shape
+    idx = np.clip(cand.index, 0, None)
+    b = np.arange(B)[:, None, None]
+    k = keys[b, idx]  # [B, Q, C, d]
+    s = np.einsum("bqd,bqcd->bqc", query, k) / np.sqrt(d) + rho * recency[idx]
+    if overlap is not None:
+        qi = np.arange(Q)[None, :, None]
+        m = overlap[b, qi, idx]
+        s = s + semantic_score_scale * np.log(np.maximum(m, SEMANTIC_OVERLAP_FLOOR))
+    return s
+
+
+def cache_weights(scores: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """α = softmax over the valid slots; all zeros where no slot is valid. ``[B, Q, C]``."""
+    masked = np.where(valid, scores, -np.inf)
+    top = np.max(np.where(valid, scores, MASKED_SCORE), axis=-1, keepdims=True)
+    e = np.where(valid, np.exp(masked - top), 0.0)
+    z = e.sum(-1, keepdims=True)
+    return e / np.maximum(z, 1e-300)
+
+
+def cache_distribution(weights: np.ndarray, cand_values: np.ndarray, valid: np.ndarray, vocab_size: int) -> np.ndarray:
+    """``p_cache(y) = Σ_i α_i·1[v_i = y]``: ``[B, Q, V]`` from weights and slot values ``[B, Q, C]``."""
+    B, Q, C = weights.shape
+    p = np.zeros((B, Q, vocab_size), dtype=weights.dtype)
+    bi, qi, ci = np.nonzero(valid)
+    np.add.at(p, (bi, qi, cand_values[bi, qi, ci]), weights[bi, qi, ci])
+    return p
+
+
+def mask_gate(raw_gate: np.ndarray, any_valid: np.ndarray, *, clip_when_empty: bool) -> np.ndarray:
+    """Gate λ masked by "any valid candidate" and clipped to [1e-5, 1 - 1e-5].
+
+    The reference clips after masking, so an empty query keeps λ = 1e-5 (``clip_when_empty``);
+    the normative gate of an empty query is exactly 0. ``[B, Q]``.
+    """
+    lam = raw_gate * any_valid
+    clipped = np.clip(lam, GATE_CLIP, 1.0 - GATE_CLIP)
+    return clipped if clip_when_empty else np.where(any_valid, clipped, 0.0)
+
+
+def _log(x: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.log(x)
+
+
+def mixture_log_probs(
+    param_log_probs: np.ndarray, p_cache: np.ndarray, gate: np.ndarray, *, nt_floor: bool
+) -> np.ndarray:
+    """Mixture over the vocabulary in log space: ``log[(1-λ)·p_param + λ·p_cache]``, ``[B, Q, V]``.
+
+    With ``nt_floor`` (reference NT) p_cache is floored at 1e-6 on every entry, so the result's mass is
+    ``1 + λ·1e-6·(#vocabulary entries with p_cache = 0)`` rather than 1.
+    """
+    lam = gate[..., None]
+    cache = np.maximum(p_cache, NT_CACHE_FLOOR) if nt_floor else p_cache
+    return np.logaddexp(np.log1p(-lam) + param_log_probs, _log(lam) + _log(cache))
+
+
+def target_log_prob(
+    param_log_probs: np.ndarray,
+    p_cache: np.ndarray,
+    gate: np.ndarray,
+    targets: np.ndarray,
+    *,
+    nt_floor: bool,
+    ar_floor: bool,
+    mode: str,
+) -> np.ndarray:
+    """log p(y) of each target, ``[B, Q]``, as the loss uses it.
+
+    NT: the target entry of :func:`mixture_log_probs`. AR with ``ar_floor`` (reference): computed in
+    probability space, ``log(max((1-λ)·exp(lp_y) + λ·p_cache(y), 1e-8))``; otherwise the exact log.
+    """
+    lp_y = np.take_along_axis(param_log_probs, targets[..., None], -1)[..., 0]
+    pc_y = np.take_along_axis(p_cache, targets[..., None], -1)[..., 0]
+    if mode == "nt":
+        pc = np.maximum(pc_y, NT_CACHE_FLOOR) if nt_floor else pc_y
+        return np.logaddexp(np.log1p(-gate) + lp_y, _log(gate) + _log(pc))
+    if ar_floor:
+        return np.log(np.maximum((1.0 - gate) * np.exp(lp_y) + gate * pc_y, AR_PROB_FLOOR))
+    return np.logaddexp(np.log1p(-gate) + lp_y, _log(gate) + _log(pc_y))
+
+
+def predictions(mixture_lp: np.ndarray, param_log_probs: np.ndarray, *, parametric_only: bool) -> np.ndarray:
+    """Predicted token per query, ``[B, Q]`` int64: argmax of the mixture, or of the parametric head
+    only (the reference's full-AR accuracy)."""
+    src = param_log_probs if parametric_only else mixture_lp
+    return np.argmax(src, axis=-1).astype(np.int64)

@@ -1,0 +1,308 @@
+"""Reference forward of every model from the canonical parameter dict (evaluation mode: dropout off).
+
+``forward(params, tokens, model, memory, profile, mode, targets)`` is the oracle every backend is tested
+against. NumPy, float64 unless the parameters are float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.special import erf
+
+from pcaf_core import hashing, mixture, records, routing
+from pcaf_core.config import TRANSFORMER_VARIANTS, MemoryConfig, ModelConfig, ProfileConfig
+from pcaf_core.params import check_params, has_positional_table, param_shapes, sinusoidal_table, uses_cache
+
+LN_EPS = 1e-5
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def gelu(x: np.ndarray, form: str) -> np.ndarray:
+    """GELU: ``tanh`` approximation (jax.nn.gelu default) or exact ``erf`` (torch nn.GELU)."""
+    if form == "tanh":
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + LN_EPS) * weight + bias
+
+
+def l2_normalize(x: np.ndarray, form: str) -> np.ndarray:
+    """``rsqrt_eps``: ``x·rsqrt(Σx² + 1e-6)`` (JAX); ``max_eps``: ``x / max(‖x‖, 1e-12)`` (torch)."""
+    sq = (x * x).sum(-1, keepdims=True)
+    if form == "rsqrt_eps":
+        return x / np.sqrt(sq + 1e-6)
+    return x / np.maximum(np.sqrt(sq), 1e-12)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    return np.exp(log_softmax(x))
+
+
+def linear(p: dict[str, np.ndarray], name: str, x: np.ndarray) -> np.ndarray:
+    y = x @ p[f"{name}.weight"]
+    bias = p.get(f"{name}.bias")
+    return y if bias is None else y + bias
+
+
+def causal_depthwise_conv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """``out_t = Σ_lag w[lag]·x_{t-lag} + b`` with zeros left of the window. x ``[B, T, d]``, w ``[k, d]``."""
+    out = np.zeros_like(x) + bias
+    T = x.shape[1]
+    for lag in range(weight.shape[0]):
+        if lag < T:
+            out[:, lag:] += weight[lag] * x[:, : T - lag]
+    return out
+
+
+def mlp(p: dict[str, np.ndarray], prefix: str, x: np.ndarray, gelu_form: str) -> np.ndarray:
+    return linear(p, f"{prefix}.mlp_out", gelu(linear(p, f"{prefix}.mlp_in", x), gelu_form))
+
+
+def conv_stack(p: dict[str, np.ndarray], x: np.ndarray, model: ModelConfig, gelu_form: str) -> np.ndarray:
+    """Pre-LN residual blocks ``x += W2·GELU(W1·conv(LN x))``. ``[B, T, d] -> [B, T, d]``."""
+    for i in range(model.n_layers):
+        pre = f"blocks.{i}"
+        y = layer_norm(x, p[f"{pre}.norm.weight"], p[f"{pre}.norm.bias"])
+        y = causal_depthwise_conv(y, p[f"{pre}.conv.weight"], p[f"{pre}.conv.bias"])
+        x = x + mlp(p, pre, y, gelu_form)
+    return x
+
+
+def head_log_probs(p: dict[str, np.ndarray], h: np.ndarray, gelu_form: str) -> np.ndarray:
+    """Parametric head ``log_softmax(W_o·GELU(W_h·LN h))``: ``[..., d] -> [..., V]``."""
+    y = layer_norm(h, p["head.norm.weight"], p["head.norm.bias"])
+    return log_softmax(linear(p, "head.out", gelu(linear(p, "head.hidden", y), gelu_form)))
+
+
+def attention_mask(seq_len: int, variant: str, window: int, n_global: int) -> np.ndarray:
+    """``[T, T]`` bool, True where query t may attend key s."""
+    t = np.arange(seq_len)[:, None]
+    s = np.arange(seq_len)[None, :]
+    causal = s <= t
+    if variant in ("transformer_dense", "linear_attention"):
+        return causal
+    local = causal & (t - s < window)
+    if variant == "transformer_local":
+        return local
+    return local | (causal & (s < n_global))
+
+
+def _split_heads(x: np.ndarray, n_heads: int) -> np.ndarray:
+    B, T, d = x.shape
+    return x.reshape(B, T, n_heads, d // n_heads).transpose(0, 2, 1, 3)  # [B, H, T, hd]
+
+
+def elu_plus_one(x: np.ndarray) -> np.ndarray:
+    return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+
+
+def attention(p: dict[str, np.ndarray], prefix: str, x: np.ndarray, model: ModelConfig) -> np.ndarray:
+    """Multi-head attention of one block (softmax, masked per variant; or normalised linear)."""
+    B, T, d = x.shape
+    qkv = linear(p, f"{prefix}.qkv", x)
+    q, k, v = (_split_heads(qkv[..., i * d : (i + 1) * d], model.n_heads) for i in range(3))
+    if model.variant == "linear_attention":
+        fq, fk = elu_plus_one(q), elu_plus_one(k)
+        causal = attention_mask(T, model.variant, model.window, model.n_global)
+        a = np.einsum("bhtd,bhsd->bhts", fq, fk) * causal
+        num = np.einsum("bhts,bhsd->bhtd", a, v)
+        den = np.maximum(a.sum(-1, keepdims=True), 1e-6)
+        o = num / den
+    else:
+        mask = attention_mask(T, model.variant, model.window, model.n_global)
+        logits = np.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(model.head_dim)
+        o = np.einsum("bhts,bhsd->bhtd", softmax(np.where(mask, logits, -np.inf)), v)
+    o = o.transpose(0, 2, 1, 3).reshape(B, T, d)
+    return linear(p, f"{prefix}.out", o)
+
+
+def transformer_stack(
+    p: dict[str, np.ndarray], x: np.ndarray, model: ModelConfig, gelu_form: str
+) -> np.ndarray:
+    for i in range(model.n_layers):
+        pre = f"blocks.{i}"
+        x = x + attention(p, f"{pre}.attn", layer_norm(x, p[f"{pre}.attn_norm.weight"], p[f"{pre}.attn_norm.bias"]),
+                          model)
+        x = x + mlp(p, pre, layer_norm(x, p[f"{pre}.mlp_norm.weight"], p[f"{pre}.mlp_norm.bias"]), gelu_form)
+    return x
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+@dataclass
+class MemoryTrace:
+    """Intermediates of the associative memory path (Q queries, C slots).
+
+    addresses: ``[B, T]`` int64 bucket of every position; cand: the selected candidates;
+    scores/cache_weights: ``[B, Q, C]``; gate: ``[B, Q]`` masked (and clipped) λ;
+    p_cache: ``[B, Q, V]``; router_probs: ``[B, T, S]`` or None.
+    """
+
+    addresses: np.ndarray
+    cand: routing.Candidates
+    scores: np.ndarray
+    cache_weights: np.ndarray
+    gate: np.ndarray
+    p_cache: np.ndarray
+    router_probs: np.ndarray | None
+
+
+@dataclass
+class ForwardOutput:
+    """Model outputs at the Q query positions (Q = 1 in NT mode, T in AR mode).
+
+    hidden: ``[B, T, d]`` final states; param_log_probs: ``[B, Q, V]`` parametric head;
+    log_probs: ``[B, Q, V]`` the predictive distribution in log space (unnormalised under the NT floor);
+    target_log_prob: ``[B, Q]`` log p(target) as the loss uses it (None without targets);
+    prediction: ``[B, Q]`` int64 argmax under the profile's accuracy definition;
+    memory: the memory trace (None for models without a cache).
+    """
+
+    hidden: np.ndarray
+    param_log_probs: np.ndarray
+    log_probs: np.ndarray
+    target_log_prob: np.ndarray | None
+    prediction: np.ndarray
+    memory: MemoryTrace | None
+
+    @property
+    def loss(self) -> float:
+        if self.target_log_prob is None:
+            raise ValueError("forward() was called without targets")
+        return float(-self.target_log_prob.mean())
+
+
+# --------------------------------------------------------------------------- the memory path
+
+
+def memory_read(
+    p: dict[str, np.ndarray],
+    tokens: np.ndarray,
+    h: np.ndarray,
+    model: ModelConfig,
+    memory: MemoryConfig,
+    profile: ProfileConfig,
+    mode: str,
+) -> MemoryTrace:
+    """Records, routing, scores, cache weights, p_cache and the masked gate for every query."""
+    B, T = tokens.shape
+    qpos = records.query_positions(T, mode)
+    rec = records.recency(T, mode)
+    rho = float(p["memory.recency_scale"])
+    addr = hashing.addresses(tokens, memory.context_order, memory.num_buckets,
+                             int32_wraparound=profile.hash_int32_wraparound)
+    keys = l2_normalize(h @ p["memory.key.weight"], profile.l2norm)
+    query = l2_normalize(h[:, qpos] @ p["memory.query.weight"], profile.l2norm)
+
+    router_probs = overlap = None
+    if memory.route in ("semantic", "hybrid"):
+        x = h
+        if profile.router == "layernorm_linear":
+            x = layer_norm(h, p["memory.router_norm.weight"], p["memory.router_norm.bias"])
+        router_probs = softmax(linear(p, "memory.router", x) / memory.semantic_temperature)
+        overlap = routing.semantic_overlap(router_probs, qpos)
+
+    cand = None
+    if memory.route in ("context", "hybrid"):
+        sel = mixture.selection_score(query, keys, rec, rho) if memory.candidate_policy == "topk_score" else None
+        cand = routing.route_context(addr, qpos, memory.top_k, memory.candidate_policy, sel)
+    if memory.route in ("semantic", "hybrid"):
+        if memory.semantic_index == "dense":
+            sem = routing.route_semantic_dense(overlap, rec, rho, qpos, memory.top_k,
+                                               target_leak=profile.semantic_ar_target_leak and mode == "ar")
+        else:
+            sem = routing.route_semantic_bucketed(routing.semantic_buckets(router_probs), qpos, memory.top_k)
+        cand = sem if cand is None else routing.combine_hybrid(cand, sem, dedup=profile.hybrid_dedup)
+
+    scores = mixture.candidate_scores(query, keys, rec, rho, cand, overlap, memory.semantic_score_scale)
+    alpha = mixture.cache_weights(scores, cand.valid)
+    values = routing.gather_records(records.successor_values(tokens), cand)
+    p_cache = mixture.cache_distribution(alpha, values, cand.valid, model.vocab_size)
+
+    if model.variant == "pcaf_no_gate":
+        raw = np.full((B, len(qpos)), memory.fixed_gate)
+    else:
+        g = layer_norm(h[:, qpos], p["gate.norm.weight"], p["gate.norm.bias"])
+        g = linear(p, "gate.out", gelu(linear(p, "gate.hidden", g), profile.gelu))[..., 0]
+        raw = 1.0 / (1.0 + np.exp(-g))
+    gate = mixture.mask_gate(raw, cand.valid.any(-1), clip_when_empty=profile.gate_clip_when_empty)
+    return MemoryTrace(addr, cand, scores, alpha, gate, p_cache, router_probs)
+
+
+# --------------------------------------------------------------------------- whole models
+
+
+def hidden_states(
+    p: dict[str, np.ndarray], tokens: np.ndarray, model: ModelConfig, profile: ProfileConfig
+) -> np.ndarray:
+    """Final hidden states ``[B, T, d]`` of the backbone (conv stack or Transformer)."""
+    T = tokens.shape[1]
+    x = p["embed.weight"][tokens]
+    if model.variant in TRANSFORMER_VARIANTS:
+        if has_positional_table(model, profile):
+            if T > model.max_seq_len:
+                raise ValueError(f"T={T} exceeds the positional table's {model.max_seq_len} rows")
+            x = x + p["pos.table"][:T]
+        else:
+            x = x + sinusoidal_table(T, model.d_model, profile.positional).astype(x.dtype)
+        return transformer_stack(p, x, model, profile.gelu)
+    return conv_stack(p, x, model, profile.gelu)
+
+
+def forward(
+    params: dict[str, np.ndarray],
+    tokens: np.ndarray,
+    model: ModelConfig,
+    memory: MemoryConfig,
+    profile: ProfileConfig,
+    mode: str,
+    targets: np.ndarray | None = None,
+) -> ForwardOutput:
+    """Evaluate a model on windows ``tokens`` ``[B, T]`` int.
+
+    targets: NT ``[B]`` (the token after the window) or AR ``[B, T]`` (``x_{t+1}``); optional.
+    """
+    check_params(params, param_shapes(model, memory, profile))
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if tokens.ndim != 2 or tokens.shape[1] < 1:
+        raise ValueError(f"tokens must be [B, T] with T >= 1, got shape {tokens.shape}")
+    if tokens.min() < 0 or tokens.max() >= model.vocab_size:
+        raise ValueError(f"token ids must lie in [0, {model.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+    T = tokens.shape[1]
+    qpos = records.query_positions(T, mode)
+    h = hidden_states(params, tokens, model, profile)
+    param_lp = head_log_probs(params, h[:, qpos], profile.gelu)
+
+    tgt = None
+    if targets is not None:
+        tgt = np.asarray(targets, dtype=np.int64).reshape(tokens.shape[0], len(qpos))
+
+    if not uses_cache(model):
+        tlp = None if tgt is None else np.take_along_axis(param_lp, tgt[..., None], -1)[..., 0]
+        return ForwardOutput(h, param_lp, param_lp, tlp, np.argmax(param_lp, -1), None)
+
+    mem = memory_read(params, tokens, h, model, memory, profile, mode)
+    nt_floor = profile.nt_mixture_floor and mode == "nt"
+    mix_lp = mixture.mixture_log_probs(param_lp, mem.p_cache, mem.gate, nt_floor=nt_floor)
+    tlp = None
+    if tgt is not None:
+        tlp = mixture.target_log_prob(param_lp, mem.p_cache, mem.gate, tgt, nt_floor=nt_floor,
+                                      ar_floor=profile.ar_mixture_floor, mode=mode)
+    pred = mixture.predictions(mix_lp, param_lp,
+                               parametric_only=profile.ar_accuracy_parametric_only and mode == "ar")
+    return ForwardOutput(h, param_lp, mix_lp, tlp, pred, mem)

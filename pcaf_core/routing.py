@@ -1,0 +1,177 @@
+"""Candidate selection (DESIGN.md §3.2, REFERENCE.md §2.3, §3).
+
+Every route returns :class:`Candidates`: per (sequence, query) a fixed number C of slots holding
+record indices (``-1`` = empty) and a validity mask. Slot order is part of the spec, so backends
+can be compared exactly:
+
+* ``topk_score``: descending selection score, ties to the lower index (``lax.top_k`` order);
+* ``recent``: most recent first; ``first``: earliest first;
+* dense semantic: descending ``m + 1e-4·ρ·r``, ties to the lower index;
+* empty slots last.
+
+The spec is written for clarity (dense loops over queries); backends compute the same candidates
+without T×T tensors where the route allows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SEMANTIC_TIE_BREAK = 1e-4  # weight of rho * recency in the dense semantic ranking
+
+
+@dataclass
+class Candidates:
+    """Selected records.
+
+    index: ``[B, Q, C]`` int64 record positions, -1 = empty slot.
+    valid: ``[B, Q, C]`` bool; the reference's semantic leak marks some slots valid that are not
+        causal (see :func:`route_semantic_dense`), otherwise ``valid == (index >= 0)``.
+    """
+
+    index: np.ndarray
+    valid: np.ndarray
+
+    @property
+    def width(self) -> int:
+        return self.index.shape[-1]
+
+
+def _empty(batch: int, n_queries: int, width: int) -> Candidates:
+    return Candidates(
+        index=np.full((batch, n_queries, width), -1, dtype=np.int64),
+        valid=np.zeros((batch, n_queries, width), dtype=bool),
+    )
+
+
+def _order_by_score(positions: np.ndarray, score: np.ndarray) -> np.ndarray:
+    """Positions sorted by descending score, ties to the lower position (stable)."""
+    order = np.lexsort((positions, -score))
+    return positions[order]
+
+
+def route_context(
+    addresses: np.ndarray,
+    query_pos: np.ndarray,
+    top_k: int,
+    policy: str,
+    select_score: np.ndarray | None = None,
+) -> Candidates:
+    """Context (exact-hash) route: earlier records in the query's bucket, at most K of them.
+
+    Args:
+        addresses: ``[B, T]`` int bucket address of every position (records and queries alike).
+        query_pos: ``[Q]`` query positions; query t may read records s < t with ``a_s == a_t``.
+        top_k: K, the number of slots.
+        policy: which K a full bucket keeps: ``topk_score`` (highest ``select_score``),
+            ``recent`` (largest s) or ``first`` (smallest s).
+        select_score: ``[B, Q, T]`` float ranking score ``q_t·k_s/√d + ρ·r_s``; needed by ``topk_score``.
+    Returns:
+        :class:`Candidates` of width K.
+    """
+    if policy == "topk_score" and select_score is None:
+        raise ValueError("policy 'topk_score' needs select_score [B, Q, T]")
+    if policy not in ("topk_score", "recent", "first"):
+        raise ValueError(f"candidate policy {policy!r} is unknown: expected topk_score, recent or first")
+    B, _ = addresses.shape
+    out = _empty(B, len(query_pos), top_k)
+    for b in range(B):
+        for qi, t in enumerate(query_pos):
+            same = np.flatnonzero(addresses[b, :t] == addresses[b, t])
+            if policy == "topk_score":
+                picked = _order_by_score(same, select_score[b, qi, same])[:top_k]
+            elif policy == "recent":
+                picked = same[::-1][:top_k]
+            else:
+                picked = same[:top_k]
+            out.index[b, qi, : len(picked)] = picked
+            out.valid[b, qi, : len(picked)] = True
+    return out
+
+
+def semantic_overlap(router_probs: np.ndarray, query_pos: np.ndarray) -> np.ndarray:
+    """``m[b, q, s] = r̃_{t_q} · r̃_s``: ``[B, Q, T]`` from router probabilities ``[B, T, S]``."""
+    return np.einsum("bqs,bts->bqt", router_probs[:, query_pos], router_probs)
+
+
+def route_semantic_dense(
+    overlap: np.ndarray,
+    recency: np.ndarray,
+    rho: float,
+    query_pos: np.ndarray,
+    top_k: int,
+    *,
+    target_leak: bool = False,
+) -> Candidates:
+    """Dense semantic route: the K earlier records with the largest ``m_s + 1e-4·ρ·r_s``.
+
+    Args:
+        overlap: ``[B, Q, T]`` semantic overlap m (see :func:`semantic_overlap`).
+        recency: ``[T]`` recency of each record.
+        rho: the learned recency scale ρ.
+        query_pos: ``[Q]`` query positions.
+        top_k: K.
+        target_leak: reproduce the reference full-AR quirk (REFERENCE.md §3.3): a query t < K, which has
+            only t causal records, also receives the masked picks ``s = t, t+1, …, K-1`` (clipped to
+            T-1), marked valid. Slot ``s = t`` holds the target itself. Only meaningful in AR mode; in
+            NT mode every query has T-1 >= K records before it unless T is tiny.
+    Returns:
+        :class:`Candidates` of width K.
+    """
+    B, Q, T = overlap.shape
+    out = _empty(B, Q, top_k)
+    for b in range(B):
+        for qi, t in enumerate(query_pos):
+            earlier = np.arange(t)
+            rank = overlap[b, qi, :t] + SEMANTIC_TIE_BREAK * rho * recency[:t]
+            picked = _order_by_score(earlier, rank)[:top_k]
+            n = len(picked)
+            out.index[b, qi, :n] = picked
+            out.valid[b, qi, :n] = True
+            if target_leak and n < top_k:
+                leaked = np.arange(t, min(top_k, T))[: top_k - n]
+                out.index[b, qi, n : n + len(leaked)] = leaked
+                out.valid[b, qi, n : n + len(leaked)] = True
+    return out
+
+
+def semantic_buckets(router_probs: np.ndarray) -> np.ndarray:
+    """``[B, T]`` int64 semantic bucket of every position: argmax of the router distribution
+    (ties to the lower bucket)."""
+    return np.argmax(router_probs, axis=-1).astype(np.int64)
+
+
+def route_semantic_bucketed(sem_buckets: np.ndarray, query_pos: np.ndarray, top_k: int) -> Candidates:
+    """Bucketed semantic route (as the paper describes it): the K most recent earlier records whose
+    semantic bucket equals the query's. Causal by construction."""
+    return route_context(sem_buckets, query_pos, top_k, "recent")
+
+
+def combine_hybrid(context: Candidates, semantic: Candidates, *, dedup: bool) -> Candidates:
+    """Hybrid route: ``[context slots, semantic slots]`` (width 2K).
+
+    The reference concatenates without de-duplication, so a record picked by both routes gets two
+    slots (double softmax mass). With ``dedup`` a semantic slot whose record is already a valid
+    context slot of the same query is emptied (-1, invalid); slots keep their positions.
+    """
+    index = np.concatenate([context.index, semantic.index], axis=-1)
+    valid = np.concatenate([context.valid, semantic.valid], axis=-1)
+    if dedup:
+        K = context.width
+        ctx_idx = np.where(context.valid, context.index, -2)  # -2 never matches a record
+        dup = (semantic.index[..., :, None] == ctx_idx[..., None, :]).any(-1) & semantic.valid
+        index[..., K:] = np.where(dup, -1, semantic.index)
+        valid[..., K:] = semantic.valid & ~dup
+    return Candidates(index=index, valid=valid)
+
+
+def gather_records(values: np.ndarray, cand: Candidates) -> np.ndarray:
+    """Gather per-position arrays at candidate slots.
+
+    values: ``[B, T, ...]``; returns ``[B, Q, C, ...]`` (empty slots read position 0; mask with ``valid``).
+    """
+    idx = np.clip(cand.index, 0, None)
+    b = np.arange(values.shape[0])[:, None, None]
+    return values[b, idx]
