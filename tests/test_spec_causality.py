@@ -1,0 +1,80 @@
+"""Every model's AR forward is causal: changing token j changes no output at positions < j."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pcaf_core import reference
+from pcaf_core.params import init_params
+from pcaf_core.profiles import get_profile
+from tests.spec_helpers import ALL_VARIANT_ROUTES, tiny_memory, tiny_model
+
+T = 20
+CASES = [(v, r, si, pol) for v, r in ALL_VARIANT_ROUTES for si, pol in [("dense", "topk_score")]]
+CASES += [("pcaf", "semantic", "bucketed", "recent"), ("pcaf", "hybrid", "bucketed", "first"),
+          ("pcaf", "context", "dense", "recent"), ("pcaf", "context", "dense", "first")]
+
+
+def _outputs(out: reference.ForwardOutput) -> list[np.ndarray]:
+    res = [out.hidden, out.param_log_probs, out.log_probs, out.target_log_prob]
+    if out.memory is not None:
+        res += [out.memory.gate, out.memory.cache_weights, out.memory.p_cache]
+    return res
+
+
+def _run(variant, route, sem_index, policy, profile, tokens, targets):
+    model = tiny_model(variant, max_seq_len=T)
+    memory = tiny_memory(route, semantic_index=sem_index, candidate_policy=policy, num_buckets=8, top_k=5)
+    prof = get_profile(profile)
+    params = init_params(model, memory, prof, seed=2)
+    params["memory.recency_scale"] = np.array(0.6) if "memory.recency_scale" in params else None
+    params = {k: v for k, v in params.items() if v is not None}
+    return reference.forward(params, tokens, model, memory, prof, "ar", targets)
+
+
+@pytest.mark.parametrize("profile", ["corrected", "reference_torch"])
+@pytest.mark.parametrize("variant,route,sem_index,policy", CASES, ids=["-".join(c) for c in CASES])
+def test_changing_token_j_leaves_earlier_outputs_unchanged(variant, route, sem_index, policy, profile):
+    if profile != "corrected" and route in ("semantic", "hybrid") and sem_index == "dense":
+        # The reference leak reads the future by design; see test_reference_leak_breaks_causality.
+        profile = "corrected"
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(3, 9, (2, T))
+    targets = rng.integers(3, 9, (2, T))
+    base = _outputs(_run(variant, route, sem_index, policy, profile, tokens, targets))
+    for j in (0, 1, 6, 13, T - 1):
+        changed = tokens.copy()
+        changed[:, j] = 3 + (changed[:, j] - 3 + 1) % 6
+        new = _outputs(_run(variant, route, sem_index, policy, profile, changed, targets))
+        for a, b in zip(base, new):
+            np.testing.assert_array_equal(a[:, :j], b[:, :j])
+        assert not np.array_equal(base[2][:, j:], new[2][:, j:])  # the change is visible from j on
+
+
+@pytest.mark.parametrize("route", ["semantic", "hybrid"])
+def test_reference_leak_reads_the_target_for_early_queries_and_changes_nothing_else(route):
+    """Under the leak a query t < K reads records s >= t (s = t holds its own target); queries t >= K
+    are identical with the switch on or off."""
+    K = 5
+    rng = np.random.default_rng(11)
+    tokens = rng.integers(3, 9, (1, T))
+    targets = rng.integers(3, 9, (1, T))
+    model = tiny_model("pcaf", max_seq_len=T)
+    memory = tiny_memory(route, num_buckets=8, top_k=K)
+    leak_on = get_profile("reference_jax")
+    leak_off = get_profile("reference_jax", semantic_ar_target_leak=False)
+    params = init_params(model, memory, leak_on, seed=2)
+    on = reference.forward(params, tokens, model, memory, leak_on, "ar", targets)
+    off = reference.forward(params, tokens, model, memory, leak_off, "ar", targets)
+    for t in range(K):
+        assert t in on.memory.cand.index[0, t][on.memory.cand.valid[0, t]]
+        assert t not in off.memory.cand.index[0, t][off.memory.cand.valid[0, t]]
+    np.testing.assert_array_equal(on.memory.cand.index[:, K:], off.memory.cand.index[:, K:])
+    np.testing.assert_array_equal(on.target_log_prob[:, K:], off.target_log_prob[:, K:])
+    assert not np.allclose(on.target_log_prob[:, :K], off.target_log_prob[:, :K])
+    # A token after position 1 changes query 1's output: the route is no longer causal.
+    changed = tokens.copy()
+    changed[0, 2] = 3 + (changed[0, 2] - 3 + 1) % 6
+    new = reference.forward(params, changed, model, memory, leak_on, "ar", targets)
+    assert not np.allclose(on.target_log_prob[0, 1], new.target_log_prob[0, 1])

@@ -1,0 +1,72 @@
+"""Invalid configuration values raise a clear error naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from pcaf_core.config import (
+    ConfigError,
+    DataConfig,
+    EvalConfig,
+    MemoryConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    validate,
+)
+from pcaf_core.profiles import PROFILES, get_profile
+
+BAD_VALUES = [
+    (MemoryConfig, {"top_k": 0}, "memory.top_k"),
+    (MemoryConfig, {"top_k": -3}, "memory.top_k"),
+    (MemoryConfig, {"num_buckets": 0}, "memory.num_buckets"),
+    (MemoryConfig, {"context_order": 0}, "memory.context_order"),
+    (MemoryConfig, {"route": "telepathy"}, "memory.route"),
+    (MemoryConfig, {"candidate_policy": "random"}, "memory.candidate_policy"),
+    (MemoryConfig, {"semantic_index": "trie"}, "memory.semantic_index"),
+    (MemoryConfig, {"semantic_temperature": 0.0}, "memory.semantic_temperature"),
+    (MemoryConfig, {"fixed_gate": 1.5}, "memory.fixed_gate"),
+    (ModelConfig, {"variant": "mamba"}, "model.variant"),
+    (ModelConfig, {"d_model": 0}, "model.d_model"),
+    (ModelConfig, {"variant": "transformer_dense", "d_model": 10, "n_heads": 4}, "model.n_heads"),
+    (TrainConfig, {"seq_len": 1}, "train.seq_len"),
+    (TrainConfig, {"mode": "bidirectional"}, "train.mode"),
+    (TrainConfig, {"warmup_steps": 10, "steps": 5}, "train.warmup_steps"),
+    (TrainConfig, {"precision": "fp8"}, "train.precision"),
+    (DataConfig, {"name": "c4"}, "data.name"),
+    (DataConfig, {"max_vocab": 2}, "data.max_vocab"),
+    (EvalConfig, {"protocol": "vibes"}, "eval.protocol"),
+]
+
+
+@pytest.mark.parametrize("cls,kwargs,field_name", BAD_VALUES, ids=[b[2] + str(b[1]) for b in BAD_VALUES])
+def test_invalid_value_names_the_field(cls, kwargs, field_name):
+    with pytest.raises(ConfigError, match=field_name.replace(".", r"\.")):
+        cls(**kwargs)
+
+
+def test_validate_rechecks_mutated_fields():
+    cfg = RunConfig()
+    cfg.memory.top_k = 0
+    with pytest.raises(ConfigError, match=r"memory\.top_k=0"):
+        validate(cfg)
+
+
+def test_sequence_longer_than_positional_table_is_rejected():
+    with pytest.raises(ConfigError, match=r"train\.seq_len"):
+        RunConfig(model=ModelConfig(variant="transformer_dense", d_model=8, n_heads=2, max_seq_len=16),
+                  profile=get_profile("reference_jax"), train=TrainConfig(seq_len=32))
+
+
+def test_profiles_are_named_switch_sets():
+    assert set(PROFILES) == {"reference_jax", "reference_torch", "corrected"}
+    c = get_profile("corrected")
+    assert not c.semantic_ar_target_leak and not c.nt_mixture_floor and c.hybrid_dedup
+    for name in ("reference_jax", "reference_torch"):
+        p = get_profile(name)
+        assert p.semantic_ar_target_leak and p.nt_mixture_floor and p.ar_accuracy_parametric_only
+    assert get_profile("reference_jax", hybrid_dedup=True).hybrid_dedup
+    with pytest.raises(ConfigError, match="unknown"):
+        get_profile("reference_tpu")
+    with pytest.raises(ConfigError, match="override"):
+        get_profile("corrected", no_such_switch=True)

@@ -1,0 +1,41 @@
+"""pcaf_core is backend-neutral: it imports neither torch nor jax."""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pcaf_core
+
+FORBIDDEN = {"torch", "jax", "jaxlib", "flax", "optax", "triton"}
+
+
+def test_no_source_file_imports_a_backend():
+    root = Path(pcaf_core.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in FORBIDDEN]
+    assert not offenders, offenders
+
+
+def test_importing_every_module_loads_no_backend():
+    mods = [m.name for m in pkgutil.walk_packages(pcaf_core.__path__, "pcaf_core.")]
+    assert "pcaf_core.reference" in mods
+    code = (
+        "import importlib, sys\n"
+        f"for m in {mods!r}:\n"
+        "    importlib.import_module(m)\n"
+        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {sorted(FORBIDDEN)!r})\n"
+        "print(bad); sys.exit(1 if bad else 0)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
