@@ -1,0 +1,112 @@
+"""The Triton kernels as a GPU would run them.
+
+Without a GPU the kernel tests run under Triton's interpreter, which accepts some programs the compiler
+rejects. The first test therefore compiles every kernel variant ahead of time for Hopper (sm_90) with
+Triton's own toolchain (bundled ptxas; no device needed) and checks ptxas reports no register spills.
+The second runs the compiled kernels on a real CUDA device when one is present.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from backends.torch.kernels import torch_impl
+from pcaf_core.routing import route_context
+
+_AOT_SCRIPT = textwrap.dedent(
+    """
+    import os, re, subprocess, tempfile
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from backends.torch.kernels import triton_impl as ti
+    from pcaf_core.hashing import BUCKET_ADD, HASH_MULT
+
+    assert not ti.INTERPRETED
+    target = GPUTarget("cuda", 90, 32)
+    ptxas = knobs.nvidia.ptxas.path
+
+    def check(fn, sig, consts):
+        sig = {**sig, **{k: "constexpr" for k in consts}}
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
+                                options={"num_warps": 4})
+        assert kernel.asm["cubin"], fn
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
+            fh.write(kernel.asm["ptx"])
+        report = subprocess.run([ptxas, "-v", "-arch=sm_90a", fh.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+        spills = [int(n) for n in re.findall(r"(\\d+) bytes spill", report)]
+        assert spills and not any(spills), (fn, consts, report)
+        print(fn.__name__, consts, re.search(r"Used (\\d+) registers", report).group(1), "registers")
+
+    nt = {"addr_ptr": "*i64", "index_ptr": "*i64", "valid_ptr": "*i1", "T": "i32", "K": "i32",
+          "num_buckets": "i32"}
+    for hash_in in (False, True):
+        for recent in (False, True):
+            check(ti._nt_scan_kernel, nt, {"HASH": hash_in, "RECENT": recent, "MULT": HASH_MULT,
+                                            "ADD": BUCKET_ADD, "BLOCK": 1024, "K_PAD": 16})
+    # Integer arguments equal to 1 are specialised to constants at launch (T = 1, K = 1).
+    check(ti._nt_scan_kernel, {k: v for k, v in nt.items() if k not in ("T", "K")},
+          {"T": 1, "K": 1, "HASH": False, "RECENT": True, "MULT": HASH_MULT, "ADD": BUCKET_ADD,
+           "BLOCK": 32, "K_PAD": 1})
+    ar = {"saddr_ptr": "*i64", "perm_ptr": "*i64", "index_ptr": "*i64", "valid_ptr": "*i1", "T": "i32",
+          "K": "i32", "n_search_steps": "i32"}
+    table = {"saddr_ptr": "*i64", "perm_ptr": "*i64", "table_ptr": "*i32", "N": "i32", "num_buckets": "i32",
+             "K": "i32"}
+    for k_pad in (16, 64):
+        block = ti._tile_block(k_pad, 4096)
+        for flag in (False, True):
+            check(ti._ar_select_kernel, ar, {"FIRST": flag, "BLOCK_P": block, "K_PAD": k_pad})
+            check(ti._bucket_table_kernel, table, {"RECENT": flag, "BLOCK_P": block, "K_PAD": k_pad})
+    print("compiled")
+    """
+)
+
+
+def test_kernels_compile_for_sm90_without_spills() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().endswith("compiled")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device to run the compiled kernels; the same kernels run under TRITON_INTERPRET "
+    "in test_torch_kernels.py and compile for sm_90 in test_kernels_compile_for_sm90_without_spills",
+)
+@pytest.mark.parametrize("policy", ["recent", "first"])
+def test_compiled_kernels_on_cuda(policy: str) -> None:
+    from backends.torch.kernels import triton_impl
+
+    rng = np.random.default_rng(5)
+    small = rng.integers(0, 13, size=(3, 300))
+    for k in (1, 16, 40):
+        nt = route_context(small, np.array([299]), k, policy)
+        idx, valid = triton_impl.candidates_nt_triton(torch.from_numpy(small).cuda(), k, policy)
+        np.testing.assert_array_equal(idx.cpu().numpy(), nt.index)
+        np.testing.assert_array_equal(valid.cpu().numpy(), nt.valid)
+        ar = route_context(small, np.arange(300), k, policy)
+        idx, valid = triton_impl.candidates_ar_triton(torch.from_numpy(small).cuda(), k, policy)
+        np.testing.assert_array_equal(idx.cpu().numpy(), ar.index)
+        np.testing.assert_array_equal(valid.cpu().numpy(), ar.valid)
+    big = torch.from_numpy(rng.integers(0, 2048, size=(8, 4096))).cuda()
+    for k in (16, 32):
+        for triton_fn, torch_fn in (
+            (triton_impl.candidates_nt_triton, torch_impl.candidates_nt_torch),
+            (triton_impl.candidates_ar_triton, torch_impl.candidates_ar_torch),
+        ):
+            got, want = triton_fn(big, k, policy), torch_fn(big, k, policy)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        table = triton_impl.bucket_table_triton(big, 2048, k, policy)
+        assert torch.equal(table, torch_impl.bucket_table_torch(big, 2048, k, policy))
