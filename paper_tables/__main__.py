@@ -1,0 +1,87 @@
+"""Command line: ``python -m paper_tables {render,sweep,list} ...``.
+
+- ``render --table T --scale S --backend B --runs DIR --out DIR [--profile P] [--no-figures]``:
+  writes ``<T>_<S>_<B>.{md,tex,csv}``, ``<T>_<S>_<B>_claims.csv`` and the figures; prints every
+  path, the Markdown path last.
+- ``sweep --runs DIR --param KEY [--param KEY2] --out DIR [--y METRIC] [--name NAME]``: one table and
+  one plot of ``METRIC`` over the values of each ``KEY`` found in a Hydra multirun; prints the paths,
+  a Markdown path last.
+- ``list [--table T]``: the tables, or one table's rows with their experiment names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from paper_tables.specs import BACKENDS, SCALES, TABLES, get_table
+from paper_tables.sweep import SWEEP_METRICS
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m paper_tables", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("render", help="render one table from run directories")
+    r.add_argument("--table", required=True, help=f"suite table: {', '.join(TABLES)}")
+    r.add_argument("--scale", required=True, choices=SCALES)
+    r.add_argument("--backend", required=True, choices=BACKENDS)
+    r.add_argument("--runs", default="outputs", help="root searched for run directories (metrics.json)")
+    r.add_argument("--out", default="outputs/tables", help="output directory")
+    r.add_argument("--profile", default=None, help="only runs of this compat profile (default: all)")
+    r.add_argument("--no-figures", action="store_true", help="skip the figures")
+
+    s = sub.add_parser("sweep", help="table + plot of a metric over a Hydra multirun's swept values")
+    s.add_argument("--runs", required=True, help="multirun directory")
+    s.add_argument("--param", required=True, action="append",
+                   help="dotted config key that was swept, e.g. memory.top_k (repeat for several keys)")
+    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--y", default="best_ppl", choices=SWEEP_METRICS, help="metric to plot")
+    s.add_argument("--name", default=None, help="file stem suffix (default: the param)")
+
+    ls = sub.add_parser("list", help="list tables, or the rows and experiment names of one table")
+    ls.add_argument("--table", default=None)
+    return p
+
+
+def _check_table(parser: argparse.ArgumentParser, name: str) -> None:
+    try:
+        get_table(name)
+    except KeyError as exc:
+        parser.error(str(exc.args[0]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        if args.table is None:
+            for t in TABLES.values():
+                print(f"{t.name}\t{t.label or '(not in the paper)'}\t{len(t.rows)} rows\t{t.title}")
+            return 0
+        _check_table(parser, args.table)
+        for row in get_table(args.table).rows:
+            print(f"{row.id}\texperiment={row.experiment}\t{row.display}")
+        return 0
+
+    from paper_tables.pipeline import render_table
+    from paper_tables.sweep import render_sweep
+
+    if args.command == "render":
+        _check_table(parser, args.table)
+        paths = render_table(args.table, args.scale, args.backend, args.runs, args.out, profile=args.profile,
+                             figures=not args.no_figures)
+        for key, path in paths.items():
+            if key != "md":
+                print(path)
+        print(paths["md"])
+        return 0
+    for path in render_sweep(args.runs, args.param, args.out, y=args.y, name=args.name):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Claim verdicts: does a paper claim hold on the measured numbers (and on the published ones)?
+
+A :class:`~paper_tables.specs.Claim` compares rows on one column. Its verdict is
+
+- ``holds``: every (left, right) pair satisfies ``left op factor * right``;
+- ``fails``: some pair does not;
+- ``not measured``: some referenced row has no value (missing, failed or still running runs; or,
+  for the published verdict, no published number).
+
+Values are compared in measured units (tokens/s, fractions, PPL); published numbers are converted
+back from the printed unit with the column's ``scale``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+from paper_tables.published import published_value
+from paper_tables.specs import TABLES, Claim, TableSpec, resolve_ref
+
+HOLDS, FAILS, NOT_MEASURED = "holds", "fails", "not measured"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Verdicts of one claim: ``measured`` and ``published`` (each holds/fails/not measured) and the
+    values behind them as text (``measured_detail`` / ``published_detail``)."""
+
+    claim: Claim
+    measured: str
+    published: str
+    measured_detail: str
+    published_detail: str
+
+
+def referenced_tables(spec: TableSpec) -> list[str]:
+    """Other tables whose rows ``spec``'s claims reference (in first-use order)."""
+    out: list[str] = []
+    for claim in spec.claims:
+        for ref in (*claim.left, *claim.right):
+            table, _ = resolve_ref(ref, spec.name)
+            if table != spec.name and table not in out:
+                out.append(table)
+    return out
+
+
+def compare(op: str, left: float, right: float, factor: float = 1.0, tol: float = 0.0) -> bool:
+    """``left op factor * right``; ``~=`` is ``|left - right| <= tol * |right|``. NaN never holds."""
+    if math.isnan(left) or math.isnan(right):
+        return False
+    target = factor * right
+    if op == "<":
+        return left < target
+    if op == "<=":
+        return left <= target
+    if op == ">":
+        return left > target
+    if op == ">=":
+        return left >= target
+    if op == "~=":
+        return abs(left - target) <= tol * abs(target)
+    raise ValueError(f"unknown claim operator {op!r}; expected one of <, <=, >, >=, ~=")
+
+
+def measured_value(aggs: dict[str, pd.DataFrame], table: str, row: str, key: str) -> float | None:
+    """Mean measured value (measured units) of column ``key`` for ``table/row``, or ``None`` when the
+    row has no completed run, the value was not recorded or the table was not collected."""
+    agg = aggs.get(table)
+    if agg is None or row not in agg.index or agg.at[row, "status"] != "ok":
+        return None
+    column = TABLES[table].column(key)
+    field = "acc" if column.metric == "acc" else column.metric
+    if field == "n_runs":
+        return float(agg.at[row, "n_runs"])
+    value = agg.at[row, field] if field in agg.columns else None
+    return None if value is None else float(value)
+
+
+def paper_value(pubs: dict[str, pd.DataFrame], table: str, row: str, key: str) -> float | None:
+    """Published value of column ``key`` for ``table/row`` in measured units, or ``None``."""
+    pub = pubs.get(table)
+    if pub is None:
+        return None
+    spec = TABLES[table]
+    column = spec.column(key)
+    value = published_value(pub, spec.row(row).published_key, column.published)
+    return None if value is None else value / column.scale
+
+
+def _fmt(value: float) -> str:
+    if math.isnan(value):
+        return "nan"
+    return f"{value:.5g}" if abs(value) < 1e4 else f"{value:,.0f}"
+
+
+def _judge(claim: Claim, spec: TableSpec, lookup) -> tuple[str, str]:
+    left = [(ref, lookup(*resolve_ref(ref, spec.name), claim.metric)) for ref in claim.left]
+    right = [(ref, lookup(*resolve_ref(ref, spec.name), claim.metric)) for ref in claim.right]
+    absent = [ref for ref, v in (*left, *right) if v is None]
+    if absent:
+        return NOT_MEASURED, "no value for " + ", ".join(absent)
+    ok = all(compare(claim.op, lv, rv, claim.factor, claim.tol) for _, lv in left for _, rv in right)
+    factor = f"{claim.factor:g} x " if claim.factor != 1.0 else ""
+    tol = f" (tol {claim.tol:.0%})" if claim.op == "~=" else ""
+    detail = (", ".join(f"{ref}={_fmt(v)}" for ref, v in left) + f" {claim.op} {factor}"
+              + ", ".join(f"{ref}={_fmt(v)}" for ref, v in right) + tol)
+    return (HOLDS if ok else FAILS), detail
+
+
+def evaluate_claims(
+    spec: TableSpec, aggs: dict[str, pd.DataFrame], pubs: dict[str, pd.DataFrame]
+) -> list[Verdict]:
+    """Verdicts of every claim of ``spec``. ``aggs`` maps table name -> aggregated frame
+    (:func:`paper_tables.collect.aggregate`) and must include the referenced tables to judge
+    cross-table claims; ``pubs`` maps table name -> published frame."""
+    out = []
+    for claim in spec.claims:
+        m, m_detail = _judge(claim, spec, lambda t, r, k: measured_value(aggs, t, r, k))
+        p, p_detail = _judge(claim, spec, lambda t, r, k: paper_value(pubs, t, r, k))
+        out.append(Verdict(claim, m, p, m_detail, p_detail))
+    return out

@@ -1,0 +1,251 @@
+"""Read run directories into pandas and aggregate them per table row.
+
+:func:`load_runs` finds every ``metrics.json`` under a root (any depth, e.g.
+``outputs/<table>/<scale>/<backend>/<row>/<run>/metrics.json``), one frame row per run, filtered by
+the records' own ``table``/``scale``/``backend``/``profile`` fields. A record that cannot be read is
+kept as a failed run (attributed to a table/row from its path where the path names them), so a
+broken file shows up in the report instead of crashing it.
+
+:func:`aggregate` reduces the runs of one table to one line per spec row, in the spec's order:
+seeds are averaged (mean, sample standard deviation with ddof=1, count ``n_runs``) over completed
+runs only. A row without runs is ``missing``; a row whose runs all failed is ``failed`` with the
+reason; nothing is ever filled in for a missing number.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from paper_tables.specs import BACKENDS, SCALES, TABLES, RowSpec, TableSpec
+from pcaf_core.results import METRICS_FILE, RunMetrics, SchemaError, read_metrics
+
+RUN_FIELDS = tuple(f.name for f in fields(RunMetrics))
+RUN_COLUMNS = (*RUN_FIELDS, "run_dir", "read_error")
+
+MEASURED_FIELDS = (
+    "params", "final_ppl", "best_ppl", "acc_at_best", "acc_param_at_best", "final_acc", "final_acc_param",
+    "full_ppl", "full_acc", "full_acc_param", "unigram_ppl", "tokens_per_sec", "peak_mem_mb", "wall_time_s",
+    "train_time_s", "batch_size", "seq_len", "steps_done", "steps_planned", "vocab_size",
+)
+"""Numeric record fields averaged over seeds by :func:`aggregate` (columns ``<f>`` and ``<f>_std``)."""
+
+LEARNING_BAR_DIVISOR = 3.0
+"""A row "meets" the learning bar when its best PPL is at most the validation unigram PPL / 3."""
+
+_STATUS_RANK = {"completed": 0, "running": 1, "failed": 2}
+
+
+def find_metrics_files(root: str | os.PathLike[str]) -> list[Path]:
+    """Every ``metrics.json`` under ``root`` (sorted); ``[]`` when ``root`` does not exist."""
+    base = Path(root)
+    if not base.exists():
+        return []
+    if base.is_file():
+        return [base] if base.name == METRICS_FILE else []
+    return sorted(base.rglob(METRICS_FILE))
+
+
+def _attribute(path: Path) -> dict[str, str]:
+    """Guess table/row/scale/backend of an unreadable record from the names in its path."""
+    parts = path.parent.parts
+    info = {"table": "", "row": "", "scale": "", "backend": ""}
+    for part in parts:
+        if part in TABLES and not info["table"]:
+            info["table"] = part
+        elif part in SCALES and not info["scale"]:
+            info["scale"] = part
+        elif part in BACKENDS and not info["backend"]:
+            info["backend"] = part
+    if info["table"]:
+        ids = TABLES[info["table"]].row_ids
+        for part in parts:
+            if part in ids:
+                info["row"] = part
+    return info
+
+
+def _unreadable_record(path: Path, exc: Exception) -> dict[str, Any]:
+    rec: dict[str, Any] = {name: None for name in RUN_FIELDS}
+    rec.update(_attribute(path))
+    rec.update(status="failed", deviations=[], error=f"unreadable {METRICS_FILE}: {exc}", updated_at="")
+    rec["read_error"] = str(exc)
+    return rec
+
+
+def load_runs(
+    root: str | os.PathLike[str],
+    table: str | None = None,
+    scale: str | None = None,
+    backend: str | None = None,
+    profile: str | None = None,
+) -> pd.DataFrame:
+    """One row per run directory under ``root`` with every :class:`RunMetrics` field, ``run_dir``
+    and ``read_error`` (empty for readable records). ``None`` filters match everything.
+
+    Columns have dtype ``object`` so that an unmeasured value stays ``None`` (distinct from a NaN
+    that a diverged run reported); use ``pd.to_numeric`` for arithmetic.
+    """
+    records: list[dict[str, Any]] = []
+    for path in find_metrics_files(root):
+        try:
+            rec = read_metrics(path).to_dict()
+            rec["read_error"] = ""
+        except (SchemaError, OSError, TypeError, ValueError) as exc:
+            rec = _unreadable_record(path, exc)
+        rec["run_dir"] = str(path.parent)
+        records.append(rec)
+    df = pd.DataFrame(records, columns=list(RUN_COLUMNS), dtype=object)
+    for key, value in (("table", table), ("scale", scale), ("backend", backend), ("profile", profile)):
+        if value is not None:
+            keep = df[key] == value
+            if key == "profile":
+                keep |= df["read_error"] != ""
+            df = df[keep]
+    return df.reset_index(drop=True)
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float; ``None`` for absent or non-numeric values (NaN stays NaN: a diverged
+    run's NaN is reported, not hidden)."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _stats(values: list[Any]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (ddof=1; ``None`` for fewer than two values)."""
+    nums = [v for v in (_number(x) for x in values) if v is not None]
+    if not nums:
+        return None, None
+    mean = sum(nums) / len(nums)
+    if len(nums) < 2:
+        return mean, None
+    var = sum((v - mean) ** 2 for v in nums) / (len(nums) - 1)
+    return mean, math.sqrt(var)
+
+
+def learning_bar(best_ppl: float | None, unigram_ppl: float | None) -> str:
+    """``"meets"`` when ``best_ppl <= unigram_ppl / 3``, ``"below bar"`` otherwise; ``"not measured"``
+    without a best PPL and ``"no unigram PPL"`` when the record lacks the unigram baseline."""
+    if best_ppl is None or (isinstance(best_ppl, float) and math.isnan(best_ppl)):
+        return "not measured"
+    if unigram_ppl is None or (isinstance(unigram_ppl, float) and math.isnan(unigram_ppl)):
+        return "no unigram PPL"
+    return "meets" if best_ppl <= unigram_ppl / LEARNING_BAR_DIVISOR else "below bar"
+
+
+def _dedupe_seeds(sub: pd.DataFrame) -> pd.DataFrame:
+    """Keep one run per seed: completed before running before failed, then the latest write."""
+    if sub.empty:
+        return sub
+    sub = sub.assign(
+        _rank=sub["status"].map(lambda s: _STATUS_RANK.get(s, 3)),
+        _key=[f"seed:{s}" if s is not None and not (isinstance(s, float) and math.isnan(s)) else f"dir:{d}"
+              for s, d in zip(sub["seed"], sub["run_dir"])],
+        _time=sub["updated_at"].fillna(""),
+    )
+    sub = sub.sort_values(["_key", "_rank", "_time"], ascending=[True, True, False], kind="stable")
+    return sub.drop_duplicates("_key", keep="first").drop(columns=["_rank", "_key", "_time"])
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _unique(values: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for v in values:
+        if v is not None and v != "" and v not in out:
+            out.append(v)
+    return out
+
+
+def _aggregate_row(sub: pd.DataFrame, row: RowSpec) -> dict[str, Any]:
+    sub = _dedupe_seeds(sub)
+    done = sub[sub["status"] == "completed"]
+    failed = sub[sub["status"] == "failed"]
+    running = sub[sub["status"] == "running"]
+    out: dict[str, Any] = {
+        "row": row.id,
+        "n_runs": len(done),
+        "n_failed": len(failed),
+        "n_running": len(running),
+        "seeds": _unique(list(done["seed"])),
+        "run_dirs": list(sub["run_dir"]),
+        "curve_dirs": list(done["run_dir"]) if len(done) else list(running["run_dir"]),
+        "error": _one_line(failed["error"].iloc[0]) if len(failed) else "",
+    }
+    basis = done if len(done) else sub
+    for key, col in (("profiles", "profile"), ("protocols", "protocol"), ("devices", "device"),
+                     ("datasets", "dataset"), ("precisions", "precision")):
+        out[key] = _unique(list(basis[col])) if len(basis) else []
+    deviations: list[str] = []
+    for devs in basis["deviations"] if len(basis) else []:
+        for d in devs or []:
+            if d not in deviations:
+                deviations.append(d)
+    out["deviations"] = deviations
+    for f in MEASURED_FIELDS:
+        out[f], out[f"{f}_std"] = _stats(list(done[f])) if len(done) else (None, None)
+    out["acc"], out["acc_std"] = out[row.acc_field], out[f"{row.acc_field}_std"]
+    out["acc_param"], out["acc_param_std"] = out["acc_param_at_best"], out["acc_param_at_best_std"]
+    out["learning_bar"] = learning_bar(out["best_ppl"], out["unigram_ppl"]) if len(done) else "not measured"
+
+    if len(done):
+        status, text = "ok", f"ok (n={len(done)})"
+        if len(failed):
+            text += f"; {len(failed)} failed: {out['error']}"
+        if len(running):
+            text += f"; {len(running)} running"
+        if len(out["profiles"]) > 1:
+            text += f"; mixed profiles: {', '.join(out['profiles'])}"
+    elif len(running):
+        r = running.iloc[0]
+        planned = r["steps_planned"] if r["steps_planned"] is not None else "?"
+        status, text = "running", f"running (step {r['steps_done']}/{planned})"
+    elif len(failed):
+        status, text = "failed", f"failed: {out['error']}"
+    else:
+        status, text = "missing", "missing"
+    out["status"], out["status_text"] = status, text
+    return out
+
+
+def aggregate(runs: pd.DataFrame, spec: TableSpec) -> pd.DataFrame:
+    """One line per row of ``spec`` (spec order, indexed by row id) from the runs of ``spec.name``."""
+    mine = runs[runs["table"] == spec.name] if len(runs) else runs
+    lines = [_aggregate_row(mine[mine["row"] == r.id] if len(mine) else mine, r) for r in spec.rows]
+    return pd.DataFrame(lines, dtype=object).set_index("row", drop=False)
+
+
+def unattributed_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """Runs whose table/row is not a spec row (unknown names, unreadable files without a clue)."""
+    if runs.empty:
+        return runs
+    known = [
+        bool(t in TABLES and r in TABLES[t].row_ids) for t, r in zip(runs["table"], runs["row"])
+    ]
+    return runs[[not k for k in known]]
+
+
+def collect_tables(
+    root: str | os.PathLike[str], names: list[str], scale: str | None, backend: str | None,
+    profile: str | None = None,
+) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
+    """Load the runs under ``root`` once and aggregate each table in ``names``.
+
+    Returns ``(runs, {table: aggregated frame})``; ``runs`` holds every run of the selected
+    scale/backend/profile (all tables).
+    """
+    runs = load_runs(root, scale=scale, backend=backend, profile=profile)
+    return runs, {name: aggregate(runs, TABLES[name]) for name in names}

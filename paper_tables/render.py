@@ -1,0 +1,504 @@
+"""Render a reproduced table: published and measured values side by side, in Markdown, LaTeX, CSV.
+
+Every renderer takes a :class:`Report` (spec + aggregated runs + published numbers + claim
+verdicts + run context) and returns text. A row without completed runs shows ``missing``,
+``failed`` (with the reason in the status column) or ``running`` in its measured cells; nothing is
+ever invented. Besides the table a report lists the claims with their verdicts (on the paper's numbers
+and on the measured ones), each row's deviations from the paper's settings (as recorded by the runs,
+plus the differences this module can see in the records: steps, batch, T, parameters, profile,
+dataset) and the learning bar (measured best PPL <= validation unigram PPL / 3).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from paper_tables.claims import NOT_MEASURED, Verdict
+from paper_tables.collect import LEARNING_BAR_DIVISOR
+from paper_tables.published import published_value
+from paper_tables.specs import ColumnSpec, RowSpec, TableSpec
+
+DATASET_IDS = {"WikiText-2": "wikitext2", "WikiText-103": "wikitext103", "PG-19": "pg19"}
+"""Printed dataset name -> dataset id used in run records."""
+
+PROTOCOL_TEXT = {
+    "reference": "reference (random validation windows resampled at each evaluation; best = minimum over "
+                 "evaluations, as the paper)",
+    "full": "full (one deterministic pass over the whole validation split; exact token-weighted PPL)",
+}
+
+MISSING_CELL = {"missing": "missing", "failed": "failed", "running": "running"}
+DASH = "—"
+
+
+@dataclass
+class Report:
+    """Everything one rendered table needs.
+
+    ``agg``: :func:`paper_tables.collect.aggregate` of the table; ``published``: its published frame
+    (``None`` when the table has no published numbers); ``verdicts``: claim verdicts; ``scale``,
+    ``backend``, ``profile_filter``: the selection; ``runs_root``: where runs were read;
+    ``n_records``: run records read for this table; ``unattributed``: ``"path: reason"`` lines of
+    records that belong to no spec row.
+    """
+
+    spec: TableSpec
+    agg: pd.DataFrame
+    published: pd.DataFrame | None
+    verdicts: list[Verdict]
+    scale: str
+    backend: str
+    runs_root: str = ""
+    profile_filter: str | None = None
+    n_records: int = 0
+    unattributed: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cells
+# ---------------------------------------------------------------------------------------------
+
+MIN_SIGNIFICANT = 3
+"""Measured values keep at least this many significant digits (a reduced-scale throughput of 0.0213M
+tok/s would otherwise print as 0.02M)."""
+
+
+def _decimals(value: float, col: ColumnSpec, significant: int | None) -> int:
+    """Decimals for ``value``: the column's, raised (for columns printed with decimals) until
+    ``significant`` significant digits show."""
+    if significant is None or col.decimals == 0 or value == 0 or not math.isfinite(value):
+        return col.decimals
+    needed = significant - 1 - math.floor(math.log10(abs(value)))
+    return min(max(col.decimals, needed), 8)
+
+
+def fmt_value(value: float | None, col: ColumnSpec, suffix: bool = True, decimals: int | None = None) -> str:
+    """``value`` (already in the paper's unit) with the column's digits (or ``decimals``), thousands
+    separators and suffix."""
+    if value is None:
+        return DASH
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    digits = col.decimals if decimals is None else decimals
+    text = f"{value:,.{digits}f}" if col.thousands else f"{value:.{digits}f}"
+    return text + (col.suffix if suffix else "")
+
+
+def _with_std(value: float | None, std: float | None, col: ColumnSpec, significant: int | None = None) -> str:
+    if value is None:
+        return DASH
+    digits = _decimals(value, col, significant) if not (isinstance(value, float) and math.isnan(value)) else 0
+    if std is None:
+        return fmt_value(value, col, decimals=digits)
+    return (f"{fmt_value(value, col, suffix=False, decimals=digits)} ± "
+            f"{fmt_value(std, col, suffix=False, decimals=digits)}{col.suffix}")
+
+
+def _int_text(value: Any) -> str:
+    return str(int(round(float(value)))) if value is not None and not _isnan(value) else "?"
+
+
+def _isnan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def published_cell(report: Report, row: RowSpec, col: ColumnSpec) -> str:
+    """The printed value of ``col`` for ``row`` (``—`` when the paper has none)."""
+    pub = report.published
+    if pub is None or row.published_key is None:
+        return DASH
+    value = published_value(pub, row.published_key, col.published)
+    std = published_value(pub, row.published_key, col.published_std)
+    text = _with_std(value, std, col)
+    if value is not None and col.batch:
+        batch = published_value(pub, row.published_key, col.batch)
+        if batch is not None:
+            text += f" ({int(batch)})"
+        alt = published_value(pub, row.published_key, col.alt)
+        alt_batch = published_value(pub, row.published_key, col.alt_batch)
+        if alt is not None:
+            text += f" / {fmt_value(alt, col)}" + (f" ({int(alt_batch)})" if alt_batch is not None else "")
+    return text
+
+
+def measured_number(report: Report, row: RowSpec, col: ColumnSpec) -> tuple[float | None, float | None]:
+    """Measured mean and std of ``col`` for ``row`` in the paper's unit (``None`` when absent)."""
+    line = report.agg.loc[row.id]
+    if line["status"] != "ok":
+        return None, None
+    if col.metric == "n_runs":
+        return float(line["n_runs"]), None
+    value, std = line.get(col.metric), line.get(f"{col.metric}_std")
+    if value is None:
+        return None, None
+    return float(value) * col.scale, (None if std is None else float(std) * col.scale)
+
+
+def measured_cell(report: Report, row: RowSpec, col: ColumnSpec) -> str:
+    """Measured value of ``col`` (mean ± std over seeds), or the row's state when not measured."""
+    line = report.agg.loc[row.id]
+    if line["status"] != "ok":
+        return MISSING_CELL[line["status"]]
+    value, std = measured_number(report, row, col)
+    if value is None:
+        return "not recorded"
+    if col.metric == "n_runs":
+        return str(int(value))
+    text = _with_std(value, std if line["n_runs"] > 1 and col.spread else None, col, significant=MIN_SIGNIFICANT)
+    if col.batch and line.get("batch_size") is not None:
+        text += f" ({_int_text(line['batch_size'])})"
+    return text
+
+
+def _row_dataset(report: Report, row: RowSpec) -> str:
+    if row.dataset:
+        return row.dataset
+    found = report.agg.loc[row.id, "datasets"]
+    return ", ".join(found) if found else DASH
+
+
+def _row_seq_len(report: Report, row: RowSpec) -> str:
+    if row.seq_len is not None:
+        return str(row.seq_len)
+    value = report.agg.loc[row.id, "seq_len"]
+    return _int_text(value) if value is not None else DASH
+
+
+def _show_dataset(spec: TableSpec) -> bool:
+    return len(spec.datasets) > 1 or any(not r.dataset for r in spec.rows)
+
+
+def _show_seq_len(spec: TableSpec) -> bool:
+    return len({r.seq_len for r in spec.rows}) > 1 or any(r.seq_len is None for r in spec.rows)
+
+
+def _learning_cell(report: Report, row: RowSpec) -> str:
+    line = report.agg.loc[row.id]
+    if line["status"] != "ok":
+        return DASH
+    bar = line["learning_bar"]
+    if bar in ("meets", "below bar"):
+        return f"{bar} (unigram {float(line['unigram_ppl']):.1f})"
+    return bar
+
+
+def table_grid(report: Report) -> tuple[list[str], list[list[str]]]:
+    """Header and body cells (plain text) of the side-by-side table."""
+    spec = report.spec
+    header = ["Model"]
+    if _show_dataset(spec):
+        header.append("Dataset")
+    if _show_seq_len(spec):
+        header.append("T")
+    for col in spec.columns:
+        if col.published is not None and spec.has_published:
+            header.append(f"{col.header} (paper)")
+        header.append(f"{col.header} (ours)")
+    header += ["Learning bar", "Status"]
+    body = []
+    for row in spec.rows:
+        cells = [row.display]
+        if _show_dataset(spec):
+            cells.append(_row_dataset(report, row))
+        if _show_seq_len(spec):
+            cells.append(_row_seq_len(report, row))
+        for col in spec.columns:
+            if col.published is not None and spec.has_published:
+                cells.append(published_cell(report, row, col))
+            cells.append(measured_cell(report, row, col))
+        cells += [_learning_cell(report, row), report.agg.loc[row.id, "status_text"]]
+        body.append(cells)
+    return header, body
+
+
+# ---------------------------------------------------------------------------------------------
+# Caption, deviations, notes
+# ---------------------------------------------------------------------------------------------
+
+def _collected(report: Report, key: str) -> list[str]:
+    out: list[str] = []
+    for values in report.agg[key]:
+        for v in values or []:
+            if v not in out:
+                out.append(str(v))
+    return out
+
+
+def caption_lines(report: Report) -> list[str]:
+    """The report's caption: source table, selection, profiles, protocols, devices."""
+    spec = report.spec
+    profiles = _collected(report, "profiles")
+    protocols = _collected(report, "protocols")
+    devices = _collected(report, "devices")
+    paper_profiles = sorted({r.profile for r in spec.rows})
+    proto_text = "; ".join(PROTOCOL_TEXT.get(p, p) for p in _expand_protocols(protocols)) or "none recorded"
+    source = f"paper table `{spec.label}`" if spec.label else "not a paper table"
+    lines = [
+        f"Reproduces: {source}: {spec.title}.",
+        f"Scale: {report.scale} · Backend: {report.backend} · Profile(s) measured: "
+        f"{', '.join(profiles) or 'none'} (paper's rows: {', '.join(paper_profiles)})"
+        + (f" · profile filter: {report.profile_filter}" if report.profile_filter else ""),
+        f"Evaluation protocol: {proto_text}. Paper values use the reference protocol.",
+        f"Device(s): {', '.join(devices) or 'none recorded'} · Runs read: {report.n_records} record(s) "
+        f"under `{report.runs_root}`.",
+    ]
+    return lines
+
+
+def definition_lines(report: Report) -> list[str]:
+    """The paper's setting for the table and the definitions behind the columns."""
+    return [
+        f"Paper's setting: {report.spec.setting}.",
+        "Accuracy: next-token rows use the argmax of the output (mixture) distribution; full-AR rows use the "
+        "argmax of the parametric head (the paper's full-AR definition). Measured values are means over "
+        "completed seeds (± sample std when n > 1).",
+        f"Learning bar: 'meets' when the measured best PPL <= validation unigram PPL / {LEARNING_BAR_DIVISOR:g}; "
+        "'below bar' means the model did not learn enough at this budget for its numbers to say anything about "
+        "the paper's claims.",
+    ]
+
+
+def _expand_protocols(protocols: list[str]) -> list[str]:
+    out: list[str] = []
+    for p in protocols:
+        for q in (("reference", "full") if p == "both" else (p,)):
+            if q not in out:
+                out.append(q)
+    return out
+
+
+def detected_differences(report: Report, row: RowSpec) -> list[str]:
+    """Differences from the paper's settings visible in the records of ``row``."""
+    line = report.agg.loc[row.id]
+    if line["status"] != "ok":
+        return []
+    out = []
+
+    def num(key: str) -> float | None:
+        v = line.get(key)
+        return None if v is None or _isnan(v) else float(v)
+
+    steps = num("steps_planned")
+    if row.paper_steps is not None and steps is not None and int(steps) != row.paper_steps:
+        out.append(f"steps {row.paper_steps} -> {int(steps)}")
+    pub = report.published
+    batch = num("batch_size")
+    paper_batch = published_value(pub, row.published_key, "batch") if pub is not None else None
+    if paper_batch is not None and batch is not None and int(batch) != int(paper_batch):
+        out.append(f"batch {int(paper_batch)} -> {int(batch)}")
+    seq = num("seq_len")
+    if row.seq_len is not None and seq is not None and int(seq) != row.seq_len:
+        out.append(f"T {row.seq_len} -> {int(seq)}")
+    params = num("params")
+    exact = published_value(pub, row.published_key, "params_exact") if pub is not None else None
+    if exact is not None and params is not None and int(params) != int(exact):
+        out.append(f"params {int(exact):,} -> {int(params):,}")
+    profiles = line["profiles"] or []
+    if profiles and any(p != row.profile for p in profiles):
+        out.append(f"profile {row.profile} -> {', '.join(profiles)}")
+    want = DATASET_IDS.get(row.dataset)
+    datasets = line["datasets"] or []
+    if want and datasets and any(d != want for d in datasets):
+        out.append(f"dataset {want} -> {', '.join(datasets)}")
+    return out
+
+
+def deviation_lines(report: Report) -> list[str]:
+    """One bullet per measured row: recorded deviations, then the detected differences (those not
+    already recorded in the same words). Deviations shared by every measured row are listed once first."""
+    measured = [r for r in report.spec.rows if report.agg.loc[r.id, "status"] == "ok"]
+    if not measured:
+        return ["No measured rows."]
+    per_row = {r.id: list(report.agg.loc[r.id, "deviations"] or []) for r in measured}
+    common = [d for d in per_row[measured[0].id] if all(d in per_row[r.id] for r in measured)]
+    lines = []
+    if common and len(measured) > 1:
+        lines.append("All measured rows: " + "; ".join(common))
+    for r in measured:
+        own = [d for d in per_row[r.id] if d not in common or len(measured) == 1]
+        detected = [d for d in detected_differences(report, r)
+                    if not any(rec.startswith(d) for rec in per_row[r.id])]
+        parts = []
+        if own:
+            parts.append("; ".join(own))
+        if detected:
+            parts.append("detected from the records: " + "; ".join(detected))
+        lines.append(f"`{r.id}` ({r.display}): " + (" · ".join(parts) if parts else "none beyond the above"))
+    return lines
+
+
+def note_lines(report: Report) -> list[str]:
+    """Row notes from the spec and the published CSV."""
+    out = []
+    for r in report.spec.rows:
+        notes = [r.note] if r.note else []
+        pub = report.published
+        if pub is not None and r.published_key in pub.index:
+            text = str(pub.at[r.published_key, "note"] or "")
+            if text and text not in notes and not text.startswith("not in the paper"):
+                notes.append(text)
+        if notes:
+            out.append(f"`{r.id}` ({r.display}): " + "; ".join(notes))
+    return out
+
+
+def _verdict_published(report: Report, v: Verdict) -> str:
+    if not report.spec.has_published and v.published == NOT_MEASURED:
+        return "n/a (not in the paper)"
+    return v.published
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------------------------
+
+def _md_escape(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _md_table(header: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(_md_escape(h) for h in header) + " |",
+             "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in body]
+    return lines
+
+
+def render_markdown(report: Report) -> str:
+    """The full report as Markdown: caption, table, claims, deviations, notes, unattributed runs."""
+    spec = report.spec
+    out = [f"# {spec.name}: {spec.title}", ""]
+    out += [f"- {line}" for line in caption_lines(report) + definition_lines(report)]
+    out.append("")
+    header, body = table_grid(report)
+    out += _md_table(header, body)
+    out += ["", "## Claims", ""]
+    if report.verdicts:
+        rows = [[v.claim.text, v.claim.metric, _verdict_published(report, v), v.measured,
+                 v.measured_detail] for v in report.verdicts]
+        out += _md_table(["Claim", "Metric", "Paper", "Measured", "Measured values"], rows)
+    else:
+        out.append("This table states no claims.")
+    out += ["", "## Deviations from the paper's settings", ""]
+    out += [f"- {line}" for line in deviation_lines(report)]
+    notes = note_lines(report)
+    if notes:
+        out += ["", "## Notes", ""] + [f"- {line}" for line in notes]
+    if report.unattributed:
+        out += ["", "## Run records not matched to a row", ""] + [f"- {line}" for line in report.unattributed]
+    out.append("")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# LaTeX
+# ---------------------------------------------------------------------------------------------
+
+_TEX_ESCAPES = {
+    "\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+    "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "±": r"$\pm$", "—": "--",
+    "·": r"$\cdot$", "≤": r"$\le$", "→": r"$\to$", "<": r"\textless{}", ">": r"\textgreater{}",
+}
+
+
+def tex_escape(text: str) -> str:
+    """Escape LaTeX special characters; map ±, —, ·, ->, <= and < > to their LaTeX forms; drop backticks."""
+    text = str(text).replace("`", "").replace("->", "→").replace("<=", "≤")
+    return "".join(_TEX_ESCAPES.get(ch, ch) for ch in text)
+
+
+def _tex_tabular(header: list[str], body: list[list[str]], align: str) -> list[str]:
+    lines = [rf"\begin{{tabular}}{{@{{}}{align}@{{}}}}", r"\toprule",
+             " & ".join(tex_escape(h) for h in header) + r" \\", r"\midrule"]
+    lines += [" & ".join(tex_escape(c) for c in row) + r" \\" for row in body]
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return lines
+
+
+def render_latex(report: Report) -> str:
+    """A LaTeX fragment (booktabs, graphicx): the table, the claims table and the deviations list."""
+    spec = report.spec
+    header, body = table_grid(report)
+    n_text = 1 + int(_show_dataset(spec)) + int(_show_seq_len(spec))
+    align = "l" * n_text + "r" * (len(header) - n_text - 2) + "ll"
+    caption = " ".join(caption_lines(report))
+    out = [r"\begin{table}[!htbp]", r"\centering", rf"\caption{{{tex_escape(caption)}}}",
+           rf"\label{{tab:repro-{spec.name}}}", r"\resizebox{\linewidth}{!}{%"]
+    out += _tex_tabular(header, body, align)
+    out += ["}", r"\end{table}", "", r"\begin{small}"]
+    out += [tex_escape(line) + r"\par" for line in definition_lines(report)]
+    out += [r"\end{small}", ""]
+    if report.verdicts:
+        rows = [[v.claim.text, v.claim.metric, _verdict_published(report, v), v.measured]
+                for v in report.verdicts]
+        out += [r"\begin{table}[!htbp]", r"\centering",
+                rf"\caption{{Claims of {tex_escape(spec.label or spec.name)}: verdicts on the paper's and on the "
+                r"measured numbers.}", rf"\label{{tab:repro-{spec.name}-claims}}", r"\resizebox{\linewidth}{!}{%"]
+        out += _tex_tabular(["Claim", "Metric", "Paper", "Measured"], rows, "llll")
+        out += ["}", r"\end{table}", ""]
+    out += [r"\paragraph{Deviations from the paper's settings.}", r"\begin{itemize}"]
+    out += [rf"\item {tex_escape(line)}" for line in deviation_lines(report)]
+    out += [r"\end{itemize}", ""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# CSV
+# ---------------------------------------------------------------------------------------------
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return ""
+    return "nan" if math.isnan(value) else repr(float(value))
+
+
+def render_csv(report: Report) -> str:
+    """One line per row: ids, status, then ``<key>_paper``, ``<key>_paper_std``, ``<key>_ours``,
+    ``<key>_ours_std`` per column, all in the paper's unit for that column (see the spec), then the
+    learning bar, unigram PPL, profiles, deviations and error."""
+    spec = report.spec
+    fields = ["row", "experiment", "model", "dataset", "seq_len", "status", "n_runs"]
+    for col in spec.columns:
+        fields += [f"{col.key}_paper", f"{col.key}_paper_std", f"{col.key}_ours", f"{col.key}_ours_std"]
+    fields += ["learning_bar", "unigram_ppl", "profiles", "deviations", "error"]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    pub = report.published
+    for row in spec.rows:
+        line = report.agg.loc[row.id]
+        rec: dict[str, Any] = {
+            "row": row.id, "experiment": row.experiment, "model": row.display,
+            "dataset": _row_dataset(report, row), "seq_len": _row_seq_len(report, row),
+            "status": line["status"], "n_runs": int(line["n_runs"]),
+            "learning_bar": line["learning_bar"], "unigram_ppl": _num(line["unigram_ppl"]),
+            "profiles": ";".join(line["profiles"] or []), "deviations": "; ".join(line["deviations"] or []),
+            "error": line["error"],
+        }
+        for col in spec.columns:
+            p = published_value(pub, row.published_key, col.published) if pub is not None else None
+            ps = published_value(pub, row.published_key, col.published_std) if pub is not None else None
+            m, ms = measured_number(report, row, col)
+            rec.update({f"{col.key}_paper": _num(p), f"{col.key}_paper_std": _num(ps),
+                        f"{col.key}_ours": _num(m), f"{col.key}_ours_std": _num(ms)})
+        writer.writerow(rec)
+    return buf.getvalue()
+
+
+def render_claims_csv(report: Report) -> str:
+    """One line per claim: id, text, metric, operator, rows, verdicts and measured values."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["claim", "text", "metric", "op", "factor", "left", "right", "paper_verdict",
+                     "measured_verdict", "measured_values", "paper_values", "source"])
+    for v in report.verdicts:
+        c = v.claim
+        writer.writerow([c.id, c.text, c.metric, c.op, c.factor, " ".join(c.left), " ".join(c.right),
+                         _verdict_published(report, v), v.measured, v.measured_detail, v.published_detail,
+                         c.source])
+    return buf.getvalue()

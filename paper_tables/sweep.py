@@ -1,0 +1,226 @@
+"""Hydra multirun sweeps: one table and one plot of a metric over the swept values.
+
+For each run record under a multirun directory the swept value of ``param`` (a dotted config key,
+e.g. ``memory.top_k``) is read from, in order: the resolved ``config.yaml`` (or
+``.hydra/config.yaml``) in the run directory or one of its parents up to the sweep root; the
+record's ``overrides``; ``.hydra/overrides.yaml`` in the same places; the record's ``extra``.
+Runs whose value cannot be found are listed, never guessed.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from paper_tables.collect import load_runs
+from paper_tables.figures import plot_sweep, save_figure
+
+CONFIG_NAMES = ("config.yaml", os.path.join(".hydra", "config.yaml"))
+OVERRIDES_NAME = os.path.join(".hydra", "overrides.yaml")
+SWEEP_METRICS = ("best_ppl", "final_ppl", "acc_at_best", "acc_param_at_best", "full_ppl", "tokens_per_sec",
+                 "peak_mem_mb", "params")
+
+_MISSING = object()
+
+
+def _dotted(config: Any, key: str) -> Any:
+    node = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _load_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def _search_dirs(run_dir: Path, root: Path) -> list[Path]:
+    dirs = [run_dir]
+    try:
+        run_dir.resolve().relative_to(root.resolve())
+    except ValueError:
+        return dirs
+    node = run_dir
+    while node.resolve() != root.resolve() and node.parent != node:
+        node = node.parent
+        dirs.append(node)
+    return dirs
+
+
+def _from_overrides(overrides: list[str], param: str) -> Any:
+    for item in overrides or []:
+        key, sep, value = str(item).partition("=")
+        if sep and key.lstrip("+~") == param:
+            try:
+                return yaml.safe_load(value)
+            except yaml.YAMLError:
+                return value
+    return _MISSING
+
+
+def swept_value(run_dir: str | os.PathLike[str], root: str | os.PathLike[str], param: str,
+                overrides: list[str] | None = None, extra: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """``(value, source)`` of ``param`` for a run; ``(None, "")`` when no source has it."""
+    dirs = _search_dirs(Path(run_dir), Path(root))
+    for d in dirs:
+        for name in CONFIG_NAMES:
+            path = d / name
+            if path.exists():
+                value = _dotted(_load_yaml(path), param)
+                if value is not _MISSING:
+                    return value, str(path)
+    value = _from_overrides(overrides or [], param)
+    if value is not _MISSING:
+        return value, "metrics.json overrides"
+    for d in dirs:
+        path = d / OVERRIDES_NAME
+        if path.exists():
+            loaded = _load_yaml(path)
+            value = _from_overrides(loaded if isinstance(loaded, list) else [], param)
+            if value is not _MISSING:
+                return value, str(path)
+    if extra and param in extra:
+        return extra[param], "metrics.json extra"
+    return None, ""
+
+
+def load_sweep(root: str | os.PathLike[str], param: str) -> pd.DataFrame:
+    """One line per run record under ``root``: column ``param`` (the swept value, ``None`` when not
+    found), ``value_source``, ``status``, ``error``, ``seed``, ``table``, ``row``, ``run_dir`` and the
+    :data:`SWEEP_METRICS`."""
+    runs = load_runs(root)
+    lines = []
+    for _, run in runs.iterrows():
+        value, source = swept_value(run["run_dir"], root, param, run["overrides"], run["extra"])
+        line = {param: value, "value_source": source}
+        for key in ("status", "error", "seed", "table", "row", "run_dir", *SWEEP_METRICS):
+            line[key] = run[key]
+        lines.append(line)
+    columns = [param, "value_source", "status", "error", "seed", "table", "row", "run_dir", *SWEEP_METRICS]
+    return pd.DataFrame(lines, columns=columns, dtype=object)
+
+
+def _sort_key(value: Any) -> tuple[int, Any]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (0, value)
+    return (1, str(value))
+
+
+def aggregate_sweep(df: pd.DataFrame, param: str) -> pd.DataFrame:
+    """Per swept value (sorted): completed/failed/running counts and mean/std of the metrics over
+    completed runs. Runs without a swept value are left out (see :func:`unresolved_runs`)."""
+    known = df[df[param].map(lambda v: v is not None)] if len(df) else df
+    lines = []
+    for value in sorted({_hashable(v) for v in known[param]}, key=_sort_key):
+        sub = known[known[param].map(_hashable) == value]
+        done = sub[sub["status"] == "completed"]
+        line: dict[str, Any] = {param: value, "n_runs": len(done), "n_failed": int((sub["status"] == "failed").sum()),
+                                "n_running": int((sub["status"] == "running").sum())}
+        failed = sub[sub["status"] == "failed"]
+        line["error"] = " ".join(str(failed["error"].iloc[0]).split())[:200] if len(failed) else ""
+        for metric in SWEEP_METRICS:
+            nums = [float(v) for v in done[metric] if v is not None]
+            mean = sum(nums) / len(nums) if nums else None
+            std = (math.sqrt(sum((v - mean) ** 2 for v in nums) / (len(nums) - 1)) if len(nums) > 1 else None)
+            line[metric], line[f"{metric}_std"] = mean, std
+        lines.append(line)
+    return pd.DataFrame(lines, dtype=object)
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, dict):
+        return str(value)
+    return value
+
+
+def unresolved_runs(df: pd.DataFrame, param: str) -> list[str]:
+    """Run directories whose swept value was not found."""
+    if df.empty:
+        return []
+    return [str(d) for d, v in zip(df["run_dir"], df[param]) if v is None]
+
+
+def _cell(mean: Any, std: Any, digits: int = 2) -> str:
+    if mean is None:
+        return "—"
+    text = f"{float(mean):,.{digits}f}"
+    return text + (f" ± {float(std):,.{digits}f}" if std is not None else "")
+
+
+def _status(line: pd.Series) -> str:
+    parts = [f"ok (n={line['n_runs']})"] if line["n_runs"] else []
+    if line["n_failed"]:
+        parts.append(f"{line['n_failed']} failed: {line['error']}")
+    if line["n_running"]:
+        parts.append(f"{line['n_running']} running")
+    return "; ".join(parts) or "missing"
+
+
+def render_sweep_markdown(agg: pd.DataFrame, param: str, y: str, root: str, unresolved: list[str]) -> str:
+    """Markdown table of the sweep: one line per swept value."""
+    out = [f"# Sweep over `{param}`", "", f"- Runs read under `{root}`; metric plotted: `{y}` (mean ± sample std "
+           "over completed runs; PPL from the reference protocol unless the column says full).", ""]
+    header = [param, "Best PPL", "Final PPL", "Acc. @ best", "Full-split PPL", "Tok/s", "Status"]
+    out += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for _, line in agg.iterrows():
+        cells = [str(line[param]), _cell(line["best_ppl"], line["best_ppl_std"]),
+                 _cell(line["final_ppl"], line["final_ppl_std"]),
+                 _cell(line["acc_at_best"], line["acc_at_best_std"], 4), _cell(line["full_ppl"], line["full_ppl_std"]),
+                 _cell(line["tokens_per_sec"], line["tokens_per_sec_std"], 0), _status(line)]
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    if agg.empty:
+        out.append("")
+        out.append(f"No run with a value for `{param}` was found.")
+    if unresolved:
+        out += ["", f"## Runs without a value for `{param}`", ""] + [f"- {d}" for d in unresolved]
+    out.append("")
+    return "\n".join(out)
+
+
+def render_sweep_csv(agg: pd.DataFrame) -> str:
+    """The aggregated sweep as CSV (metric units as in the run records)."""
+    buf = io.StringIO()
+    agg.to_csv(buf, index=False, lineterminator="\n")
+    return buf.getvalue()
+
+
+def render_sweep(runs: str | os.PathLike[str], params: str | Sequence[str], out: str | os.PathLike[str],
+                 y: str = "best_ppl", name: str | None = None) -> list[Path]:
+    """For each swept key in ``params`` write ``sweep_<key>.csv``, ``.png``, ``.pdf`` and ``.md``
+    under ``out`` (``name`` replaces the key in the file stem when a single key is given).
+
+    Returns the written paths, the Markdown file last for each key. Raises ``KeyError`` for a metric
+    outside :data:`SWEEP_METRICS`.
+    """
+    if y not in SWEEP_METRICS:
+        raise KeyError(f"unknown sweep metric {y!r}; choose one of {list(SWEEP_METRICS)}")
+    keys = [params] if isinstance(params, str) else list(params)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for key in keys:
+        df = load_sweep(runs, key)
+        agg = aggregate_sweep(df, key)
+        label = name if name and len(keys) == 1 else key
+        stem = out_dir / f"sweep_{label.replace('/', '_')}"
+        csv_path = stem.with_name(stem.name + ".csv")
+        csv_path.write_text(render_sweep_csv(agg), encoding="utf-8")
+        png, pdf = save_figure(plot_sweep(df[df["status"] == "completed"], x=key, y=y), stem)
+        md = stem.with_name(stem.name + ".md")
+        md.write_text(render_sweep_markdown(agg, key, y, str(runs), unresolved_runs(df, key)), encoding="utf-8")
+        written += [csv_path, png, pdf, md]
+    return written

@@ -1,0 +1,157 @@
+"""Figures (PNG + PDF), the sweep table and plot, and the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from paper_tables.__main__ import main
+from paper_tables.figures import best_so_far_curve, plot_learning_curves, plot_sweep, save_figure
+from paper_tables.specs import get_table
+from paper_tables.sweep import aggregate_sweep, load_sweep, swept_value
+from pcaf_core.results import RunMetrics, append_curve_row, write_metrics
+
+TABLE = "wt2-nt-1024"
+
+
+def _run(run_dir: Path, table: str = TABLE, row: str = "pcaf_context", seed: int = 1, **kw) -> Path:
+    fields = dict(table=table, row=row, status="completed", scale="smoke", backend="torch", seed=seed,
+                  profile="reference_torch", best_ppl=300.0, final_ppl=310.0, tokens_per_sec=1000.0,
+                  unigram_ppl=1200.0)
+    fields.update(kw)
+    write_metrics(run_dir, RunMetrics(**fields))
+    return run_dir
+
+
+def _assert_png_pdf(png: Path, pdf: Path) -> None:
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    assert pdf.read_bytes()[:5] == b"%PDF-" and pdf.stat().st_size > 1000
+
+
+def test_cli_render_writes_tables_and_figures(tmp_path, capsys):
+    root = tmp_path / "outputs"
+    for i, row in enumerate(["pcaf_context", "pcaf_no_cache", "transformer_dense"]):
+        for seed in (1, 2):
+            d = _run(root / TABLE / "smoke" / "torch" / row / f"s{seed}", row=row, seed=seed,
+                     best_ppl=300.0 + 20 * i + seed, tokens_per_sec=1e4 / (i + 1))
+            for step in (1, 10, 20):
+                append_curve_row(d, {"step": step, "eval_ppl_reference": 2000.0 / step + 50 * i + seed})
+    out = tmp_path / "tables"
+    code = main(["render", "--table", TABLE, "--scale", "smoke", "--backend", "torch", "--runs", str(root),
+                 "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1] == str(out / f"{TABLE}_smoke_torch.md")
+    for ext in ("md", "tex", "csv"):
+        assert (out / f"{TABLE}_smoke_torch.{ext}").stat().st_size > 0
+    assert (out / f"{TABLE}_smoke_torch_claims.csv").exists()
+    for name in ("curves", "throughput", "speed_quality"):
+        _assert_png_pdf(out / f"{TABLE}_smoke_torch_{name}.png", out / f"{TABLE}_smoke_torch_{name}.pdf")
+
+
+def test_learning_curves_without_any_run_still_make_a_figure(tmp_path):
+    spec = get_table("wt103-nt-ablations")
+    fig = plot_learning_curves(spec, {})
+    groups = {r.group for r in spec.rows}
+    assert sum(ax.get_visible() for ax in fig.axes) == len(groups)
+    assert all("no learning curves recorded" in [t.get_text() for t in ax.texts] for ax in fig.axes
+               if ax.get_visible())
+    _assert_png_pdf(*save_figure(fig, tmp_path / "curves"))
+
+
+def test_cli_rejects_unknown_table_with_the_valid_names(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["render", "--table", "wt2", "--scale", "smoke", "--backend", "torch"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown table 'wt2'" in err and "main-303m" in err and "semantic-leak-audit" in err
+
+
+def test_cli_list_prints_experiment_names(capsys):
+    assert main(["list", "--table", "main-303m"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(get_table("main-303m").rows)
+    assert "experiment=main-303m/pcaf_context_wt103_t1024" in "\n".join(lines)
+
+
+def test_best_so_far_curve_is_a_running_minimum():
+    rows = [{"step": 1, "eval_ppl_reference": 500.0}, {"step": 5, "eval_ppl_reference": None},
+            {"step": 10, "eval_ppl_reference": 300.0}, {"step": 20, "eval_ppl_reference": 350.0}]
+    curve = best_so_far_curve(rows)
+    assert list(curve.index) == [1, 10, 20] and list(curve.values) == [500.0, 300.0, 300.0]
+
+
+def _multirun(root: Path) -> None:
+    for job, (k, seed) in enumerate([(4, 1), (4, 2), (16, 1), (16, 2), (64, 1)]):
+        d = root / str(job)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "config.yaml").write_text(f"memory:\n  top_k: {k}\ntrain:\n  seed: {seed}\n")
+        failed = k == 64
+        _run(d, table="sweeps-41m", row="pcaf_topk16", seed=seed, status="failed" if failed else "completed",
+             error="diverged" if failed else None, best_ppl=None if failed else 100.0 - k / 4 + seed)
+    _run(root / "by_override" / "run", table="sweeps-41m", row="pcaf_topk16", seed=3, best_ppl=80.0,
+         overrides=["memory.top_k=32"])
+    _run(root / "unknown", table="sweeps-41m", row="pcaf_topk16", seed=4)
+
+
+def test_sweep_reads_values_and_aggregates(tmp_path):
+    _multirun(tmp_path)
+    value, source = swept_value(tmp_path / "0", tmp_path, "memory.top_k")
+    assert value == 4 and source.endswith("config.yaml")
+    df = load_sweep(tmp_path, "memory.top_k")
+    agg = aggregate_sweep(df, "memory.top_k").set_index("memory.top_k")
+    assert list(agg.index) == [4, 16, 32, 64]
+    assert agg.at[4, "n_runs"] == 2 and agg.at[4, "best_ppl"] == pytest.approx(100.0 - 1 + 1.5)
+    assert agg.at[32, "best_ppl"] == 80.0
+    assert agg.at[64, "n_runs"] == 0 and agg.at[64, "n_failed"] == 1 and agg.at[64, "best_ppl"] is None
+
+
+def test_cli_sweep_writes_table_and_plot(tmp_path, capsys):
+    _multirun(tmp_path / "multirun")
+    out = tmp_path / "sweep_out"
+    assert main(["sweep", "--runs", str(tmp_path / "multirun"), "--param", "memory.top_k", "--out", str(out)]) == 0
+    md_path = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert md_path == out / "sweep_memory.top_k.md"
+    md = md_path.read_text()
+    assert "| 4 | 100.50 ± 0.71 |" in md
+    assert "1 failed: diverged" in md
+    assert "Runs without a value for `memory.top_k`" in md and "unknown" in md
+    _assert_png_pdf(out / "sweep_memory.top_k.png", out / "sweep_memory.top_k.pdf")
+    assert pd.read_csv(out / "sweep_memory.top_k.csv")["memory.top_k"].tolist() == [4, 16, 32, 64]
+
+
+def test_plot_sweep_handles_categorical_values_and_bad_columns(tmp_path):
+    df = pd.DataFrame({"memory.route": ["context", "semantic", "context"], "best_ppl": [90.0, 95.0, 92.0]})
+    png, pdf = save_figure(plot_sweep(df, x="memory.route"), tmp_path / "route")
+    _assert_png_pdf(png, pdf)
+    with pytest.raises(KeyError, match="plot_sweep needs columns"):
+        plot_sweep(df, x="memory.top_k")
+
+
+def test_load_curves_uses_completed_runs_only(tmp_path):
+    from paper_tables.collect import aggregate, load_runs
+    from paper_tables.figures import load_curves
+
+    for seed, status in ((1, "completed"), (2, "failed")):
+        d = _run(tmp_path / f"s{seed}", seed=seed, status=status, error="boom" if status == "failed" else None)
+        append_curve_row(d, {"step": 1, "eval_ppl_reference": 900.0 + seed})
+    spec = get_table(TABLE)
+    curves = load_curves(spec, aggregate(load_runs(tmp_path), spec))
+    assert list(curves) == ["pcaf_context"] and len(curves["pcaf_context"]) == 1
+    assert curves["pcaf_context"][0].iloc[0] == 901.0
+
+
+def test_render_sweep_over_several_keys(tmp_path):
+    from paper_tables.sweep import render_sweep
+
+    _multirun(tmp_path / "multirun")
+    paths = render_sweep(tmp_path / "multirun", ["memory.top_k", "train.seed"], tmp_path / "out")
+    assert [p.name for p in paths] == [
+        "sweep_memory.top_k.csv", "sweep_memory.top_k.png", "sweep_memory.top_k.pdf", "sweep_memory.top_k.md",
+        "sweep_train.seed.csv", "sweep_train.seed.png", "sweep_train.seed.pdf", "sweep_train.seed.md",
+    ]
+    assert "| 1 |" in paths[-1].read_text() and "| 2 |" in paths[-1].read_text()
+    with pytest.raises(KeyError, match="unknown sweep metric"):
+        render_sweep(tmp_path / "multirun", "memory.top_k", tmp_path / "out", y="loss")

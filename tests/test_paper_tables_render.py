@@ -1,0 +1,215 @@
+"""Collect + claims + render from synthetic run directories written with pcaf_core.results."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from paper_tables.claims import FAILS, HOLDS, NOT_MEASURED, compare
+from paper_tables.collect import aggregate, learning_bar, load_runs
+from paper_tables.pipeline import build_report, render_table
+from paper_tables.published import load_published
+from paper_tables.render import render_csv, render_latex, render_markdown, tex_escape
+from paper_tables.specs import get_table
+from pcaf_core.results import RunMetrics, write_metrics
+
+TABLE = "wt2-nt-1024"
+
+
+def make_run(root: Path, table: str, row: str, seed: int = 1, scale: str = "smoke", backend: str = "torch",
+             name: str | None = None, **kw) -> Path:
+    """Write one synthetic run record under ``root/<table>/<scale>/<backend>/<row>/<name>``."""
+    fields = dict(table=table, row=row, status="completed", scale=scale, backend=backend,
+                  profile=get_table(table).row(row).profile, seed=seed, mode=get_table(table).row(row).mode,
+                  seq_len=64, batch_size=4, steps_done=20, steps_planned=20, params=1_000_000, final_ppl=310.0,
+                  best_ppl=300.0, acc_at_best=0.11, acc_param_at_best=0.10, tokens_per_sec=20000.0,
+                  peak_mem_mb=None, wall_time_s=10.0, unigram_ppl=1500.0, dataset="wikitext2",
+                  protocol="reference", device="cpu", deviations=["steps 5000 -> 20 (scale=smoke)"])
+    fields.update(kw)
+    run_dir = root / table / scale / backend / row / (name or f"seed{seed}")
+    write_metrics(run_dir, RunMetrics(**fields))
+    return run_dir
+
+
+@pytest.fixture()
+def runs(tmp_path: Path) -> Path:
+    root = tmp_path / "outputs"
+    make_run(root, TABLE, "pcaf_context", seed=1, best_ppl=300.0, final_ppl=320.0, tokens_per_sec=30000.0)
+    make_run(root, TABLE, "pcaf_context", seed=2, best_ppl=310.0, final_ppl=330.0, tokens_per_sec=32000.0)
+    make_run(root, TABLE, "pcaf_no_cache", best_ppl=350.0, unigram_ppl=900.0)
+    make_run(root, TABLE, "pcaf_no_gate", status="failed", error="CUDA out of memory\n(tried 2 GiB)",
+             best_ppl=None)
+    make_run(root, TABLE, "local_conv", best_ppl=250.0, tokens_per_sec=40000.0, unigram_ppl=None)
+    make_run(root, TABLE, "transformer_local", status="running", steps_done=5, best_ppl=None)
+    # a failed first attempt and a completed rerun of the same seed: the rerun counts
+    make_run(root, TABLE, "transformer_global_local", seed=7, name="attempt1", status="failed", error="killed")
+    make_run(root, TABLE, "transformer_global_local", seed=7, name="attempt2", best_ppl=400.0,
+             tokens_per_sec=5000.0)
+    # other scale / backend: must be ignored
+    make_run(root, TABLE, "transformer_dense", scale="cpu", best_ppl=1.0)
+    make_run(root, TABLE, "transformer_dense", backend="jax", best_ppl=1.0)
+    return root
+
+
+def _line(md: str, display: str) -> str:
+    hits = [ln for ln in md.splitlines() if ln.startswith(f"| {display} |")]
+    assert len(hits) == 1, (display, hits)
+    return hits[0]
+
+
+def test_markdown_has_every_paper_row_with_published_and_measured_values(runs, tmp_path):
+    paths = render_table(TABLE, "smoke", "torch", runs, tmp_path / "tables", figures=False)
+    assert paths["md"].name == "wt2-nt-1024_smoke_torch.md"
+    md = paths["md"].read_text()
+    pub = load_published(TABLE)
+    for row in get_table(TABLE).rows:
+        line = _line(md, row.display)
+        assert f"{pub.at[row.id, 'best_ppl']:.2f}" in line
+        assert f"{pub.at[row.id, 'final_ppl']:.2f}" in line
+        assert f"{pub.at[row.id, 'acc']:.4f}" in line
+        assert f"{int(pub.at[row.id, 'tok_s']):,}" in line
+    assert "305.00 ± 7.07" in _line(md, "PCAF-context")
+    assert "31,000 ± 1,414" in _line(md, "PCAF-context")
+    assert "ok (n=2)" in _line(md, "PCAF-context")
+    assert "missing" in _line(md, "Dense Transformer")
+    assert "failed: CUDA out of memory (tried 2 GiB)" in _line(md, "PCAF no gate")
+    assert "running (step 5/20)" in _line(md, "Local attn, w=128")
+    gl = _line(md, "Global-local attn")
+    assert "400.00" in gl and "ok (n=1)" in gl and "failed" not in gl
+    assert "Scale: smoke · Backend: torch" in md and "reference_torch" in md
+    assert "## Claims" in md and "## Deviations from the paper's settings" in md
+    assert "steps 5000 -> 20 (scale=smoke)" in md
+    assert "params 26,592,730 -> 1,000,000" in md and "batch 64 -> 4" in md
+
+
+def test_learning_bar_column(runs):
+    report = build_report(TABLE, "smoke", "torch", runs)
+    agg = report.agg
+    assert agg.at["pcaf_context", "learning_bar"] == "meets"  # 305 <= 1500 / 3
+    assert agg.at["pcaf_no_cache", "learning_bar"] == "below bar"  # 350 > 900 / 3
+    assert agg.at["local_conv", "learning_bar"] == "no unigram PPL"
+    assert agg.at["transformer_dense", "learning_bar"] == "not measured"
+    assert learning_bar(500.0, 1500.0) == "meets" and learning_bar(500.01, 1500.0) == "below bar"
+    assert learning_bar(None, 1500.0) == "not measured"
+
+
+def test_claim_verdicts_from_measured_numbers(runs):
+    verdicts = {v.claim.id: v for v in build_report(TABLE, "smoke", "torch", runs).verdicts}
+    assert verdicts["cache_helps"].measured == HOLDS  # 305 < 350
+    assert verdicts["beats_local_conv"].measured == FAILS  # 305 > 250
+    assert verdicts["gate_helps"].measured == NOT_MEASURED  # no gate failed
+    assert "pcaf_no_gate" in verdicts["gate_helps"].measured_detail
+    assert verdicts["beats_attention"].measured == NOT_MEASURED  # dense missing, local running
+    assert verdicts["keeps_local_throughput"].measured == HOLDS  # 31000 > 0.5 * 40000
+    assert all(v.published == HOLDS for v in verdicts.values())
+
+
+def test_cross_table_claim_reads_the_other_table(tmp_path):
+    root = tmp_path / "outputs"
+    make_run(root, "wt2-nt-2048", "pcaf_context", best_ppl=280.0)
+    make_run(root, "wt2-nt-1024", "pcaf_context", best_ppl=300.0)
+    verdicts = {v.claim.id: v for v in build_report("wt2-nt-2048", "smoke", "torch", root).verdicts}
+    assert verdicts["longer_context_helps"].measured == HOLDS
+    make_run(root, "wt2-nt-1024", "pcaf_context", best_ppl=250.0)  # same seed, rewritten later
+    verdicts = {v.claim.id: v for v in build_report("wt2-nt-2048", "smoke", "torch", root).verdicts}
+    assert verdicts["longer_context_helps"].measured == FAILS
+
+
+def test_unreadable_record_shows_as_failed_row(tmp_path):
+    root = tmp_path / "outputs"
+    bad = root / TABLE / "smoke" / "torch" / "pcaf_no_cache" / "seed1"
+    bad.mkdir(parents=True)
+    (bad / "metrics.json").write_text("{truncated")
+    stray = root / "elsewhere"
+    stray.mkdir()
+    (stray / "metrics.json").write_text("[]")
+    report = build_report(TABLE, "smoke", "torch", root)
+    assert report.agg.at["pcaf_no_cache", "status"] == "failed"
+    assert "unreadable metrics.json" in report.agg.at["pcaf_no_cache", "status_text"]
+    md = render_markdown(report)
+    assert "failed: unreadable metrics.json" in md
+
+
+def test_empty_or_absent_root_renders_all_missing(tmp_path):
+    report = build_report(TABLE, "paper", "jax", tmp_path / "does-not-exist")
+    assert set(report.agg["status"]) == {"missing"}
+    md = render_markdown(report)
+    for row in get_table(TABLE).rows:
+        assert _line(md, row.display).endswith("| — | missing |")
+    assert all(v.measured == NOT_MEASURED for v in report.verdicts)
+
+
+def test_latex_and_csv_renderers(runs):
+    report = build_report(TABLE, "smoke", "torch", runs)
+    tex = render_latex(report)
+    assert r"\begin{tabular}" in tex and r"\label{tab:repro-wt2-nt-1024}" in tex
+    assert r"305.00 $\pm$ 7.07" in tex and r"pcaf\_context" in tex and "missing" in tex
+    assert tex_escape("a_b & 5% -> x") == r"a\_b \& 5\% $\to$ x"
+    df = pd.read_csv(io.StringIO(render_csv(report))).set_index("row")
+    assert list(df.index) == list(get_table(TABLE).row_ids)
+    assert df.at["pcaf_context", "best_ppl_paper"] == pytest.approx(223.95)
+    assert df.at["pcaf_context", "best_ppl_ours"] == pytest.approx(305.0)
+    assert df.at["pcaf_context", "best_ppl_ours_std"] == pytest.approx(math.sqrt(50))
+    assert math.isnan(df.at["transformer_dense", "best_ppl_ours"])
+    assert df.at["transformer_dense", "status"] == "missing"
+    assert df.at["pcaf_no_gate", "status"] == "failed"
+
+
+def test_percent_and_million_units_and_batch_in_parentheses(tmp_path):
+    root = tmp_path / "outputs"
+    make_run(root, "main-303m", "pcaf_semantic_wt103_t2048", scale="cpu", backend="jax", batch_size=8,
+             acc_param_at_best=0.2512, acc_at_best=0.3, tokens_per_sec=21300.0)
+    md = render_markdown(build_report("main-303m", "cpu", "jax", root))
+    line = [ln for ln in md.splitlines() if "| PCAF-semantic | WikiText-103 | 2048 |" in ln][0]
+    assert "0.61M (32) / 0.89M (256)" in line  # printed
+    assert "0.0213M (8)" in line  # measured, 3 significant digits, own batch
+    assert "25.12%" in line  # full-AR accuracy = parametric head, in percent
+    assert "36.31" in line
+
+
+def test_leak_audit_has_no_published_column_and_judges_profiles(tmp_path):
+    root = tmp_path / "outputs"
+    for route, ref, corr in (("pcaf_semantic", 40.0, 60.0), ("pcaf_hybrid", 41.0, 58.0),
+                             ("pcaf_context", 55.0, 56.0)):
+        make_run(root, "semantic-leak-audit", f"{route}_reference_jax", scale="cpu", best_ppl=ref, full_ppl=ref)
+        make_run(root, "semantic-leak-audit", f"{route}_corrected", scale="cpu", best_ppl=corr, full_ppl=corr)
+    report = build_report("semantic-leak-audit", "cpu", "torch", root)
+    verdicts = {v.claim.id: v.measured for v in report.verdicts}
+    assert verdicts == {
+        "leak_inflates_semantic": HOLDS, "leak_inflates_semantic_full": HOLDS, "leak_inflates_hybrid": HOLDS,
+        "context_unaffected": HOLDS, "semantic_beats_context_reference": HOLDS,
+        "semantic_beats_context_corrected": FAILS,
+    }
+    md = render_markdown(report)
+    assert "(paper)" not in md and "n/a (not in the paper)" in md
+    assert "reference_jax, corrected" in md or "corrected, reference_jax" in md
+
+
+def test_load_runs_filters_and_aggregate_order(runs):
+    df = load_runs(runs, table=TABLE, scale="smoke", backend="torch")
+    assert set(df["scale"]) == {"smoke"} and set(df["backend"]) == {"torch"}
+    assert len(load_runs(runs)) == len(df) + 2
+    agg = aggregate(df, get_table(TABLE))
+    assert list(agg.index) == list(get_table(TABLE).row_ids)
+    assert agg.at["pcaf_context", "n_runs"] == 2 and agg.at["pcaf_context", "seeds"] == [1, 2]
+    assert agg.at["transformer_global_local", "n_failed"] == 0
+
+
+@pytest.mark.parametrize(
+    "op, left, right, factor, tol, expected",
+    [("<", 1.0, 2.0, 1.0, 0.0, True), ("<", 2.0, 2.0, 1.0, 0.0, False), ("<=", 2.0, 2.0, 1.0, 0.0, True),
+     (">", 3.0, 2.0, 1.0, 0.0, True), (">=", 2.7, 2.0, 1.4, 0.0, False), (">=", 2.8, 2.0, 1.4, 0.0, True),
+     ("~=", 104.0, 100.0, 1.0, 0.05, True), ("~=", 106.0, 100.0, 1.0, 0.05, False),
+     ("<", math.nan, 2.0, 1.0, 0.0, False)],
+)
+def test_compare(op, left, right, factor, tol, expected):
+    assert compare(op, left, right, factor, tol) is expected
+
+
+def test_compare_rejects_unknown_operator():
+    with pytest.raises(ValueError, match="unknown claim operator"):
+        compare("==", 1.0, 1.0)
