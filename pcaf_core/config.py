@@ -163,12 +163,23 @@ class ProfileConfig:
 
 @dataclass
 class DataConfig:
-    """Corpus, tokenizer budget and token budgets (REFERENCE.md §5.1)."""
+    """Corpus, tokenizer and token budgets (REFERENCE.md §5.1; docs/DATA.md).
+
+    ``layout``: ``tokens`` (WikiText ``wiki.*.tokens``), ``raw`` (WikiText ``wiki.*.raw``; PG-19's
+    one file per book, which ``tokens`` also names for PG-19), ``hf`` (Hugging Face datasets).
+    ``tokenizer``: ``regex`` (the reference ``\\w+|[^\\w\\s]``), ``whitespace`` or ``auto``
+    (whitespace for the pre-tokenized WikiText ``tokens`` release, regex otherwise).
+    ``rows``: ``nonempty`` (each non-empty line / book is a document, the reference), ``lines``
+    (every WikiText line, blank ones included, gets an ``<eos>``: the release's own counts) or
+    ``auto`` (lines for the ``tokens`` release, nonempty otherwise).
+    """
 
     name: str = "wikitext2"
     layout: str = "tokens"
-    data_dir: str | None = None  # None: PCAF_DATA_DIR, then the project's data/ directory
-    cache_dir: str | None = None  # None: <repo>/data_cache
+    tokenizer: str = "auto"
+    rows: str = "auto"
+    data_dir: str | None = None  # None: $PCAF_DATA_DIR, the project's data/, then ../shared/data
+    cache_dir: str | None = None  # None: $PCAF_CACHE_DIR, then <repo>/data_cache
     max_vocab: int = 20000
     min_freq: int = 2
     max_train_tokens: int = 0  # 0 = the whole split
@@ -179,6 +190,12 @@ class DataConfig:
         s = "data"
         _one_of(s, "name", self.name, DATASETS)
         _one_of(s, "layout", self.layout, DATA_LAYOUTS)
+        _one_of(s, "tokenizer", self.tokenizer, ("auto", "regex", "whitespace"))
+        _one_of(s, "rows", self.rows, ("auto", "nonempty", "lines"))
+        if self.name.startswith("pg19"):
+            _require(self.rows != "lines", s, "rows", self.rows, "PG-19 rows are whole books: use 'nonempty' or 'auto'")
+            _require(self.layout != "hf" or self.name != "pg19_mini", s, "layout", self.layout,
+                     "pg19_mini exists only locally: use 'raw'")
         _require(self.max_vocab >= 4, s, "max_vocab", self.max_vocab, "must exceed the 3 specials")
         _require(self.min_freq >= 1, s, "min_freq", self.min_freq, "must be >= 1")
         _require(self.max_train_tokens >= 0, s, "max_train_tokens", self.max_train_tokens, "must be >= 0")
@@ -205,6 +222,7 @@ class TrainConfig:
     seed: int = 1234
     train_sample_seed: int = 10001
     checkpoint_every: int = 0  # 0 = only at the end
+    log_every: int = 0  # learning-curve rows every N steps besides the evaluation steps (0 = only those)
 
     def __post_init__(self) -> None:
         s = "train"
@@ -222,6 +240,7 @@ class TrainConfig:
         _require(self.eps > 0, s, "eps", self.eps, "must be > 0")
         _one_of(s, "precision", self.precision, PRECISIONS)
         _require(self.checkpoint_every >= 0, s, "checkpoint_every", self.checkpoint_every, "must be >= 0")
+        _require(self.log_every >= 0, s, "log_every", self.log_every, "must be >= 0 (0 = evaluation steps only)")
 
 
 @dataclass
@@ -234,6 +253,7 @@ class EvalConfig:
     batch_size: int = 0  # 0 = the training batch size
     eval_sample_seed: int = 20001
     full_max_windows: int = 0  # 0 = every window of the split (the full protocol)
+    full_nt_stride: int = 1  # NT full protocol: a target every N positions (1 = every position)
     ppl_cap_log: float = 20.0  # reference: PPL = exp(min(20, loss))
 
     def __post_init__(self) -> None:
@@ -243,6 +263,7 @@ class EvalConfig:
         _require(self.batches >= 1, s, "batches", self.batches, "must be >= 1")
         _require(self.batch_size >= 0, s, "batch_size", self.batch_size, "must be >= 0 (0 = train batch)")
         _require(self.full_max_windows >= 0, s, "full_max_windows", self.full_max_windows, "must be >= 0")
+        _require(self.full_nt_stride >= 1, s, "full_nt_stride", self.full_nt_stride, "must be >= 1")
 
 
 @dataclass
