@@ -1,0 +1,39 @@
+"""PyTorch backend: modules for every model variant, vectorised routing, canonical weights I/O.
+
+``backends.torch`` is a package of this project (never put ``backends/`` itself on ``sys.path``).
+"""
+
+from backends.torch.models import (
+    CanonicalLM,
+    PCAFModel,
+    TorchForwardOutput,
+    TorchMemoryTrace,
+    TransformerLM,
+    build_model,
+)
+from backends.torch.params import init_params
+from backends.torch.routing import Candidates, SelectionInputs
+from backends.torch.weights import (
+    canonical_shapes,
+    load_canonical,
+    load_safetensors,
+    save_safetensors,
+    to_canonical,
+)
+
+__all__ = [
+    "CanonicalLM",
+    "Candidates",
+    "PCAFModel",
+    "SelectionInputs",
+    "TorchForwardOutput",
+    "TorchMemoryTrace",
+    "TransformerLM",
+    "build_model",
+    "canonical_shapes",
+    "init_params",
+    "load_canonical",
+    "load_safetensors",
+    "save_safetensors",
+    "to_canonical",
+]

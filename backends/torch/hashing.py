@@ -1,0 +1,73 @@
+"""The address function in torch, bit for bit equal to :mod:`pcaf_core.hashing`.
+
+``h_i = fold over the n tokens x_{i-n+1..i} (zero left-padding) of (h * 1_000_003 + v + 97) mod (2^31 - 1)``
+and the bucket ``a_i = (h_i * 1_000_003 + 97_531) mod B``.
+
+The int32 wrap-around variant (the reference JAX code) is computed exactly in int64 and wrapped to
+int32 once per step: modular arithmetic makes "wrap after every operation" equal to "wrap the exact
+result", and this avoids relying on signed-overflow behaviour of any particular device kernel.
+``torch.remainder`` takes the sign of the divisor, like ``np.remainder``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pcaf_core.hashing import BUCKET_ADD, HASH_ADD, HASH_MOD, HASH_MULT
+
+_TWO_31 = 1 << 31
+_MASK_32 = (1 << 32) - 1
+
+
+def wrap_int32(x: torch.Tensor) -> torch.Tensor:
+    """Two's-complement wrap of int64 values into the int32 range (still stored as int64)."""
+    return ((x + _TWO_31) & _MASK_32) - _TWO_31
+
+
+def context_hash(tokens: torch.Tensor, order: int, *, int32_wraparound: bool = False) -> torch.Tensor:
+    """Rolling context hash of every position.
+
+    Args:
+        tokens: ``[..., T]`` integer token ids.
+        order: context order n >= 1; position i hashes ``x_{i-n+1..i}`` oldest first, 0 left of the window.
+        int32_wraparound: reproduce int32 arithmetic with silent overflow (reference JAX).
+    Returns:
+        ``[..., T]`` int64 hashes in ``[0, 2^31 - 1)``.
+    """
+    if order < 1:
+        raise ValueError(f"context order must be >= 1, got {order}")
+    x = tokens.to(torch.int64)
+    if int32_wraparound:
+        x = wrap_int32(x)
+    h = torch.zeros_like(x)
+    T = x.shape[-1]
+    for shift in range(order - 1, -1, -1):
+        v = torch.zeros_like(x)
+        if shift < T:
+            v[..., shift:] = x[..., : T - shift]
+        step = h * HASH_MULT + v + HASH_ADD
+        if int32_wraparound:
+            step = wrap_int32(step)
+        h = torch.remainder(step, HASH_MOD)
+    return h
+
+
+def bucket_of(hashes: torch.Tensor, num_buckets: int, *, int32_wraparound: bool = False) -> torch.Tensor:
+    """Second hash to a bucket: ``(h * 1_000_003 + 97_531) mod B``; ``[...]`` int64 in ``[0, B)``."""
+    if num_buckets < 1:
+        raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+    h = hashes.to(torch.int64)
+    if int32_wraparound:
+        if num_buckets >= _TWO_31:
+            raise ValueError(f"num_buckets={num_buckets} does not fit the int32 arithmetic of int32_wraparound")
+        h = wrap_int32(h)
+        return torch.remainder(wrap_int32(h * HASH_MULT + BUCKET_ADD), num_buckets)
+    return torch.remainder(h * HASH_MULT + BUCKET_ADD, num_buckets)
+
+
+def addresses(
+    tokens: torch.Tensor, order: int, num_buckets: int, *, int32_wraparound: bool = False
+) -> torch.Tensor:
+    """Bucket address of every position: ``[..., T]`` int64 in ``[0, B)``."""
+    h = context_hash(tokens, order, int32_wraparound=int32_wraparound)
+    return bucket_of(h, num_buckets, int32_wraparound=int32_wraparound)

@@ -1,0 +1,231 @@
+"""Building blocks of every model (mirrors the building blocks of :mod:`pcaf_core.reference`).
+
+Submodule and parameter names are the canonical names of :func:`pcaf_core.params.param_shapes`
+(``blocks.0.mlp_in.weight`` …), so :mod:`backends.torch.weights` maps a module to the canonical dict by
+name, transposing ``nn.Linear`` weights (torch stores ``[out, in]``) and reversing ``nn.Conv1d`` taps
+(torch correlates the left-padded input, the spec indexes by lag).
+
+Dropout sits where the reference PyTorch code has it: after the GELU of the block MLP and of the head,
+on each residual branch, and on the attention weights; it is active in training mode only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pcaf_core.params import sinusoidal_table
+from pcaf_core.reference import LN_EPS
+
+L2_RSQRT_EPS = 1e-6  # rsqrt_eps form: x / sqrt(Σx² + 1e-6)
+L2_MAX_EPS = 1e-12  # max_eps form: x / max(‖x‖, 1e-12)
+LINEAR_ATTENTION_DEN_FLOOR = 1e-6
+
+
+def gelu(x: torch.Tensor, form: str) -> torch.Tensor:
+    """GELU: ``tanh`` approximation (jax.nn.gelu default) or exact ``erf`` (torch nn.GELU)."""
+    return F.gelu(x, approximate="tanh" if form == "tanh" else "none")
+
+
+def l2_normalize(x: torch.Tensor, form: str) -> torch.Tensor:
+    """``rsqrt_eps``: ``x / sqrt(Σx² + 1e-6)`` (JAX); ``max_eps``: ``x / max(‖x‖, 1e-12)`` (F.normalize)."""
+    if form == "rsqrt_eps":
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2_RSQRT_EPS)
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=L2_MAX_EPS)
+
+
+def layer_norm(d: int) -> nn.LayerNorm:
+    return nn.LayerNorm(d, eps=LN_EPS)
+
+
+class ConvBlock(nn.Module):
+    """Pre-LN residual block ``x += drop(W2·drop(GELU(W1·conv(LN x))))`` with a causal depthwise conv.
+
+    ``conv`` is an ``nn.Conv1d`` (groups = d) applied to the input left-padded with k-1 zeros, so its
+    tap j multiplies lag ``k-1-j``: the canonical ``[k, d]`` weight is the taps reversed.
+    """
+
+    def __init__(self, d: int, d_hidden: int, kernel_size: int, gelu_form: str, dropout: float) -> None:
+        super().__init__()
+        self.norm = layer_norm(d)
+        self.conv = nn.Conv1d(d, d, kernel_size, groups=d)
+        self.mlp_in = nn.Linear(d, d_hidden)
+        self.mlp_out = nn.Linear(d_hidden, d)
+        self.drop = nn.Dropout(dropout)
+        self.gelu_form = gelu_form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, d] -> [B, T, d]``."""
+        y = self.norm(x).transpose(1, 2)  # [B, d, T]
+        y = self.conv(F.pad(y, (self.conv.kernel_size[0] - 1, 0))).transpose(1, 2)
+        y = self.mlp_out(self.drop(gelu(self.mlp_in(y), self.gelu_form)))
+        return x + self.drop(y)
+
+
+class Head(nn.Module):
+    """Parametric head ``log_softmax(W_o·drop(GELU(W_h·LN h)))``: ``[..., d] -> [..., V]``."""
+
+    def __init__(self, d: int, d_hidden: int, vocab_size: int, gelu_form: str, dropout: float) -> None:
+        super().__init__()
+        self.norm = layer_norm(d)
+        self.hidden = nn.Linear(d, d_hidden)
+        self.out = nn.Linear(d_hidden, vocab_size)
+        self.drop = nn.Dropout(dropout)
+        self.gelu_form = gelu_form
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = self.drop(gelu(self.hidden(self.norm(h)), self.gelu_form))
+        return torch.log_softmax(self.out(y), dim=-1)
+
+
+class Gate(nn.Module):
+    """Learned gate ``σ(W_2·GELU(W_1·LN h))``: ``[..., d] -> [...]`` raw λ in (0, 1)."""
+
+    def __init__(self, d: int, gelu_form: str) -> None:
+        super().__init__()
+        self.norm = layer_norm(d)
+        self.hidden = nn.Linear(d, d // 2)
+        self.out = nn.Linear(d // 2, 1)
+        self.gelu_form = gelu_form
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.out(gelu(self.hidden(self.norm(h)), self.gelu_form))[..., 0])
+
+
+class PositionalTable(nn.Module):
+    """The trainable positional table ``pos.table`` ``[max_seq_len, d]`` (reference JAX)."""
+
+    def __init__(self, max_seq_len: int, d: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.as_tensor(sinusoidal_table(max_seq_len, d, "trainable_jax"),
+                                                  dtype=torch.get_default_dtype()))
+
+    def forward(self, seq_len: int) -> torch.Tensor:
+        n = self.table.shape[0]
+        if seq_len > n:
+            raise ValueError(f"sequence length T={seq_len} exceeds the positional table's {n} rows "
+                             f"(model.max_seq_len={n})")
+        return self.table[:seq_len]
+
+
+class FixedPositions(nn.Module):
+    """Non-trainable sinusoids (reference torch form) for any T, computed in float64 and cast, so every
+    dtype gets correctly rounded values; not part of the canonical parameters.
+
+    One table per (dtype, device) is kept, the longest requested so far: rows depend on the position
+    only, so shorter windows read a prefix of it.
+    """
+
+    def __init__(self, d: int, form: str) -> None:
+        super().__init__()
+        self.d, self.form = d, form
+        self._cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def forward(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (dtype, device)
+        table = self._cache.get(key)
+        if table is None or table.shape[0] < seq_len:
+            values = torch.as_tensor(np.asarray(sinusoidal_table(seq_len, self.d, self.form)), dtype=torch.float64)
+            table = self._cache[key] = values.to(device=device, dtype=dtype)
+        return table[:seq_len]
+
+
+def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    """``φ(x) = elu(x) + 1`` as ``exp(x)`` for x <= 0, exact for very negative x (no ``expm1 + 1``)."""
+    return torch.where(x > 0, x + 1.0, torch.exp(torch.clamp(x, max=0.0)))
+
+
+def attention_mask(seq_len: int, variant: str, window: int, n_global: int, device: torch.device) -> torch.Tensor:
+    """``[T, T]`` bool, True where query t may attend key s (causal; local window; global prefix)."""
+    t = torch.arange(seq_len, device=device)[:, None]
+    s = torch.arange(seq_len, device=device)[None, :]
+    causal = s <= t
+    if variant in ("transformer_dense", "linear_attention"):
+        return causal
+    local = causal & (t - s < window)
+    if variant == "transformer_local":
+        return local
+    return local | (causal & (s < n_global))
+
+
+def causal_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Normalised causal linear attention, chunked (exact):
+    ``out_t = φ(q_t)·Σ_{s<=t} φ(k_s) v_sᵀ / max(φ(q_t)·Σ_{s<=t} φ(k_s), 1e-6)``.
+
+    q, k, v: ``[B, H, T, hd]``. Inside a chunk a lower-triangular (diagonal included) ``[c, c]`` product;
+    across chunks exclusive prefix sums of ``φ(k)ᵀv`` ``[hd, hd]`` and ``Σφ(k)``. Memory O(T·c + T/c·hd²).
+    """
+    B, H, T, hd = q.shape
+    fq, fk = elu_plus_one(q), elu_plus_one(k)
+    c = max(1, min(chunk, T))
+    n = -(-T // c)
+    pad = n * c - T
+    if pad:
+        # Features are padded after φ, so padded keys contribute zero; padded queries are dropped.
+        fq, fk, v = (F.pad(x, (0, 0, 0, pad)) for x in (fq, fk, v))
+    fq, fk, vv = (x.reshape(B, H, n, c, hd) for x in (fq, fk, v))
+    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    a = (fq @ fk.transpose(-1, -2)) * tri.to(fq.dtype)  # [B, H, n, c, c]
+    num = a @ vv
+    den = a.sum(-1)
+    kv = fk.transpose(-1, -2) @ vv  # [B, H, n, hd, hd]
+    kv_prev = torch.cumsum(kv, dim=2) - kv
+    ks = fk.sum(-2)  # [B, H, n, hd]
+    ks_prev = torch.cumsum(ks, dim=2) - ks
+    num = num + fq @ kv_prev
+    den = den + (fq * ks_prev[..., None, :]).sum(-1)
+    out = num / torch.clamp(den, min=LINEAR_ATTENTION_DEN_FLOOR)[..., None]
+    return out.reshape(B, H, n * c, hd)[:, :, :T]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with a fused ``qkv`` projection (columns ``[q | k | v]``, heads contiguous)
+    and an ``out`` projection: softmax attention masked per variant, or normalised linear attention."""
+
+    def __init__(self, d: int, n_heads: int, variant: str, window: int, n_global: int, linear_chunk: int,
+                 dropout: float) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.n_heads, self.variant = n_heads, variant
+        self.window, self.n_global, self.linear_chunk = window, n_global, linear_chunk
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, d] -> [B, T, d]``."""
+        B, T, d = x.shape
+        q, k, v = (y.reshape(B, T, self.n_heads, d // self.n_heads).transpose(1, 2)
+                   for y in self.qkv(x).split(d, dim=-1))
+        if self.variant == "linear_attention":
+            # No attention matrix exists to drop out; the reference linear attention (JAX) has no dropout.
+            o = causal_linear_attention(q, k, v, self.linear_chunk)
+        else:
+            p = self.dropout if self.training else 0.0
+            if self.variant == "transformer_dense":
+                o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            else:
+                mask = attention_mask(T, self.variant, self.window, self.n_global, x.device)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        return self.out(o.transpose(1, 2).reshape(B, T, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN block: ``x += drop(Attn(LN x))``; ``x += drop(W2·drop(GELU(W1·LN x)))``."""
+
+    def __init__(self, d: int, d_hidden: int, n_heads: int, variant: str, window: int, n_global: int,
+                 linear_chunk: int, gelu_form: str, dropout: float) -> None:
+        super().__init__()
+        self.attn_norm = layer_norm(d)
+        self.attn = Attention(d, n_heads, variant, window, n_global, linear_chunk, dropout)
+        self.mlp_norm = layer_norm(d)
+        self.mlp_in = nn.Linear(d, d_hidden)
+        self.mlp_out = nn.Linear(d_hidden, d)
+        self.drop = nn.Dropout(dropout)
+        self.gelu_form = gelu_form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x)))
+        y = self.mlp_out(self.drop(gelu(self.mlp_in(self.mlp_norm(x)), self.gelu_form)))
+        return x + self.drop(y)

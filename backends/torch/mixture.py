@@ -1,0 +1,139 @@
+"""Scores → cache weights → p_cache; gate masking; the mixture and its accuracy (mirrors
+:mod:`pcaf_core.mixture`).
+
+Shapes: B sequences, Q queries per sequence (1 in NT mode, T in AR mode), C candidate slots, V vocab.
+The loss needs only the target entries, so :func:`target_cache_prob` and :func:`target_log_prob` work
+on ``[B, Q]`` values and the ``[B, Q, V]`` tensors (:func:`cache_distribution`,
+:func:`mixture_log_probs`) are built only when a caller asks for full distributions.
+
+Logs of quantities that can be exactly 0 (an empty query's gate, a target the cache never saw) go
+through :func:`safe_log`, so their -inf never turns into a NaN gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from backends.torch.ops import gather_dot
+from backends.torch.routing import Candidates
+from pcaf_core.mixture import AR_PROB_FLOOR, GATE_CLIP, MASKED_SCORE, NT_CACHE_FLOOR, SEMANTIC_OVERLAP_FLOOR
+
+
+def safe_log(x: torch.Tensor) -> torch.Tensor:
+    """``log x`` with ``log 0 = -inf`` and a zero (not NaN) gradient there."""
+    pos = x > 0
+    return torch.where(pos, torch.log(torch.where(pos, x, torch.ones_like(x))), -math.inf)
+
+
+def selection_score(query: torch.Tensor, keys: torch.Tensor, recency: torch.Tensor, rho: float | torch.Tensor
+                    ) -> torch.Tensor:
+    """Dense ranking score ``q_t·k_s/√d + ρ·r_s``, ``[B, Q, T]`` (the routes avoid it; kept for tests)."""
+    return query @ keys.transpose(1, 2) / math.sqrt(query.shape[-1]) + rho * recency
+
+
+def candidate_scores(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    recency: torch.Tensor,
+    rho: torch.Tensor | float,
+    cand: Candidates,
+    router_probs: torch.Tensor | None = None,
+    query_router_probs: torch.Tensor | None = None,
+    semantic_score_scale: float = 0.0,
+) -> torch.Tensor:
+    """Score of each slot: ``q·k_s/√d + ρ·r_s [+ λ_sem·log(max(m_s, 1e-6))]``, ``[B, Q, C]``.
+
+    query ``[B, Q, d]``, keys ``[B, T, d]``, recency ``[T]``. The route term (semantic and hybrid routes)
+    needs ``router_probs`` ``[B, T, S]`` and the queries' ``query_router_probs`` ``[B, Q, S]``; the overlap
+    ``m_s = r̃_q·r̃_s`` is computed for the selected slots only. Empty slots hold junk; mask them.
+    """
+    idx = cand.index.clamp(min=0)
+    s = gather_dot(query, keys, idx) / math.sqrt(query.shape[-1]) + rho * recency[idx]
+    if router_probs is not None:
+        if query_router_probs is None:
+            raise ValueError("the semantic route term needs query_router_probs [B, Q, S] with router_probs")
+        m = gather_dot(query_router_probs, router_probs, idx)
+        s = s + semantic_score_scale * torch.log(torch.clamp(m, min=SEMANTIC_OVERLAP_FLOOR))
+    return s
+
+
+def cache_weights(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """α = softmax over the valid slots; all zeros where no slot is valid. ``[B, Q, C]``."""
+    top = torch.where(valid, scores, torch.full_like(scores, MASKED_SCORE)).amax(-1, keepdim=True).detach()
+    # exp(-inf) = 0 with a zero gradient: junk scores of empty slots never reach the softmax.
+    e = torch.exp(torch.where(valid, scores - top, torch.full_like(scores, -math.inf)))
+    z = e.sum(-1, keepdim=True)
+    return e / torch.clamp(z, min=torch.finfo(scores.dtype).tiny)
+
+
+def cache_distribution(weights: torch.Tensor, cand_values: torch.Tensor, valid: torch.Tensor, vocab_size: int
+                       ) -> torch.Tensor:
+    """``p_cache(y) = Σ_i α_i·1[v_i = y]``: ``[B, Q, V]`` from weights and slot values ``[B, Q, C]``."""
+    B, Q, _ = weights.shape
+    p = weights.new_zeros(B, Q, vocab_size)
+    return p.scatter_add(-1, cand_values.clamp(min=0), torch.where(valid, weights, torch.zeros_like(weights)))
+
+
+def target_cache_prob(weights: torch.Tensor, cand_values: torch.Tensor, valid: torch.Tensor, targets: torch.Tensor
+                      ) -> torch.Tensor:
+    """``p_cache(y)`` at the targets only: ``[B, Q]``, without a ``[B, Q, V]`` tensor."""
+    hit = valid & (cand_values == targets[..., None])
+    return torch.where(hit, weights, torch.zeros_like(weights)).sum(-1)
+
+
+def mask_gate(raw_gate: torch.Tensor, any_valid: torch.Tensor, *, clip_when_empty: bool) -> torch.Tensor:
+    """Gate λ masked by "any valid candidate" and clipped to [1e-5, 1 - 1e-5]; ``[B, Q]``.
+
+    ``clip_when_empty`` (reference) clips after masking, so an empty query keeps λ = 1e-5; otherwise the
+    gate of an empty query is exactly 0.
+    """
+    lam = raw_gate * any_valid.to(raw_gate.dtype)
+    clipped = torch.clamp(lam, GATE_CLIP, 1.0 - GATE_CLIP)
+    return clipped if clip_when_empty else torch.where(any_valid, clipped, torch.zeros_like(clipped))
+
+
+def mixture_log_probs(param_log_probs: torch.Tensor, p_cache: torch.Tensor, gate: torch.Tensor, *, nt_floor: bool
+                      ) -> torch.Tensor:
+    """``log[(1-λ)·p_param + λ·p_cache]`` over the vocabulary, ``[B, Q, V]``.
+
+    With ``nt_floor`` (reference NT) p_cache is floored at 1e-6 on every entry (unnormalised result).
+    """
+    lam = gate[..., None]
+    cache = torch.clamp(p_cache, min=NT_CACHE_FLOOR) if nt_floor else p_cache
+    return torch.logaddexp(torch.log1p(-lam) + param_log_probs, safe_log(lam) + safe_log(cache))
+
+
+def target_log_prob(
+    param_log_prob: torch.Tensor,
+    p_cache: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    nt_floor: bool,
+    ar_floor: bool,
+    mode: str,
+) -> torch.Tensor:
+    """log p(y) of each target as the loss uses it, ``[B, Q]``, from the target entries.
+
+    Args:
+        param_log_prob: ``[B, Q]`` parametric log-prob of the target; p_cache: ``[B, Q]`` p_cache(target);
+        gate: ``[B, Q]`` masked λ.
+    NT: ``logaddexp(log(1-λ) + lp_y, log λ + log pc_y)`` (pc_y floored at 1e-6 under ``nt_floor``).
+    AR with ``ar_floor`` (reference): ``log(max((1-λ)·exp(lp_y) + λ·pc_y, 1e-8))``; otherwise the exact log.
+    """
+    if mode == "nt" and nt_floor:
+        p_cache = torch.clamp(p_cache, min=NT_CACHE_FLOOR)
+    if mode == "ar" and ar_floor:
+        return torch.log(torch.clamp((1.0 - gate) * torch.exp(param_log_prob) + gate * p_cache, min=AR_PROB_FLOOR))
+    return torch.logaddexp(torch.log1p(-gate) + param_log_prob, safe_log(gate) + safe_log(p_cache))
+
+
+def predictions(mixture_lp: torch.Tensor | None, param_log_probs: torch.Tensor, *, parametric_only: bool
+                ) -> torch.Tensor:
+    """Predicted token per query, ``[B, Q]`` int64: argmax (first maximum) of the mixture, or of the
+    parametric head only (the reference's full-AR accuracy)."""
+    src = param_log_probs if parametric_only else mixture_lp
+    if src is None:
+        raise ValueError("mixture predictions need the mixture log-probs")
+    return torch.argmax(src, dim=-1)

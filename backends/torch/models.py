@@ -1,0 +1,372 @@
+"""Every model of :data:`pcaf_core.config.MODEL_VARIANTS` as an ``nn.Module`` (mirrors
+:mod:`pcaf_core.reference`), behind one factory and one forward signature.
+
+* :class:`PCAFModel`: embedding + causal conv blocks + parametric head, and for ``pcaf`` /
+  ``pcaf_no_gate`` the associative memory (context, semantic or hybrid route) mixed in by a gate.
+  ``pcaf_no_cache`` and ``local_conv`` are the same network with the cache path off (their unused
+  memory/gate/router parameters exist where the profile says the reference carried them).
+* :class:`TransformerLM`: dense / local / global-local softmax attention or linear attention.
+
+``model(tokens [B, T] int64, targets, mode)`` returns a :class:`TorchForwardOutput` whose fields mirror
+:class:`pcaf_core.reference.ForwardOutput`, plus ``loss`` (mean NLL, differentiable). Evaluation mode
+(``model.eval()``) equals the spec; training mode adds the profile's dropout.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from backends.torch import hashing, mixture, records, routing
+from backends.torch.layers import (
+    ConvBlock,
+    FixedPositions,
+    Gate,
+    Head,
+    PositionalTable,
+    TransformerBlock,
+    l2_normalize,
+    layer_norm,
+)
+from backends.torch.params import init_params
+from backends.torch.routing import Candidates, SelectionInputs
+from backends.torch.weights import load_canonical
+from pcaf_core.config import (
+    PCAF_VARIANTS,
+    TRANSFORMER_VARIANTS,
+    MemoryConfig,
+    ModelConfig,
+    ProfileConfig,
+)
+from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
+
+
+@dataclass
+class TorchMemoryTrace:
+    """Intermediates of the associative memory path (Q queries, C slots).
+
+    addresses: ``[B, T]`` int64 bucket of every position; cand: the selected :class:`Candidates`;
+    scores / cache_weights: ``[B, Q, C]``; gate: ``[B, Q]`` masked (and clipped) λ;
+    p_cache: ``[B, Q, V]`` or None when full distributions were not requested;
+    router_probs: ``[B, T, S]`` or None (context route);
+    topk_dense: ``[B, Q]`` bool, which queries the ``topk_score`` context route scored densely
+    (None for the other policies and routes).
+    """
+
+    addresses: torch.Tensor
+    cand: Candidates
+    scores: torch.Tensor
+    cache_weights: torch.Tensor
+    gate: torch.Tensor
+    p_cache: torch.Tensor | None
+    router_probs: torch.Tensor | None
+    topk_dense: torch.Tensor | None = None
+
+
+@dataclass
+class TorchForwardOutput:
+    """Model outputs at the Q query positions (Q = 1 in NT mode, T in AR mode).
+
+    hidden: ``[B, T, d]`` final states;
+    param_log_probs: ``[B, Q, V]`` parametric head;
+    log_probs: ``[B, Q, V]`` the predictive distribution in log space (unnormalised under the NT floor),
+        None when neither requested nor needed for the predictions;
+    target_log_prob: ``[B, Q]`` log p(target) as the loss uses it (None without targets);
+    prediction: ``[B, Q]`` int64 argmax under the profile's accuracy definition (None when not requested);
+    memory: the memory trace (None without a cache);
+    loss: mean NLL, a 0-d tensor with grad (None without targets).
+    """
+
+    hidden: torch.Tensor
+    param_log_probs: torch.Tensor
+    log_probs: torch.Tensor | None
+    target_log_prob: torch.Tensor | None
+    prediction: torch.Tensor | None
+    memory: TorchMemoryTrace | None
+    loss: torch.Tensor | None
+
+
+class CanonicalLM(nn.Module, abc.ABC):
+    """Shared input checks, head and forward of every model; subclasses provide :meth:`hidden_states`."""
+
+    def __init__(self, model: ModelConfig, memory: MemoryConfig, profile: ProfileConfig) -> None:
+        super().__init__()
+        self.model_config, self.memory_config, self.profile = model, memory, profile
+
+    @property
+    def uses_cache(self) -> bool:
+        return uses_cache(self.model_config)
+
+    def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The canonical ``name -> shape`` of this configuration (:func:`pcaf_core.params.param_shapes`)."""
+        return param_shapes(self.model_config, self.memory_config, self.profile)
+
+    @abc.abstractmethod
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``[B, T, d]`` of the backbone (int64 tokens ``[B, T]``)."""
+
+    def check_inputs(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None, mode: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Validate ``tokens [B, T]`` and ``targets`` (NT ``[B]`` or ``[B, 1]``, AR ``[B, T]``); return them as
+        int64 with targets reshaped to ``[B, Q]``. Raises ValueError naming the bad value and its limit."""
+        records.check_mode(mode)
+        V = self.model_config.vocab_size
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be an integer torch.Tensor [B, T], got {type(tokens).__name__}"
+                             + (f" of dtype {tokens.dtype}" if isinstance(tokens, torch.Tensor) else ""))
+        if tokens.ndim != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 1:
+            raise ValueError(f"tokens must be [B, T] with B >= 1 and T >= 1, got shape {tuple(tokens.shape)}")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= V:
+            raise ValueError(f"token ids must lie in [0, {V}) (model.vocab_size={V}), got min {lo} and max {hi}")
+        B, T = tokens.shape
+        if has_positional_table(self.model_config, self.profile) and T > self.model_config.max_seq_len:
+            raise ValueError(f"sequence length T={T} exceeds model.max_seq_len={self.model_config.max_seq_len} "
+                             "(the trainable positional table's rows)")
+        if targets is None:
+            return tokens.to(torch.int64), None
+        Q = 1 if mode == "nt" else T
+        if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point:
+            raise ValueError("targets must be an integer torch.Tensor")
+        if targets.numel() != B * Q:
+            want = "[B] or [B, 1]" if mode == "nt" else "[B, T]"
+            raise ValueError(f"{mode} targets must be {want} = {B * Q} ids, got shape {tuple(targets.shape)}")
+        tlo, thi = int(targets.min()), int(targets.max())
+        if tlo < 0 or thi >= V:
+            raise ValueError(f"target ids must lie in [0, {V}) (model.vocab_size={V}), got min {tlo} and max {thi}")
+        return tokens.to(torch.int64), targets.to(torch.int64).reshape(B, Q)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        mode: str = "nt",
+        *,
+        need_log_probs: bool = True,
+        need_predictions: bool = True,
+    ) -> TorchForwardOutput:
+        """Evaluate windows ``tokens [B, T]``.
+
+        Args:
+            targets: NT ``[B]`` (the token after the window) or AR ``[B, T]`` (``x_{t+1}``); optional.
+            mode: ``nt`` (one query at T-1) or ``ar`` (every position).
+            need_log_probs: build ``log_probs`` (and the memory's ``p_cache``), ``[B, Q, V]`` each. A
+                training step needs neither: the loss uses the target entries only.
+            need_predictions: compute ``prediction``; under the mixture-argmax accuracy this builds the
+                ``[B, Q, V]`` mixture even when ``need_log_probs`` is False.
+        """
+        tokens, tgt = self.check_inputs(tokens, targets, mode)
+        T = tokens.shape[1]
+        qpos = records.query_positions(T, mode, tokens.device)
+        h = self.hidden_states(tokens)
+        param_lp = self.head(h[:, qpos])  # [B, Q, V]: the head's log-softmax over V is unavoidable
+        lp_y = None if tgt is None else param_lp.gather(-1, tgt[..., None])[..., 0]
+        if not self.uses_cache:
+            pred = torch.argmax(param_lp, dim=-1) if need_predictions else None
+            loss = None if lp_y is None else -lp_y.mean()
+            return TorchForwardOutput(h, param_lp, param_lp, lp_y, pred, None, loss)
+
+        prof = self.profile
+        parametric_only = prof.ar_accuracy_parametric_only and mode == "ar"
+        nt_floor = prof.nt_mixture_floor and mode == "nt"
+        need_mix = need_log_probs or (need_predictions and not parametric_only)
+        mem, cand_values = self.memory_read(tokens, h, mode, need_p_cache=need_mix)
+        mix_lp = None
+        if need_mix:
+            mix_lp = mixture.mixture_log_probs(param_lp, mem.p_cache, mem.gate, nt_floor=nt_floor)
+        tlp = loss = None
+        if tgt is not None:
+            pc_y = mixture.target_cache_prob(mem.cache_weights, cand_values, mem.cand.valid, tgt)
+            tlp = mixture.target_log_prob(lp_y, pc_y, mem.gate, nt_floor=nt_floor, ar_floor=prof.ar_mixture_floor,
+                                          mode=mode)
+            loss = -tlp.mean()
+        pred = mixture.predictions(mix_lp, param_lp, parametric_only=parametric_only) if need_predictions else None
+        return TorchForwardOutput(h, param_lp, mix_lp, tlp, pred, mem, loss)
+
+
+class AssociativeMemory(nn.Module):
+    """Query/key projections ``W_q, W_k`` (no bias), the optional semantic router and the recency scale ρ.
+
+    Router forms: ``linear_bias`` (``Linear(d, S)`` with bias) or ``layernorm_linear``
+    (``LN(d) -> Linear(d, S)`` without bias, the LayerNorm named ``router_norm``).
+    """
+
+    def __init__(self, d: int, semantic_buckets: int, router_form: str, with_router: bool) -> None:
+        super().__init__()
+        self.query = nn.Linear(d, d, bias=False)
+        self.key = nn.Linear(d, d, bias=False)
+        self.router_form = router_form
+        if with_router:
+            if router_form == "layernorm_linear":
+                self.router_norm = layer_norm(d)
+            self.router = nn.Linear(d, semantic_buckets, bias=router_form == "linear_bias")
+        self.recency_scale = nn.Parameter(torch.tensor(1.0))
+
+    def router_probs(self, h: torch.Tensor, temperature: float) -> torch.Tensor:
+        """``softmax(router(h)/τ)``: ``[B, T, d] -> [B, T, S]``."""
+        x = self.router_norm(h) if self.router_form == "layernorm_linear" else h
+        return torch.softmax(self.router(x) / temperature, dim=-1)
+
+
+class PCAFModel(CanonicalLM):
+    """PCAF and its conv-backbone relatives (``pcaf``, ``pcaf_no_gate``, ``pcaf_no_cache``, ``local_conv``).
+
+    ``topk_strategy`` (``auto`` | ``dense``) and ``sparse_window`` (M, default 4K) choose how the
+    ``topk_score`` context route is computed; both give the spec's candidates.
+    """
+
+    def __init__(self, model: ModelConfig, memory: MemoryConfig, profile: ProfileConfig) -> None:
+        super().__init__(model, memory, profile)
+        if model.variant not in PCAF_VARIANTS and model.variant != "local_conv":
+            raise ValueError(f"PCAFModel builds {list(PCAF_VARIANTS) + ['local_conv']}, not {model.variant!r}")
+        d, h, V, p = model.d_model, model.d_hidden, model.vocab_size, profile.dropout
+        self.embed = nn.Embedding(V, d)
+        self.blocks = nn.ModuleList(
+            ConvBlock(d, h, model.kernel_size, profile.gelu, p) for _ in range(model.n_layers))
+        self.head = Head(d, h, V, profile.gelu, p)
+        if has_memory_params(model, profile):
+            self.memory = AssociativeMemory(d, memory.semantic_buckets, profile.router,
+                                            has_router(model, memory, profile))
+            self.gate = Gate(d, profile.gelu)
+        self.topk_strategy = "auto"
+        self.sparse_window: int | None = None
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def memory_read(
+        self, tokens: torch.Tensor, h: torch.Tensor, mode: str, *, need_p_cache: bool = True
+    ) -> tuple[TorchMemoryTrace, torch.Tensor]:
+        """Records, routing, scores, cache weights, p_cache and the masked gate for every query.
+
+        Returns the trace and the slot values ``[B, Q, C]`` (the successor token of each slot's record).
+        """
+        mcfg, prof = self.memory_config, self.profile
+        B, T = tokens.shape
+        qpos = records.query_positions(T, mode, tokens.device)
+        rec = records.recency(T, mode, h.dtype, h.device)
+        rho = self.memory.recency_scale
+        addr = hashing.addresses(tokens, mcfg.context_order, mcfg.num_buckets,
+                                 int32_wraparound=prof.hash_int32_wraparound)
+        keys = l2_normalize(self.memory.key(h), prof.l2norm)  # [B, T, d]
+        h_q = h[:, qpos]
+        query = l2_normalize(self.memory.query(h_q), prof.l2norm)  # [B, Q, d]
+        semantic = mcfg.route in ("semantic", "hybrid")
+        router_probs = self.memory.router_probs(h, mcfg.semantic_temperature) if semantic else None
+
+        cand: Candidates | None = None
+        topk_dense = None
+        rho_value = float(rho.detach())
+        if mcfg.route in ("context", "hybrid"):
+            if mcfg.candidate_policy == "topk_score":
+                select = SelectionInputs(query.detach(), keys.detach(), rec, rho_value)
+                cand, topk_dense = routing.route_context_topk_score(
+                    addr, qpos, mcfg.top_k, select, strategy=self.topk_strategy, sparse_window=self.sparse_window)
+            else:
+                cand = routing.route_context(addr, qpos, mcfg.top_k, mcfg.candidate_policy)
+        if semantic:
+            probs = router_probs.detach()  # ranking is not differentiated; the route term below is
+            if mcfg.semantic_index == "dense":
+                sem = routing.route_semantic_dense(probs, rec, rho_value, qpos, mcfg.top_k,
+                                                   target_leak=prof.semantic_ar_target_leak and mode == "ar")
+            else:
+                sem = routing.route_semantic_bucketed(routing.semantic_buckets(probs), qpos, mcfg.top_k)
+            cand = sem if cand is None else routing.combine_hybrid(cand, sem, dedup=prof.hybrid_dedup)
+
+        scores = mixture.candidate_scores(
+            query, keys, rec, rho, cand, router_probs, None if router_probs is None else router_probs[:, qpos],
+            mcfg.semantic_score_scale)
+        alpha = mixture.cache_weights(scores, cand.valid)
+        values = routing.gather_records(records.successor_values(tokens), cand)
+        p_cache = None
+        if need_p_cache:
+            p_cache = mixture.cache_distribution(alpha, values, cand.valid, self.model_config.vocab_size)
+
+        if self.model_config.variant == "pcaf_no_gate":
+            raw = torch.full((B, len(qpos)), mcfg.fixed_gate, dtype=h.dtype, device=h.device)
+        else:
+            raw = self.gate(h_q)
+        gate = mixture.mask_gate(raw, cand.valid.any(-1), clip_when_empty=prof.gate_clip_when_empty)
+        trace = TorchMemoryTrace(addr, cand, scores, alpha, gate, p_cache, router_probs, topk_dense)
+        return trace, values
+
+
+class TransformerLM(CanonicalLM):
+    """Transformer baselines: ``transformer_dense`` / ``_local`` / ``_global_local`` and ``linear_attention``.
+
+    Positions: the trainable table ``pos.table`` (``trainable_jax``; T is limited by its rows) or fixed
+    sinusoids (``fixed_torch``, any T, not a parameter).
+    """
+
+    def __init__(self, model: ModelConfig, memory: MemoryConfig, profile: ProfileConfig) -> None:
+        super().__init__(model, memory, profile)
+        if model.variant not in TRANSFORMER_VARIANTS:
+            raise ValueError(f"TransformerLM builds {list(TRANSFORMER_VARIANTS)}, not {model.variant!r}")
+        d, h, V, p = model.d_model, model.d_hidden, model.vocab_size, profile.dropout
+        self.embed = nn.Embedding(V, d)
+        if has_positional_table(model, profile):
+            self.pos: nn.Module = PositionalTable(model.max_seq_len, d)
+        else:
+            self.pos = FixedPositions(d, profile.positional)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(d, h, model.n_heads, model.variant, model.window, model.n_global, model.linear_chunk,
+                             profile.gelu, p)
+            for _ in range(model.n_layers))
+        self.head = Head(d, h, V, profile.gelu, p)
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        T = tokens.shape[1]
+        if isinstance(self.pos, PositionalTable):
+            x = x + self.pos(T)
+        else:
+            x = x + self.pos(T, x.dtype, x.device)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _torch_default_fixups(module: CanonicalLM) -> None:
+    """Library defaults of the reference torch modules where ours differ from plain ``nn.Linear``:
+    ``nn.MultiheadAttention`` initialises its fused in-projection Xavier-uniform with zero biases and
+    zeroes its out-projection bias."""
+    for m in module.modules():
+        if isinstance(m, TransformerBlock):
+            nn.init.xavier_uniform_(m.attn.qkv.weight)
+            nn.init.zeros_(m.attn.qkv.bias)
+            nn.init.zeros_(m.attn.out.bias)
+
+
+def build_model(
+    model: ModelConfig,
+    memory: MemoryConfig,
+    profile: ProfileConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> PCAFModel | TransformerLM:
+    """Build and initialise the model of ``model.variant``.
+
+    Initialisation follows ``profile.init``: ``jax_normal`` draws the canonical scheme of
+    :func:`pcaf_core.params.init_params` from a torch generator seeded with ``seed``; ``torch_default``
+    keeps the library defaults (drawn under ``torch.manual_seed(seed)`` without touching the caller's
+    global RNG state). Either way ρ starts at 1 and a trainable positional table at the sinusoids.
+    """
+    cls = TransformerLM if model.variant in TRANSFORMER_VARIANTS else PCAFModel
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = cls(model, memory, profile)
+        if profile.init == "torch_default":
+            _torch_default_fixups(net)
+    # Under ``torch.device("meta")`` (shape-only builds, e.g. parameter counting) there are no values to set.
+    if profile.init == "jax_normal" and not any(p.is_meta for p in net.parameters()):
+        load_canonical(net, init_params(model, memory, profile, seed=seed))
+    return net.to(device=device, dtype=dtype)

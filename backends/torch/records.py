@@ -1,0 +1,41 @@
+"""Successor records and queries for the two training modes, in torch (mirrors :mod:`pcaf_core.records`).
+
+A record at position s is (address a_s, key k_s, value v_s = x_{s+1}); a query at position t reads
+records s < t only. NT: one query at T-1, recency ``s / (T-2)``; AR: every position is a query,
+recency ``s / (T-1)``. Recency is the absolute position in the window, independent of the query.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pcaf_core.config import MODES
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is unknown: expected one of {list(MODES)}")
+
+
+def query_positions(seq_len: int, mode: str, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[Q]`` int64 query positions: ``[T-1]`` in NT, ``0..T-1`` in AR."""
+    check_mode(mode)
+    if mode == "nt":
+        return torch.tensor([seq_len - 1], dtype=torch.int64, device=device)
+    return torch.arange(seq_len, dtype=torch.int64, device=device)
+
+
+def recency(
+    seq_len: int, mode: str, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``[T]`` recency of every position as a record, computed in float64 and cast to ``dtype``."""
+    check_mode(mode)
+    denom = max(seq_len - 2, 1) if mode == "nt" else max(seq_len - 1, 1)
+    return (torch.arange(seq_len, dtype=torch.float64, device=device) / denom).to(dtype)
+
+
+def successor_values(tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` value of each record: ``v_s = x_{s+1}``, 0 for the last position."""
+    v = torch.zeros_like(tokens)
+    v[..., :-1] = tokens[..., 1:]
+    return v

@@ -1,0 +1,440 @@
+"""Candidate selection in torch, equal to :mod:`pcaf_core.routing` slot for slot.
+
+Every route returns :class:`Candidates`, ``index [B, Q, C]`` int64 (-1 = empty) and ``valid [B, Q, C]``
+bool, in the spec's slot order: ``topk_score`` by descending score with ties to the lower index,
+``recent`` most recent first, ``first`` earliest first, dense semantic by descending
+``m + 1e-4·ρ·r`` with ties to the lower index, empty slots last.
+
+How the context route avoids T×T tensors (docs/BACKENDS.md gives the argument in full):
+
+* One sort of the key ``address·T + position`` lays every sequence out bucket by bucket, positions
+  ascending inside a bucket (:func:`bucket_layout`). A query's earlier same-bucket records are exactly
+  the entries of its bucket segment before its own slot, so ``recent`` reads the K slots just before
+  it and ``first`` the first K slots of the segment: O(T log T) for the sort, O(Q·K) for the gathers.
+  NT (one query at T-1) and AR (every position) share the code.
+* ``topk_score`` scores only the M most recent same-bucket records (M >= K) and proves, query by
+  query, that no older record can enter the top K; the queries where the proof fails are routed by a
+  dense computation over all T records, chunked over queries so memory stays bounded.
+
+Selection yields integer indices only; gradients flow through the scores of the selected slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import NamedTuple
+
+import torch
+
+from backends.torch.ops import CHUNK_ELEMENTS, batch_gather, gather_dot
+from pcaf_core.config import CANDIDATE_POLICIES
+from pcaf_core.routing import SEMANTIC_TIE_BREAK
+
+TOPK_STRATEGIES = ("auto", "dense")
+
+
+class Candidates(NamedTuple):
+    """Selected records.
+
+    index: ``[B, Q, C]`` int64 record positions, -1 = empty slot.
+    valid: ``[B, Q, C]`` bool; equal to ``index >= 0`` except for the reference's semantic target leak
+        (:func:`route_semantic_dense`), whose leaked slots are valid but not causal.
+    """
+
+    index: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.index.shape[-1]
+
+
+class SelectionInputs(NamedTuple):
+    """What the ``topk_score`` policy ranks by: ``q_t·k_s/√d + ρ·r_s`` (√d with d = query width).
+
+    query: ``[B, Q, d]`` query vectors (unit norm in the models); keys: ``[B, T, d]`` likewise;
+    recency: ``[T]`` recency of each record, non-decreasing in s; rho: the recency scale ρ.
+    Pass detached tensors: selection is not differentiated.
+    """
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    recency: torch.Tensor
+    rho: float
+
+
+class BucketLayout(NamedTuple):
+    """Every sequence sorted bucket by bucket (positions ascending inside a bucket).
+
+    order: ``[B, T]`` int64 position stored at each slot; rank: ``[B, T]`` slot of each position
+    (the inverse permutation); seg_start: ``[B, T]`` first slot of the bucket segment holding each slot.
+    """
+
+    order: torch.Tensor
+    rank: torch.Tensor
+    seg_start: torch.Tensor
+
+
+def _exact_selection(select: SelectionInputs) -> SelectionInputs:
+    """Selection inputs in at least float32: under autocast the projections arrive in bf16/fp16, whose
+    rounding would swamp the proof's margins and send every query to the dense path."""
+    work = torch.promote_types(select.query.dtype, torch.float32)
+    return SelectionInputs(select.query.to(work), select.keys.to(work), select.recency.to(work), float(select.rho))
+
+
+def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """Selection scores are computed in the inputs' precision, not autocast's."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _empty(batch: int, n_queries: int, width: int, device: torch.device) -> Candidates:
+    return Candidates(
+        index=torch.full((batch, n_queries, width), -1, dtype=torch.int64, device=device),
+        valid=torch.zeros((batch, n_queries, width), dtype=torch.bool, device=device),
+    )
+
+
+def bucket_layout(addresses: torch.Tensor) -> BucketLayout:
+    """Sort ``[B, T]`` non-negative addresses by ``(address, position)``: one O(T log T) sort per sequence."""
+    B, T = addresses.shape
+    pos = torch.arange(T, device=addresses.device)
+    # address·T + position is unique per sequence, so the sort is deterministic and keeps positions
+    # ascending inside each bucket; int64 holds it for any B < 2^63 / T.
+    key = addresses.to(torch.int64) * T + pos
+    sorted_key, order = torch.sort(key, dim=-1)
+    sorted_addr = torch.div(sorted_key, T, rounding_mode="floor")
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, pos.expand(B, T).contiguous())
+    is_start = torch.ones_like(sorted_addr, dtype=torch.bool)
+    is_start[:, 1:] = sorted_addr[:, 1:] != sorted_addr[:, :-1]
+    seg_start = torch.cummax(torch.where(is_start, pos, torch.zeros_like(pos)), dim=1).values
+    return BucketLayout(order=order, rank=rank, seg_start=seg_start)
+
+
+def _query_slots(layout: BucketLayout, query_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slot, segment start and number of earlier same-bucket records of each query, each ``[B, Q]``."""
+    slot = layout.rank[:, query_pos]
+    start = layout.seg_start.gather(1, slot)
+    return slot, start, slot - start
+
+
+def _recent_slots(layout: BucketLayout, slot: torch.Tensor, count: torch.Tensor, width: int) -> Candidates:
+    """The ``width`` slots just before each query's slot in its segment, most recent first."""
+    B, Q = slot.shape
+    offs = torch.arange(1, width + 1, device=slot.device)
+    valid = offs <= count[..., None]  # [B, Q, width]
+    src = (slot[..., None] - offs).clamp(min=0)
+    index = layout.order.gather(1, src.reshape(B, -1)).reshape(B, Q, width)
+    return Candidates(torch.where(valid, index, -1), valid)
+
+
+def _first_slots(layout: BucketLayout, start: torch.Tensor, count: torch.Tensor, width: int) -> Candidates:
+    """The first ``width`` slots of each query's segment that precede the query, earliest first."""
+    B, Q = start.shape
+    T = layout.order.shape[1]
+    offs = torch.arange(width, device=start.device)
+    valid = offs < count[..., None]
+    src = (start[..., None] + offs).clamp(max=T - 1)
+    index = layout.order.gather(1, src.reshape(B, -1)).reshape(B, Q, width)
+    return Candidates(torch.where(valid, index, -1), valid)
+
+
+def topk_rows(rank: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the k valid columns with the largest ``rank``, ties to the lower column, in that order.
+
+    Args:
+        rank: ``[N, T]`` float scores; valid: ``[N, T]`` bool.
+    Returns:
+        index ``[N, k]`` int64 (-1 = fewer than k valid columns) and its mask ``[N, k]`` bool.
+
+    ``torch.topk`` does not specify its tie order, so it is used only for the k-th largest value;
+    the columns strictly above it are all kept and the tied ones are taken lowest column first.
+    """
+    N, T = rank.shape
+    kk = min(k, T)
+    index = torch.full((N, k), -1, dtype=torch.int64, device=rank.device)
+    ok = torch.zeros((N, k), dtype=torch.bool, device=rank.device)
+    if N == 0 or kk == 0:
+        return index, ok
+    neg_inf = torch.tensor(-math.inf, dtype=rank.dtype, device=rank.device)
+    masked = torch.where(valid, rank, neg_inf)
+    kth = torch.topk(masked, kk, dim=-1).values[:, -1:]  # [N, 1]
+    above = valid & (masked > kth)
+    ties = valid & (masked == kth)
+    room = kk - above.sum(-1, keepdim=True)
+    chosen = above | (ties & (ties.cumsum(-1) <= room))
+    col = torch.arange(T, device=rank.device)
+    # T - col > 0 marks a chosen column; topk of it lists the chosen columns in ascending order.
+    picked = torch.topk(torch.where(chosen, T - col, torch.zeros_like(col)), kk, dim=-1).values
+    got = picked > 0
+    cols = torch.where(got, T - picked, torch.zeros_like(picked))
+    score = torch.where(got, masked.gather(1, cols), neg_inf)
+    # Columns are ascending, so a stable descending sort breaks score ties to the lower column.
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    got = got.gather(1, order)
+    index[:, :kk] = torch.where(got, cols.gather(1, order), -1)
+    ok[:, :kk] = got
+    return index, ok
+
+
+def _dense_context_topk(
+    addresses: torch.Tensor,
+    query_pos: torch.Tensor,
+    top_k: int,
+    select: SelectionInputs,
+    pairs: torch.Tensor,
+    chunk_elements: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spec-exact ``topk_score`` for the ``(b, q)`` pairs ``[P, 2]``, scoring all T records per query
+    in chunks of at most ``chunk_elements`` scores. Returns index/valid ``[P, K]``."""
+    T = addresses.shape[1]
+    scale = math.sqrt(select.query.shape[-1])
+    index = torch.full((len(pairs), top_k), -1, dtype=torch.int64, device=addresses.device)
+    valid = torch.zeros((len(pairs), top_k), dtype=torch.bool, device=addresses.device)
+    col = torch.arange(T, device=addresses.device)
+    rec_term = select.rho * select.recency
+    for b in torch.unique(pairs[:, 0]).tolist():
+        rows = torch.nonzero(pairs[:, 0] == b)[:, 0]
+        step = max(1, chunk_elements // max(T, 1))
+        for r0 in range(0, len(rows), step):
+            r = rows[r0 : r0 + step]
+            qi = pairs[r, 1]
+            t = query_pos[qi]
+            score = (select.query[b, qi] @ select.keys[b].T) / scale + rec_term
+            ok = (addresses[b][None, :] == addresses[b, t][:, None]) & (col[None, :] < t[:, None])
+            index[r], valid[r] = topk_rows(score, ok, top_k)
+    return index, valid
+
+
+def route_context_topk_score(
+    addresses: torch.Tensor,
+    query_pos: torch.Tensor,
+    top_k: int,
+    select: SelectionInputs,
+    *,
+    strategy: str = "auto",
+    sparse_window: int | None = None,
+    layout: BucketLayout | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> tuple[Candidates, torch.Tensor]:
+    """``topk_score`` context route; also returns which queries took the dense path.
+
+    ``strategy="auto"``: score the M = ``sparse_window`` (default 4K, at least K) most recent
+    same-bucket records of each query and keep their top K. That is the spec's answer whenever the
+    bucket holds at most M earlier records, or when (ρ >= 0 and) the K-th best of the M scores
+    strictly exceeds ``‖q‖·max‖k‖/√d + ρ·r_{s'}`` plus a rounding margin, where s' is the most recent
+    record left out: every record s'' older than the window scores at most
+    ``‖q‖·max‖k‖/√d + ρ·r_{s''} <= ‖q‖·max‖k‖/√d + ρ·r_{s'}`` (Cauchy-Schwarz; recency non-decreasing;
+    ``‖q‖·max‖k‖ <= 1`` for the models' unit vectors), so it ranks strictly below K records of the window.
+    Queries where neither holds are routed densely. ``strategy="dense"`` routes every query densely.
+
+    Returns:
+        :class:`Candidates` of width K, and ``[B, Q]`` bool: True where the dense path was taken.
+    """
+    if strategy not in TOPK_STRATEGIES:
+        raise ValueError(f"topk_score strategy {strategy!r} is unknown: expected one of {list(TOPK_STRATEGIES)}")
+    with _autocast_off(addresses.device):
+        return _route_context_topk_score(addresses, query_pos, top_k, _exact_selection(select), strategy,
+                                         sparse_window, layout, chunk_elements)
+
+
+def _route_context_topk_score(
+    addresses: torch.Tensor,
+    query_pos: torch.Tensor,
+    top_k: int,
+    select: SelectionInputs,
+    strategy: str,
+    sparse_window: int | None,
+    layout: BucketLayout | None,
+    chunk_elements: int,
+) -> tuple[Candidates, torch.Tensor]:
+    B, _ = addresses.shape
+    Q, K = len(query_pos), top_k
+    device = addresses.device
+    if strategy == "dense":
+        out = _empty(B, Q, K, device)
+        dense = torch.ones((B, Q), dtype=torch.bool, device=device)
+    else:
+        M = max(sparse_window if sparse_window is not None else 4 * K, K)
+        layout = bucket_layout(addresses) if layout is None else layout
+        slot, _, count = _query_slots(layout, query_pos)
+        win = _recent_slots(layout, slot, count, M + 1)  # slot M: the most recent record left out
+        idx_m, ok_m = win.index[..., :M], win.valid[..., :M]
+        d = select.query.shape[-1]
+        score = gather_dot(select.query, select.keys, idx_m.clamp(min=0), chunk_elements=chunk_elements)
+        score = score / math.sqrt(d) + select.rho * select.recency[idx_m.clamp(min=0)]
+        score = torch.where(ok_m, score, torch.tensor(-math.inf, dtype=score.dtype, device=device))
+        # Ascending record index (the window is most recent first), so the stable descending sort
+        # breaks score ties to the lower index, as the spec does.
+        idx_asc, ok_asc, score_asc = idx_m.flip(-1), ok_m.flip(-1), score.flip(-1)
+        order = torch.sort(score_asc, dim=-1, descending=True, stable=True).indices[..., :K]
+        keep = ok_asc.gather(-1, order)
+        out = Candidates(torch.where(keep, idx_asc.gather(-1, order), -1), keep)
+
+        overflow = count > M
+        kth = score_asc.gather(-1, order[..., K - 1 :])[..., 0].to(torch.float64)
+        left_out = win.index[..., M].clamp(min=0)
+        eps = torch.finfo(score.dtype).eps
+        rho = float(select.rho)
+        # |q·k| <= ‖q‖·max‖k‖ (= 1 for the models' unit vectors; using the norms keeps the proof valid
+        # for any inputs). The margins cover rounding in the dot products (~d·eps relative) and in ρ·r,
+        # for this computation and the spec's alike; they only ever send more queries to the dense path.
+        dot_bound = (torch.linalg.vector_norm(select.query.to(torch.float64), dim=-1)
+                     * torch.linalg.vector_norm(select.keys.to(torch.float64), dim=-1).amax(-1, keepdim=True))
+        bound = (dot_bound * (1.0 + 4.0 * d * eps) / math.sqrt(d)
+                 + rho * select.recency.to(torch.float64)[left_out] + 4.0 * eps * (1.0 + abs(rho)))
+        proven = (kth > bound) if rho >= 0 else torch.zeros_like(overflow)
+        dense = overflow & ~proven
+    pairs = torch.nonzero(dense)
+    if len(pairs):
+        index, valid = _dense_context_topk(addresses, query_pos, K, select, pairs, chunk_elements)
+        out.index[pairs[:, 0], pairs[:, 1]] = index
+        out.valid[pairs[:, 0], pairs[:, 1]] = valid
+    return out, dense
+
+
+def route_context(
+    addresses: torch.Tensor,
+    query_pos: torch.Tensor,
+    top_k: int,
+    policy: str,
+    select: SelectionInputs | None = None,
+    *,
+    strategy: str = "auto",
+    sparse_window: int | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> Candidates:
+    """Context (exact-hash) route: earlier records in the query's bucket, at most K of them.
+
+    Args:
+        addresses: ``[B, T]`` int64 bucket address of every position (records and queries alike).
+        query_pos: ``[Q]`` int64 query positions; query t may read records s < t with ``a_s == a_t``.
+        top_k: K, the number of slots.
+        policy: which K a full bucket keeps: ``topk_score`` (highest ``q·k/√d + ρ·r``),
+            ``recent`` (largest s) or ``first`` (smallest s).
+        select: the ranking inputs; needed by ``topk_score``.
+        strategy, sparse_window: see :func:`route_context_topk_score`.
+    Returns:
+        :class:`Candidates` of width K. No ``[T, T]`` tensor for ``recent``/``first``; for ``topk_score``
+        only the queries the sparse proof does not cover are scored densely, in bounded chunks.
+    """
+    if policy not in CANDIDATE_POLICIES:
+        raise ValueError(f"candidate policy {policy!r} is unknown: expected one of {list(CANDIDATE_POLICIES)}")
+    if policy == "topk_score":
+        if select is None:
+            raise ValueError("policy 'topk_score' needs select=SelectionInputs(query, keys, recency, rho)")
+        return route_context_topk_score(addresses, query_pos, top_k, select, strategy=strategy,
+                                        sparse_window=sparse_window, chunk_elements=chunk_elements)[0]
+    layout = bucket_layout(addresses)
+    slot, start, count = _query_slots(layout, query_pos)
+    if policy == "recent":
+        return _recent_slots(layout, slot, count, top_k)
+    return _first_slots(layout, start, count, top_k)
+
+
+def semantic_overlap(router_probs: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+    """``m[b, q, s] = r̃_{t_q} · r̃_s``: ``[B, Q, T]`` from router probabilities ``[B, T, S]`` (dense)."""
+    return router_probs[:, query_pos] @ router_probs.transpose(1, 2)
+
+
+def route_semantic_dense(
+    router_probs: torch.Tensor,
+    recency: torch.Tensor,
+    rho: float,
+    query_pos: torch.Tensor,
+    top_k: int,
+    *,
+    target_leak: bool = False,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> Candidates:
+    """Dense semantic route: the K earlier records with the largest ``m_s + 1e-4·ρ·r_s``.
+
+    O(T²) by definition (every record is compared with every query); computed in chunks of queries so
+    that at most ``chunk_elements`` overlaps exist at a time.
+
+    Args:
+        router_probs: ``[B, T, S]`` router distributions (detached: ranking is not differentiated).
+        recency: ``[T]`` recency of each record.
+        rho: the recency scale ρ.
+        query_pos: ``[Q]`` query positions.
+        top_k: K.
+        target_leak: the reference full-AR quirk: a query t < K also receives the masked picks
+            ``s = t, t+1, …, min(K, T)-1`` in slots t.., marked valid (slot t holds the target itself).
+    Returns:
+        :class:`Candidates` of width K.
+    """
+    with _autocast_off(router_probs.device):
+        work = torch.promote_types(router_probs.dtype, torch.float32)
+        return _route_semantic_dense(router_probs.to(work), recency.to(work), float(rho), query_pos, top_k,
+                                     target_leak, chunk_elements)
+
+
+def _route_semantic_dense(
+    router_probs: torch.Tensor,
+    recency: torch.Tensor,
+    rho: float,
+    query_pos: torch.Tensor,
+    top_k: int,
+    target_leak: bool,
+    chunk_elements: int,
+) -> Candidates:
+    B, T, _ = router_probs.shape
+    Q, K = len(query_pos), top_k
+    out = _empty(B, Q, K, router_probs.device)
+    col = torch.arange(T, device=router_probs.device)
+    tie_break = (SEMANTIC_TIE_BREAK * rho) * recency
+    step = max(1, chunk_elements // max(B * T, 1))
+    for q0 in range(0, Q, step):
+        t = query_pos[q0 : q0 + step]
+        rank = semantic_overlap(router_probs, t) + tie_break  # [B, q, T]
+        ok = (col[None, :] < t[:, None]).expand(B, -1, -1)
+        index, valid = topk_rows(rank.reshape(-1, T), ok.reshape(-1, T), K)
+        out.index[:, q0 : q0 + step] = index.view(B, len(t), K)
+        out.valid[:, q0 : q0 + step] = valid.view(B, len(t), K)
+    if target_leak:
+        slots = torch.arange(K, device=router_probs.device)
+        # A query t < K holds exactly t causal picks in slots 0..t-1; the reference's masked picks
+        # fill slot j >= t with record j (lax.top_k order), up to the last position T-1.
+        leak = (slots[None, :] >= query_pos[:, None]) & (slots[None, :] < T)  # [Q, K]
+        out.index[:] = torch.where(leak, slots, out.index)
+        out.valid[:] = out.valid | leak
+    return out
+
+
+def semantic_buckets(router_probs: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` int64 semantic bucket of every position: argmax of the router distribution
+    (ties to the lower bucket: ``torch.argmax`` returns the first maximum)."""
+    return torch.argmax(router_probs, dim=-1).to(torch.int64)
+
+
+def route_semantic_bucketed(sem_buckets: torch.Tensor, query_pos: torch.Tensor, top_k: int) -> Candidates:
+    """Bucketed semantic route: the K most recent earlier records with the query's semantic bucket."""
+    return route_context(sem_buckets, query_pos, top_k, "recent")
+
+
+def combine_hybrid(context: Candidates, semantic: Candidates, *, dedup: bool) -> Candidates:
+    """Hybrid route: ``[context slots, semantic slots]`` (width 2K).
+
+    Without ``dedup`` (the reference) a record picked by both routes holds two slots. With ``dedup`` a
+    semantic slot whose record is already a valid context slot of the same query is emptied.
+    """
+    index = torch.cat([context.index, semantic.index], dim=-1)
+    valid = torch.cat([context.valid, semantic.valid], dim=-1)
+    if dedup:
+        K = context.width
+        ctx_idx = torch.where(context.valid, context.index, -2)  # -2 never matches a record
+        dup = (semantic.index[..., :, None] == ctx_idx[..., None, :]).any(-1) & semantic.valid
+        index[..., K:] = torch.where(dup, -1, semantic.index)
+        valid[..., K:] = semantic.valid & ~dup
+    return Candidates(index, valid)
+
+
+def gather_records(values: torch.Tensor, cand: Candidates) -> torch.Tensor:
+    """Gather per-position arrays at candidate slots.
+
+    values: ``[B, T, ...]``; returns ``[B, Q, C, ...]`` (empty slots read position 0; mask with ``valid``).
+    """
+    return batch_gather(values, cand.index.clamp(min=0))

@@ -1,0 +1,346 @@
+"""Torch models beyond the spec comparison: gradients (gradcheck in float64), input validation, the
+output flags, dropout placement, initialisation schemes, the factory, and mixed precision.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.func import functional_call
+
+from backends.torch import PCAFModel, TransformerLM, build_model, load_canonical, to_canonical
+from pcaf_core.config import MODEL_VARIANTS, TRANSFORMER_VARIANTS, MemoryConfig, ModelConfig
+from pcaf_core.params import count_params, init_params, param_shapes, sinusoidal_table
+from pcaf_core.profiles import PROFILES, get_profile
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add synchronisation cost on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+TINY = dict(vocab_size=16, d_model=6, d_hidden=8, n_layers=1, kernel_size=3, n_heads=2, window=3, n_global=1,
+            linear_chunk=4, max_seq_len=12)
+
+
+def _configs(variant: str, route: str = "context", index: str = "dense", policy: str = "topk_score",
+             profile: str = "corrected", **model_overrides):
+    model = ModelConfig(variant=variant, **{**TINY, **model_overrides})
+    memory = MemoryConfig(route=route, semantic_index=index, candidate_policy=policy, num_buckets=5, top_k=2,
+                          semantic_buckets=4, semantic_temperature=0.5, semantic_score_scale=0.5, fixed_gate=0.3)
+    return model, memory, get_profile(profile)
+
+
+def _net(model, memory, profile, *, rho: float = 0.8, seed: int = 0) -> torch.nn.Module:
+    """A float64 eval-mode model on the spec's init with random biases/LayerNorm parameters and ρ."""
+    params = init_params(model, memory, profile, seed=seed)
+    rng = np.random.default_rng(seed + 7)
+    for name, value in params.items():
+        if name == "memory.recency_scale":
+            params[name] = np.array(rho)
+        elif name == "embed.weight":
+            params[name] = rng.normal(size=value.shape)
+        elif value.ndim == 1:
+            params[name] = value + 0.2 * rng.normal(size=value.shape)
+    net = build_model(model, memory, profile, dtype=torch.float64)
+    load_canonical(net, params)
+    return net.eval()
+
+
+def _window(T: int, mode: str, *, B: int = 2, distinct: int = 5, vocab: int = 16, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    tokens = torch.tensor(rng.integers(0, distinct, (B, T)))
+    shape = (B,) if mode == "nt" else (B, T)
+    targets = torch.tensor(np.where(rng.random(shape) < 0.5, rng.integers(0, distinct, shape),
+                                    rng.integers(0, vocab, shape)))
+    return tokens, targets
+
+
+# ----------------------------------------------------------------------------- gradients
+
+GRAD_CASES = [  # (variant, route, index, policy, profile, mode, parameters)
+    ("pcaf", "context", "dense", "topk_score", "corrected", "nt",
+     ["memory.recency_scale", "memory.query.weight", "gate.out.weight", "embed.weight[:4]"]),
+    ("pcaf", "context", "dense", "topk_score", "reference_jax", "ar",
+     ["memory.recency_scale", "memory.key.weight", "gate.out.weight", "embed.weight[:4]"]),
+    ("pcaf", "semantic", "dense", "topk_score", "reference_jax", "ar",
+     ["memory.recency_scale", "memory.router.weight", "memory.query.weight", "gate.hidden.bias"]),
+    ("pcaf", "semantic", "bucketed", "topk_score", "corrected", "nt",
+     ["memory.router.weight", "memory.router.bias", "memory.key.weight"]),
+    ("pcaf", "hybrid", "dense", "first", "reference_torch", "nt",
+     ["memory.recency_scale", "memory.router_norm.weight", "memory.query.weight", "gate.out.bias"]),
+    ("pcaf", "hybrid", "bucketed", "recent", "corrected", "ar",
+     ["memory.recency_scale", "memory.router.weight", "blocks.0.conv.weight", "embed.weight[:4]"]),
+    ("pcaf_no_gate", "context", "dense", "recent", "corrected", "ar", ["memory.recency_scale", "memory.query.weight"]),
+    ("local_conv", "context", "dense", "topk_score", "corrected", "ar", ["blocks.0.conv.weight", "head.out.bias"]),
+    ("transformer_dense", "context", "dense", "topk_score", "corrected", "ar",
+     ["blocks.0.attn.qkv.weight", "pos.table", "embed.weight[:4]"]),
+    ("transformer_global_local", "context", "dense", "topk_score", "reference_torch", "nt",
+     ["blocks.0.attn.qkv.weight", "blocks.0.attn.out.bias"]),
+    ("linear_attention", "context", "dense", "topk_score", "corrected", "ar",
+     ["blocks.0.attn.qkv.weight", "blocks.0.mlp_in.weight"]),
+]
+
+
+def _loss_fn(net: torch.nn.Module, names: list[str], tokens, targets, mode: str, *, full: bool = False):
+    """The loss (or the full mixture log-probs) as a function of the named parameters; ``name[:n]`` takes
+    the first n rows of a parameter and keeps the rest fixed."""
+    base = dict(net.named_parameters())
+
+    def split(name: str) -> tuple[str, int | None]:
+        if name.endswith("]"):
+            key, rows = name[:-1].split("[:")
+            return key, int(rows)
+        return name, None
+
+    inputs = []
+    for name in names:
+        key, rows = split(name)
+        value = base[key].detach()
+        inputs.append((value if rows is None else value[:rows]).clone().requires_grad_())
+
+    def f(*values: torch.Tensor) -> torch.Tensor:
+        over = {}
+        for name, value in zip(names, values):
+            key, rows = split(name)
+            over[key] = value if rows is None else torch.cat([value, base[key].detach()[rows:]])
+        out = functional_call(net, over, (tokens, targets, mode),
+                              {"need_log_probs": full, "need_predictions": False})
+        return out.log_probs if full else out.loss
+
+    return f, inputs
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: "-".join(c[:6]))
+def test_gradcheck(case) -> None:
+    variant, route, index, policy, profile, mode, names = case
+    model, memory, prof = _configs(variant, route, index, policy, profile)
+    net = _net(model, memory, prof)
+    tokens, targets = _window(10, mode)
+    f, inputs = _loss_fn(net, names, tokens, targets, mode)
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("profile", ["reference_jax", "corrected"])
+def test_gradcheck_full_mixture(profile: str) -> None:
+    model, memory, prof = _configs("pcaf", "hybrid", "dense", "topk_score", profile)
+    net = _net(model, memory, prof)
+    tokens, targets = _window(8, "nt")
+    f, inputs = _loss_fn(net, ["memory.recency_scale", "memory.query.weight", "gate.out.weight"], tokens, targets,
+                         "nt", full=True)
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6, rtol=1e-4, fast_mode=True)
+
+
+@pytest.mark.parametrize("mode", ["nt", "ar"])
+@pytest.mark.parametrize("distinct", [16, 3])
+def test_gradients_are_finite_with_empty_queries_and_cache_misses(mode: str, distinct: int) -> None:
+    # corrected: an empty query's gate is exactly 0 and a missed target has p_cache = 0, so log 0 = -inf
+    # enters the mixture; no NaN may reach any gradient.
+    model, memory, prof = _configs("pcaf", "hybrid", "bucketed", "recent", "corrected")
+    net = _net(model, memory, prof)
+    tokens, _ = _window(12, mode, distinct=distinct)
+    targets = torch.full((2,) if mode == "nt" else (2, 12), 15)  # id 15 never occurs in the window
+    out = net(tokens, targets, mode)
+    assert (out.memory.gate == 0).any() or mode == "nt"
+    out.loss.backward()
+    for name, p in net.named_parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all(), name
+
+
+# ----------------------------------------------------------------------------- input validation
+
+
+def test_input_validation_names_the_value_and_the_limit() -> None:
+    model, memory, prof = _configs("pcaf")
+    net = _net(model, memory, prof)
+    tokens, targets = _window(6, "nt")
+    with pytest.raises(ValueError, match=r"\[0, 16\).*vocab_size=16.*max 16"):
+        net(torch.where(tokens == tokens[0, 0], 16, tokens), targets, "nt")
+    with pytest.raises(ValueError, match="min -1"):
+        net(tokens - 1, targets, "nt")
+    with pytest.raises(ValueError, match="target ids.*max 99"):
+        net(tokens, torch.tensor([1, 99]), "nt")
+    with pytest.raises(ValueError, match="nt targets must be"):
+        net(tokens, torch.zeros(2, 6, dtype=torch.int64), "nt")
+    with pytest.raises(ValueError, match="ar targets must be"):
+        net(tokens, targets, "ar")
+    with pytest.raises(ValueError, match="integer"):
+        net(tokens.double(), targets, "nt")
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        net(tokens[0], targets, "nt")
+    with pytest.raises(ValueError, match="mode"):
+        net(tokens, targets, "bidirectional")
+
+
+def test_sequence_longer_than_the_positional_table() -> None:
+    model, memory, prof = _configs("transformer_dense")
+    net = _net(model, memory, prof)
+    with pytest.raises(ValueError, match=r"T=13 exceeds model.max_seq_len=12"):
+        net(torch.zeros(1, 13, dtype=torch.int64), None, "ar")
+    # fixed sinusoids (reference_torch) have no table to run out of
+    model, memory, prof = _configs("transformer_dense", profile="reference_torch")
+    net = _net(model, memory, prof)
+    out = net(torch.zeros(1, 30, dtype=torch.int64), None, "ar")
+    assert out.param_log_probs.shape == (1, 30, 16)
+    for T in (5, 40):  # a prefix of the cached table, then a longer one
+        got = net.pos(T, torch.float64, torch.device("cpu"))
+        np.testing.assert_array_equal(got.numpy(), sinusoidal_table(T, 6, "fixed_torch"))
+
+
+# ----------------------------------------------------------------------------- output flags
+
+
+@pytest.mark.parametrize("profile", ["reference_jax", "corrected"])
+@pytest.mark.parametrize("mode", ["nt", "ar"])
+def test_output_flags(profile: str, mode: str) -> None:
+    model, memory, prof = _configs("pcaf", "hybrid", "dense", "topk_score", profile)
+    net = _net(model, memory, prof)
+    tokens, targets = _window(10, mode)
+    full = net(tokens, targets, mode)
+    lean = net(tokens, targets, mode, need_log_probs=False, need_predictions=False)
+    assert lean.log_probs is None and lean.prediction is None and lean.memory.p_cache is None
+    torch.testing.assert_close(lean.loss, full.loss, rtol=0, atol=0)
+    torch.testing.assert_close(lean.target_log_prob, full.target_log_prob, rtol=0, atol=0)
+    preds = net(tokens, targets, mode, need_log_probs=False)
+    torch.testing.assert_close(preds.prediction, full.prediction)
+    if mode == "ar" and prof.ar_accuracy_parametric_only:  # parametric argmax: no mixture is built
+        assert preds.log_probs is None
+        torch.testing.assert_close(preds.prediction, full.param_log_probs.argmax(-1))
+    no_targets = net(tokens, None, mode)
+    assert no_targets.loss is None and no_targets.target_log_prob is None
+    assert full.loss.requires_grad and full.loss.ndim == 0
+    # the target entry of the full distribution is the loss's log-probability (no floor distorts it here)
+    if not (mode == "ar" and prof.ar_mixture_floor):
+        tgt = targets.reshape(2, -1)
+        torch.testing.assert_close(full.log_probs.gather(-1, tgt[..., None])[..., 0], full.target_log_prob)
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+@pytest.mark.parametrize("variant", ["pcaf", "transformer_local"])
+def test_dropout_placement_and_train_mode(variant: str) -> None:
+    model, memory, prof = _configs(variant, "hybrid", profile="reference_torch", n_layers=2)
+    assert prof.dropout == 0.1
+    net = _net(model, memory, prof)
+    calls: dict[str, int] = {}
+    for name, module in net.named_modules():
+        if isinstance(module, torch.nn.Dropout):
+            assert module.p == 0.1
+            module.register_forward_hook(lambda m, i, o, n=name: calls.__setitem__(n, calls.get(n, 0) + 1))
+    tokens, targets = _window(10, "ar")
+    eval_loss = net(tokens, targets, "ar").loss
+    # After the GELU of the block MLP and on every residual branch (conv blocks have one, Transformer
+    # blocks two); after the GELU of the head.
+    per_block = 3 if variant in TRANSFORMER_VARIANTS else 2
+    assert calls == {"blocks.0.drop": per_block, "blocks.1.drop": per_block, "head.drop": 1}
+    net.train()
+    torch.manual_seed(0)
+    a = net(tokens, targets, "ar").loss
+    b = net(tokens, targets, "ar").loss
+    assert a != b and a != eval_loss
+    if variant in TRANSFORMER_VARIANTS:  # the attention weights drop out too
+        for module in net.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        assert net(tokens, targets, "ar").loss != net(tokens, targets, "ar").loss
+    net.eval()
+    assert net(tokens, targets, "ar").loss == eval_loss
+
+
+def test_no_dropout_profile_is_deterministic_in_train_mode() -> None:
+    model, memory, prof = _configs("transformer_dense", profile="corrected")
+    net = _net(model, memory, prof)
+    tokens, targets = _window(10, "ar")
+    expected = net(tokens, targets, "ar").loss
+    net.train()
+    assert net(tokens, targets, "ar").loss == expected
+
+
+# ----------------------------------------------------------------------------- init and factory
+
+BIG = dict(vocab_size=3000, d_model=32, d_hidden=64, n_layers=2, kernel_size=5, n_heads=4, max_seq_len=64)
+
+
+def test_jax_normal_init_statistics_and_determinism() -> None:
+    model = ModelConfig(variant="pcaf", **BIG)
+    memory, prof = MemoryConfig(route="hybrid", semantic_buckets=16), get_profile("reference_jax")
+    a = to_canonical(build_model(model, memory, prof, seed=3))
+    b = to_canonical(build_model(model, memory, prof, seed=3))
+    c = to_canonical(build_model(model, memory, prof, seed=4))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(a["embed.weight"], c["embed.weight"])
+    assert abs(a["embed.weight"].std() - 0.02) < 0.001
+    assert abs(a["head.out.weight"].std() - 1 / math.sqrt(64)) < 0.005
+    assert abs(a["blocks.0.conv.weight"].std() - 1 / math.sqrt(5)) < 0.05
+    assert float(a["memory.recency_scale"]) == 1.0
+    for name, value in a.items():
+        if name.endswith(".bias"):
+            assert not value.any(), name
+        elif value.ndim == 1:
+            assert (value == 1).all(), name
+
+
+def test_torch_default_init_and_global_rng_untouched() -> None:
+    state = torch.get_rng_state()
+    pcaf = build_model(ModelConfig(variant="pcaf", **BIG), MemoryConfig(), get_profile("reference_torch"), seed=1)
+    tf = build_model(ModelConfig(variant="transformer_dense", **BIG), MemoryConfig(), get_profile("reference_torch"))
+    assert torch.equal(state, torch.get_rng_state())
+    a, t = to_canonical(pcaf), to_canonical(tf)
+    assert abs(a["embed.weight"].std() - 1.0) < 0.02  # nn.Embedding: N(0, 1)
+    bound = 1 / math.sqrt(32)
+    assert np.abs(a["blocks.0.mlp_in.weight"]).max() <= bound and a["blocks.0.mlp_in.bias"].any()
+    assert np.abs(a["blocks.0.conv.weight"]).max() <= 1 / math.sqrt(5)
+    assert float(a["memory.recency_scale"]) == 1.0
+    assert not t["blocks.0.attn.qkv.bias"].any() and not t["blocks.0.attn.out.bias"].any()
+    xavier = math.sqrt(6 / (32 + 96))
+    assert np.abs(t["blocks.0.attn.qkv.weight"]).max() <= xavier
+    assert "pos.table" not in t  # fixed sinusoids are not parameters
+
+
+def test_trainable_positional_table_starts_at_the_sinusoids() -> None:
+    net = build_model(ModelConfig(variant="linear_attention", **BIG), MemoryConfig(), get_profile("corrected"))
+    np.testing.assert_allclose(to_canonical(net)["pos.table"], sinusoidal_table(64, 32, "trainable_jax"), rtol=1e-6)
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+@pytest.mark.parametrize("variant", MODEL_VARIANTS)
+def test_factory_types_and_canonical_names(variant: str, profile: str) -> None:
+    model = ModelConfig(variant=variant, **TINY)
+    for route in ("context", "semantic"):
+        memory = MemoryConfig(route=route, semantic_buckets=4)
+        prof = get_profile(profile)
+        net = build_model(model, memory, prof, dtype=torch.float64)
+        assert isinstance(net, TransformerLM if variant in TRANSFORMER_VARIANTS else PCAFModel)
+        assert all(p.dtype == torch.float64 for p in net.parameters())
+        shapes = param_shapes(model, memory, prof)
+        canon = to_canonical(net)
+        assert list(canon) == list(shapes)
+        assert {k: v.shape for k, v in canon.items()} == shapes
+        assert sum(p.numel() for p in net.parameters()) == count_params(model, memory, prof)
+
+
+def test_meta_device_build_counts_parameters() -> None:
+    model, memory = ModelConfig(variant="pcaf", **BIG), MemoryConfig(route="hybrid")
+    for profile in ("reference_jax", "reference_torch"):
+        with torch.device("meta"):
+            net = build_model(model, memory, get_profile(profile))
+        assert all(p.is_meta for p in net.parameters())
+        assert sum(p.numel() for p in net.parameters()) == count_params(model, memory, get_profile(profile))
+
+
+def test_bf16_autocast_training_step_is_finite() -> None:
+    model, memory, prof = _configs("pcaf", "hybrid", "dense", "topk_score", "reference_torch")
+    net = build_model(model, memory, prof).train()
+    tokens, targets = _window(12, "ar")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = net(tokens, targets, "ar", need_log_probs=False, need_predictions=False)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in net.parameters())
