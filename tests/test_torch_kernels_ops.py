@@ -155,3 +155,21 @@ def test_cpu_without_interpreter_uses_the_torch_path() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("policy", ["recent", "first"])
+@pytest.mark.parametrize("mode", ["nt", "ar"])
+def test_route_context_with_kernels_equals_the_spec(policy, mode):
+    """The models' routing entry point gives the spec's candidates when it dispatches to the kernels."""
+    from backends.torch.routing import route_context
+    from pcaf_core import records
+    from pcaf_core import routing as spec_routing
+    from pcaf_core.hashing import addresses as spec_addresses
+
+    tokens = np.random.default_rng(4).integers(3, 9, (2, 40))
+    addr = spec_addresses(tokens, 1, 5)
+    qpos = records.query_positions(40, mode)
+    want = spec_routing.route_context(addr, qpos, 4, policy)
+    got = route_context(torch.from_numpy(addr), torch.from_numpy(qpos), 4, policy, kernels=True)
+    np.testing.assert_array_equal(got.index.numpy(), want.index)
+    np.testing.assert_array_equal(got.valid.numpy(), want.valid)

@@ -306,6 +306,7 @@ def route_context(
     strategy: str = "auto",
     sparse_window: int | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
+    kernels: bool | None = None,
 ) -> Candidates:
     """Context (exact-hash) route: earlier records in the query's bucket, at most K of them.
 
@@ -317,6 +318,8 @@ def route_context(
             ``recent`` (largest s) or ``first`` (smallest s).
         select: the ranking inputs; needed by ``topk_score``.
         strategy, sparse_window: see :func:`route_context_topk_score`.
+        kernels: select ``recent``/``first`` candidates with the Triton kernels of
+            :mod:`backends.torch.kernels` (same candidates, tested); ``None`` = on CUDA tensors only.
     Returns:
         :class:`Candidates` of width K. No ``[T, T]`` tensor for ``recent``/``first``; for ``topk_score``
         only the queries the sparse proof does not cover are scored densely, in bounded chunks.
@@ -328,11 +331,27 @@ def route_context(
             raise ValueError("policy 'topk_score' needs select=SelectionInputs(query, keys, recency, rho)")
         return route_context_topk_score(addresses, query_pos, top_k, select, strategy=strategy,
                                         sparse_window=sparse_window, chunk_elements=chunk_elements)[0]
+    if kernels if kernels is not None else addresses.is_cuda:
+        picked = _kernel_candidates(addresses, query_pos, top_k, policy)
+        if picked is not None:
+            return picked
     layout = bucket_layout(addresses)
     slot, start, count = _query_slots(layout, query_pos)
     if policy == "recent":
         return _recent_slots(layout, slot, count, top_k)
     return _first_slots(layout, start, count, top_k)
+
+
+def _kernel_candidates(addresses: torch.Tensor, query_pos: torch.Tensor, top_k: int, policy: str) -> Candidates | None:
+    """The Triton kernels cover the two query layouts the models use: NT (only T-1) and AR (every t)."""
+    from backends.torch.kernels import candidates_ar, candidates_nt
+
+    T = addresses.shape[1]
+    if len(query_pos) == 1 and int(query_pos[0]) == T - 1:
+        return Candidates(*candidates_nt(addresses, top_k, policy))
+    if len(query_pos) == T and torch.equal(query_pos.cpu(), torch.arange(T)):
+        return Candidates(*candidates_ar(addresses, top_k, policy))
+    return None
 
 
 def semantic_overlap(router_probs: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
