@@ -15,6 +15,14 @@ help:
 	@echo "make setup   - create $(VENV) and install the project with dev extras"
 	@echo "make test    - run the test suite (runs setup first when $(VENV) is missing)"
 	@echo "make lint    - ruff check"
+	@echo "make data    - verify the corpora and build the token caches (WikiText-2 vendored; pg19-mini when found)"
+	@echo "make data-summary - splits, documents, tokens, vocabulary, OOV rate, cache location"
+	@echo "make reproduce-table TABLE=<name> SCALE=<paper|cpu|smoke> BACKEND=<torch> [ROWS=<globs>]"
+	@echo "make reproduce-all SCALE=...  - every table"
+	@echo "make sweep SWEEP_ROW=<table>/<row> SWEEP='memory.top_k=4,8,16,32' SCALE=smoke - Hydra multirun"
+	@echo "make figures - re-render tables and figures from existing run records"
+	@echo "make params  - paper-scale parameter counts from the instantiated models"
+	@echo "make bench   - benchmarks (CSV under bench/)"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="outputs/tables", help="output directory")
     r.add_argument("--profile", default=None, help="only runs of this compat profile (default: all)")
     r.add_argument("--no-figures", action="store_true", help="skip the figures")
+    r.add_argument("--rows", default=None, help="comma-separated globs over row ids (default: every row)")
 
     s = sub.add_parser("sweep", help="table + plot of a metric over a Hydra multirun's swept values")
     s.add_argument("--runs", required=True, help="multirun directory")
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "render":
         _check_table(parser, args.table)
         paths = render_table(args.table, args.scale, args.backend, args.runs, args.out, profile=args.profile,
-                             figures=not args.no_figures)
+                             figures=not args.no_figures, rows=args.rows)
         for key, path in paths.items():
             if key != "md":
                 print(path)

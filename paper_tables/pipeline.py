@@ -16,13 +16,15 @@ from paper_tables.figures import (
 )
 from paper_tables.published import load_published
 from paper_tables.render import Report, render_claims_csv, render_csv, render_latex, render_markdown
-from paper_tables.specs import get_table
+from paper_tables.specs import get_table, select_rows
 
 
 def build_report(table: str, scale: str, backend: str, runs: str | os.PathLike[str],
-                 profile: str | None = None) -> Report:
-    """Collect the runs of ``table`` (and of the tables its claims reference) and judge the claims."""
-    spec = get_table(table)
+                 profile: str | None = None, rows: str | None = None) -> Report:
+    """Collect the runs of ``table`` (and of the tables its claims reference) and judge the claims.
+
+    ``rows``: comma-separated globs over row ids (default: every row), see :func:`select_rows`."""
+    spec = select_rows(get_table(table), rows)
     names = [spec.name, *referenced_tables(spec)]
     all_runs, aggs = collect_tables(runs, names, scale, backend, profile)
     pubs = {n: load_published(n) for n in names if get_table(n).has_published}
@@ -38,10 +40,11 @@ def build_report(table: str, scale: str, backend: str, runs: str | os.PathLike[s
 
 
 def render_table(table: str, scale: str, backend: str, runs: str | os.PathLike[str],
-                 out: str | os.PathLike[str], profile: str | None = None, figures: bool = True) -> dict[str, Path]:
+                 out: str | os.PathLike[str], profile: str | None = None, figures: bool = True,
+                 rows: str | None = None) -> dict[str, Path]:
     """Write ``<table>_<scale>_<backend>.{md,tex,csv}``, ``..._claims.csv`` and (with ``figures``) the
     curves/throughput/speed-quality figures (PNG+PDF) under ``out``. Returns name -> path."""
-    report = build_report(table, scale, backend, runs, profile)
+    report = build_report(table, scale, backend, runs, profile, rows)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{table}_{scale}_{backend}"

@@ -665,3 +665,28 @@ def check_specs() -> list[str]:
                 elif c.metric not in [col.key for col in TABLES[table].columns]:
                     problems.append(f"{t.name} claim {c.id}: table {table} has no column {c.metric!r}")
     return problems
+
+
+def select_rows(spec: TableSpec, patterns: str | None) -> TableSpec:
+    """``spec`` restricted to the rows whose id matches one of the comma-separated globs.
+
+    Claims survive only when every same-table row they name is selected (a claim about rows that
+    were not run would read "not measured" for a reason the reader did not choose). The title says
+    which rows were selected.
+    """
+    import dataclasses
+    import fnmatch
+
+    if not patterns or patterns == "*":
+        return spec
+    globs = [p.strip() for p in patterns.split(",") if p.strip()]
+    rows = tuple(r for r in spec.rows if any(fnmatch.fnmatch(r.id, g) for g in globs))
+    if not rows:
+        raise KeyError(f"rows {patterns!r} match no row of {spec.name!r}; rows: {list(spec.row_ids)}")
+    kept = {r.id for r in rows}
+
+    def local_ok(refs: tuple[str, ...]) -> bool:
+        return all("/" in ref or ref in kept for ref in refs)
+
+    claims = tuple(c for c in spec.claims if local_ok(c.left) and local_ok(c.right))
+    return dataclasses.replace(spec, rows=rows, claims=claims, title=f"{spec.title} [rows: {patterns}]")

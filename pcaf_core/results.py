@@ -313,6 +313,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; records are meant to be shared and read by others
         os.replace(tmp, path)
     except BaseException:
         try:

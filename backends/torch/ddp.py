@@ -1,0 +1,119 @@
+"""Data-parallel torch training (``DistributedDataParallel``; gloo on CPU, NCCL on GPUs).
+
+Semantics (the loop implements them, see ``pcaf_core.loop``): every rank draws the same global batch
+from the same seeded sampler and trains on its contiguous ``global_batch / world_size`` slice; DDP
+averages the gradients, so a run on ``N`` processes sees the same windows and takes the same steps
+(up to float summation order) as one process with the same global batch. Evaluation batches are
+split the same way and their sums all-reduced. Only rank 0 writes the run record, the curve and the
+weights; every rank writes its own generator state into each checkpoint.
+
+Two ways in:
+
+* :func:`launch_ddp` — spawn ``world_size`` local processes from Python (tests, a laptop);
+* ``torchrun --nproc_per_node=N -m backends.torch.train_ddp --config cfg.json --run-dir DIR``
+  (clusters; see :mod:`backends.torch.train_ddp`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pcaf_core.config import RunConfig
+from pcaf_core.loop import run_training
+from pcaf_core.results import RunMetrics, read_metrics
+
+
+def default_threads(world_size: int) -> int:
+    """Intra-op threads per rank: the machine's cores shared evenly (oversubscription makes gloo
+    runs many times slower)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def run_rank(
+    rank: int,
+    world_size: int,
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    device: str | torch.device | None = None,
+    resume: bool = True,
+    progress: bool | None = None,
+    record: RunMetrics | None = None,
+    corpus: Any = None,
+) -> RunMetrics:
+    """Train as rank ``rank`` in an already initialised process group."""
+    from backends.torch.train import TorchBackend
+
+    backend = TorchBackend(device, rank=rank, world_size=world_size)
+    return run_training(cfg, backend, run_dir, corpus=corpus, resume=resume, progress=progress if rank == 0 else False,
+                        record=record)
+
+
+def _spawned_worker(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    cfg: RunConfig,
+    run_dir: str,
+    resume: bool,
+    record: RunMetrics | None,
+    corpus: Any,
+    threads: int,
+    use_cuda: bool,
+) -> None:
+    torch.set_num_threads(threads)
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    try:
+        run_rank(rank, world_size, cfg, Path(run_dir), device=f"cuda:{rank}" if use_cuda else "cpu",
+                 resume=resume, progress=False, record=record, corpus=corpus)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_ddp(
+    cfg: RunConfig,
+    run_dir: Path,
+    world_size: int,
+    *,
+    resume: bool = True,
+    record: RunMetrics | None = None,
+    corpus: Any = None,
+    threads_per_rank: int | None = None,
+    device: str = "cpu",
+) -> RunMetrics:
+    """Train ``cfg`` on ``world_size`` local processes and return rank 0's record.
+
+    device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank ``r`` on ``cuda:r``). ``corpus`` (optional,
+    picklable) is sent to every process; without it each process loads the token cache itself
+    (memory-mapped, so the ranks share the pages). A failure on any rank stops every process and
+    raises here; the run record then says ``failed``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is invalid for launch_ddp: use 'cpu' or 'cuda'")
+    use_cuda = device == "cuda"
+    if use_cuda and torch.cuda.device_count() < world_size:
+        raise ValueError(f"world_size={world_size} needs {world_size} GPUs, {torch.cuda.device_count()} visible")
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    threads = threads_per_rank or default_threads(world_size)
+    with tempfile.TemporaryDirectory(prefix="pcaf_ddp_") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        mp.spawn(
+            _spawned_worker,
+            args=(world_size, init_file, cfg, str(run_dir), resume, record, corpus, threads, use_cuda),
+            nprocs=world_size,
+            join=True,
+        )
+    return read_metrics(run_dir)

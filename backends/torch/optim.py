@@ -1,0 +1,63 @@
+"""AdamW as the reference trainers use it (REFERENCE.md §4.5, §5.4).
+
+``torch.optim.AdamW`` implements exactly the reference update ``p ← p − lr·(m̂/(√v̂+ε) + wd·p)``
+(decay first with the old ``p``, which is the same arithmetic). The reference decays **every**
+parameter, embeddings, LayerNorm gains and biases, ρ and the positional table included; the switch
+``profile.weight_decay_all_params=False`` gives the common recipe instead (no decay on norms, biases,
+ρ and the positional table) through two parameter groups.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pcaf_core.config import ProfileConfig, TrainConfig
+
+# Torch parameter names are the canonical names (pcaf_core.params). Besides the rule "fewer than 2
+# dims" (norm gains, biases, the 0-d ρ), the trainable positional table is 2-d and named explicitly.
+_NO_DECAY_NAMES = ("pos.table", "memory.recency_scale")
+
+
+def is_no_decay(name: str, param: nn.Parameter) -> bool:
+    """Whether ``param`` (named ``name`` in ``named_parameters``) is a norm, bias, ρ or positional
+    table, i.e. excluded from weight decay when ``weight_decay_all_params`` is off."""
+    return param.ndim < 2 or name in _NO_DECAY_NAMES
+
+
+def param_groups(module: nn.Module, weight_decay: float, decay_all: bool) -> list[dict]:
+    """Parameter groups for AdamW. One group when ``decay_all``; otherwise decayed and non-decayed.
+    Order follows ``named_parameters`` so optimiser state indices are stable across runs."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if decay_all:
+        return [{"params": [p for _, p in named], "weight_decay": weight_decay, "names": [n for n, _ in named]}]
+    decay = [(n, p) for n, p in named if not is_no_decay(n, p)]
+    no_decay = [(n, p) for n, p in named if is_no_decay(n, p)]
+    groups = []
+    for items, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        if items:
+            groups.append({"params": [p for _, p in items], "weight_decay": wd, "names": [n for n, _ in items]})
+    return groups
+
+
+def build_optimizer(module: nn.Module, train: TrainConfig, profile: ProfileConfig) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` with the run's betas, eps and weight decay; the loop sets the LR each step."""
+    return torch.optim.AdamW(
+        param_groups(module, train.weight_decay, profile.weight_decay_all_params),
+        lr=train.lr,
+        betas=(train.beta1, train.beta2),
+        eps=train.eps,
+        weight_decay=train.weight_decay,
+    )
+
+
+def fill_missing_grads(module: nn.Module) -> None:
+    """Give every parameter without a gradient a zero gradient.
+
+    Some profiles carry parameters the forward never uses (e.g. the router of a context-route model
+    under ``reference_jax``). The reference optimiser still decays them (its gradient is zero, not
+    absent); ``torch.optim.AdamW`` would skip a parameter whose ``grad`` is None.
+    """
+    for p in module.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)

@@ -1,0 +1,281 @@
+"""PyTorch trainer: the :class:`pcaf_core.loop.Backend` for torch, and the ``train`` entry point.
+
+``train(cfg, run_dir)`` runs one experiment on one process (CPU or one GPU);
+``backends.torch.ddp.launch_ddp`` and ``python -m backends.torch.train_ddp`` (under ``torchrun``)
+run it data-parallel. The loop (``pcaf_core.loop``) owns the cadence, evaluation protocols,
+bookkeeping and checkpoint layout; this module owns the numerics: model, AdamW, clipping, dropout,
+precision, seeding and the torch state files.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from backends.torch import checkpoint as ckpt
+from backends.torch.optim import build_optimizer, fill_missing_grads
+from pcaf_core.config import RunConfig
+from pcaf_core.loop import run_training
+from pcaf_core.params import has_positional_table
+from pcaf_core.results import RunMetrics
+
+
+class TrainingLoss(nn.Module):
+    """``module``'s training loss as the forward's only output.
+
+    Training needs the target entries only (no ``[B, Q, V]`` mixture, no argmax). Returning a bare
+    tensor also matters under DDP: it finds the tensors of a forward's output to hook its gradient
+    all-reduce (with ``static_graph`` the first step's reduction runs from such a hook), and it does
+    not look inside a dataclass such as the models' output.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, mode: str) -> torch.Tensor:
+        return self.module(tokens, targets, mode, need_log_probs=False, need_predictions=False).loss
+
+
+@dataclass
+class TorchState:
+    """Model (``module``), the training-loss callable (``wrapped``: :class:`TrainingLoss`, inside
+    ``DistributedDataParallel`` when data-parallel) and the optimiser."""
+
+    module: nn.Module
+    wrapped: nn.Module
+    optimizer: torch.optim.AdamW
+    cfg: RunConfig
+
+
+def check_inputs(inputs: np.ndarray, targets: np.ndarray, cfg: RunConfig) -> None:
+    """Raise ValueError when a token id lies outside ``[0, V)`` or the window is longer than the
+    model's positional table, naming the offending value; torch would otherwise fail deep inside an
+    embedding lookup (or, on a GPU, with an asynchronous device-side assert)."""
+    V = cfg.model.vocab_size
+    hi = max(int(inputs.max()), int(targets.max()))
+    lo = min(int(inputs.min()), int(targets.min()))
+    if hi >= V or lo < 0:
+        bad = hi if hi >= V else lo
+        raise ValueError(
+            f"token id {bad} is outside the model's vocabulary [0, {V}) (max id in this batch {hi}, "
+            f"model.vocab_size={V}); the data and the model disagree: set model.vocab_size to the corpus "
+            "vocabulary size or rebuild the token cache"
+        )
+    T = inputs.shape[1]
+    if has_positional_table(cfg.model, cfg.profile) and T > cfg.model.max_seq_len:
+        raise ValueError(
+            f"window length T={T} exceeds model.max_seq_len={cfg.model.max_seq_len}, the rows of the "
+            "trainable positional table; lower train.seq_len or raise model.max_seq_len"
+        )
+
+
+def _peak_rss_mb() -> float:
+    # ru_maxrss is KiB on Linux and bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+class TorchBackend:
+    """The torch implementation of :class:`pcaf_core.loop.Backend`.
+
+    device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device`` (None: CUDA when available).
+    rank / world_size: data-parallel position; with ``world_size > 1`` a ``torch.distributed`` process
+    group must already be initialised (``backends.torch.ddp`` does it).
+    """
+
+    name = "torch"
+
+    def __init__(self, device: str | torch.device | None = None, *, rank: int = 0, world_size: int = 1) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.torch_device = torch.device(device)
+        self.rank = rank
+        self.world_size = world_size
+        if self.torch_device.type == "cuda":
+            self.device = f"{torch.cuda.get_device_name(self.torch_device)} (torch {torch.__version__})"
+        else:
+            self.device = (f"cpu (torch {torch.__version__}, {torch.get_num_threads()} threads; "
+                           "peak memory = process max RSS)")
+
+    # ------------------------------------------------------------------ distributed members
+
+    def barrier(self) -> None:
+        """``torch.distributed.barrier`` when data-parallel."""
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        """Sum ``values`` over ranks in float64."""
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        t = torch.tensor(list(values), dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+        return t.tolist()
+
+    def versions(self) -> dict[str, str]:
+        """torch and safetensors versions."""
+        import safetensors
+
+        return {"torch": torch.__version__, "safetensors": safetensors.__version__}
+
+    # ------------------------------------------------------------------ state
+
+    def _autocast(self, cfg: RunConfig) -> AbstractContextManager[Any]:
+        if cfg.train.precision == "bf16":
+            return torch.autocast(device_type=self.torch_device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _build(self, cfg: RunConfig) -> TorchState:
+        from backends.torch.models import build_model
+
+        # warn_only: some CUDA kernels have no deterministic implementation, and a warning is better than
+        # refusing to train; CPU runs are deterministic regardless.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        # build_model draws the initial weights from its own generator seeded with train.seed.
+        module = build_model(cfg.model, cfg.memory, cfg.profile, seed=cfg.train.seed, device=self.torch_device)
+        # The global generator drives dropout. Each rank gets its own stream, so the ranks' batch slices
+        # do not share dropout masks; one process uses train.seed itself.
+        torch.manual_seed(cfg.train.seed + self.rank)
+        wrapped: nn.Module = TrainingLoss(module)
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # static_graph: some profiles carry parameters the forward never touches (REFERENCE.md
+            # §7.16); DDP then learns the used set once instead of erroring on unused parameters.
+            wrapped = DistributedDataParallel(
+                wrapped,
+                device_ids=[self.torch_device.index] if self.torch_device.type == "cuda" else None,
+                static_graph=True,
+            )
+        optimizer = build_optimizer(module, cfg.train, cfg.profile)
+        return TorchState(module=module, wrapped=wrapped, optimizer=optimizer, cfg=cfg)
+
+    def init(self, cfg: RunConfig) -> TorchState:
+        """Build the model (``backends.torch.models.build_model``, seeded by ``train.seed``), AdamW,
+        and seed the dropout stream."""
+        return self._build(cfg)
+
+    def load(self, path: Path, cfg: RunConfig) -> TorchState:
+        """Rebuild the model and optimiser, then load weights, optimiser and generator states."""
+        state = self._build(cfg)
+        ckpt.load_weights(state.module, Path(path) / ckpt.WEIGHTS_FILE)
+        ckpt.load_optimizer_state(path, state.optimizer, self.torch_device)
+        # Without a saved state for this rank (the checkpoint was written by fewer processes) its
+        # dropout stream restarts from the seed _build set.
+        ckpt.load_rng_state(path, self.rank)
+        return state
+
+    def save(self, state: TorchState, path: Path) -> None:
+        """Weights (safetensors), optimiser and generator states into ``path``."""
+        ckpt.save_torch_state(Path(path), state.module, state.optimizer, self.rank)
+
+    def param_count(self, state: TorchState) -> int:
+        """Number of trainable parameter elements (buffers such as a fixed sinusoid table excluded)."""
+        return sum(p.numel() for p in state.module.parameters() if p.requires_grad)
+
+    def peak_memory_mb(self) -> float | None:
+        """CUDA ``max_memory_allocated``, or the process's peak RSS on CPU (MiB)."""
+        if self.torch_device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.torch_device) / 2**20
+        return _peak_rss_mb()
+
+    # ------------------------------------------------------------------ steps
+
+    def _tensors(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.from_numpy(np.ascontiguousarray(inputs, dtype=np.int64)).to(self.torch_device)
+        y = torch.from_numpy(np.ascontiguousarray(targets, dtype=np.int64)).to(self.torch_device)
+        return x, y
+
+    def train_step(
+        self, state: TorchState, inputs: np.ndarray, targets: np.ndarray, lr: float
+    ) -> tuple[TorchState, float]:
+        """Forward, backward, optional clipping and one AdamW step at ``lr``; returns the loss."""
+        cfg = state.cfg
+        check_inputs(inputs, targets, cfg)
+        x, y = self._tensors(inputs, targets)
+        for group in state.optimizer.param_groups:
+            group["lr"] = lr
+        state.wrapped.train()
+        state.optimizer.zero_grad(set_to_none=True)
+        with self._autocast(cfg):
+            loss = state.wrapped(x, y, cfg.train.mode)
+        loss.backward()
+        fill_missing_grads(state.module)
+        if cfg.profile.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(state.module.parameters(), cfg.profile.grad_clip_norm)
+        state.optimizer.step()
+        # .item() synchronises the device, so the loop's step timer measures the whole step.
+        return state, float(loss.detach().float().item())
+
+    @torch.no_grad()
+    def eval_batch(
+        self, state: TorchState, inputs: np.ndarray, targets: np.ndarray, mode: str, mask: np.ndarray | None = None
+    ) -> tuple[float, int, int, int]:
+        """Summed NLL, target count, and correct counts under the mixture and parametric argmax, over
+        the targets ``mask`` selects (all when None)."""
+        cfg = state.cfg
+        check_inputs(inputs, targets, cfg)
+        x, y = self._tensors(inputs, targets)
+        state.module.eval()
+        with self._autocast(cfg):
+            out = state.module(x, y, mode)
+        tlp = out.target_log_prob.double()
+        y = y.reshape(tlp.shape)
+        m = (torch.ones_like(y, dtype=torch.bool) if mask is None
+             else torch.from_numpy(np.asarray(mask, dtype=bool)).to(y.device).reshape(y.shape))
+        hit_mix = (_mixture_argmax(out).reshape(y.shape) == y) & m
+        hit_param = (out.param_log_probs.argmax(-1).reshape(y.shape) == y) & m
+        # where(), not multiplication: a padding row may score -inf, and -inf * 0 is NaN.
+        nll = -torch.where(m, tlp, torch.zeros_like(tlp)).sum()
+        return float(nll.item()), int(m.sum().item()), int(hit_mix.sum().item()), int(hit_param.sum().item())
+
+
+def _mixture_argmax(out: Any) -> torch.Tensor:
+    """Argmax of the model's predictive distribution (the mixture for cache models, the head
+    otherwise), independent of the profile's accuracy definition."""
+    log_probs = getattr(out, "log_probs", None)
+    if log_probs is not None:
+        return log_probs.argmax(-1)
+    return out.param_log_probs.argmax(-1)
+
+
+def train(
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    resume: bool = True,
+    progress: bool | None = None,
+    record: RunMetrics | None = None,
+    device: str | torch.device | None = None,
+    corpus: Any = None,
+    world_size: int = 1,
+) -> RunMetrics:
+    """Train ``cfg`` and write the run into ``run_dir``; returns the run record.
+
+    resume: continue from the newest complete checkpoint in ``run_dir`` (same config required).
+    progress: tqdm bar (None: only on a TTY; ``PCAF_NO_PROGRESS=1`` disables). record: identity and
+    provenance fields for ``metrics.json`` (table, row, scale, deviations, overrides, git commit).
+    device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, a ``torch.device``, or None / ``"auto"`` (CUDA when
+    available). corpus: token arrays to use instead of ``pcaf_core.data.load_corpus(cfg.data)``.
+    world_size: > 1 trains data-parallel on that many local processes (``backends.torch.ddp``;
+    gloo on CPU, NCCL with one GPU per process).
+    """
+    if device == "auto":
+        device = None
+    if world_size > 1:
+        from backends.torch.ddp import launch_ddp
+
+        kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        return launch_ddp(cfg, run_dir, world_size, resume=resume, record=record, corpus=corpus, device=kind)
+    return run_training(cfg, TorchBackend(device), run_dir, corpus=corpus, resume=resume, progress=progress,
+                        record=record)

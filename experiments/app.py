@@ -1,0 +1,251 @@
+"""Turn a composed Hydra config into a validated run, and run it.
+
+The flow for one run:
+
+1. Hydra composes ``config.yaml`` + ``experiment=<table>/<row>`` + groups + command-line overrides
+   against the structured schema (unknown keys, options and wrong types fail here).
+2. :func:`apply_scale` applies the scale's ``common`` and per-table overrides and records every changed
+   value as a deviation from the paper's settings.
+3. :func:`to_run_config` converts to :class:`pcaf_core.config.RunConfig`, running every value check
+   (impossible values fail here, before any data is read or any weight allocated).
+4. :func:`run_one` makes a collision-proof run directory, writes the resolved config and the
+   environment, and calls the backend's ``train``. A failure leaves a ``failed`` record.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import traceback
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pcaf_core.config import ConfigError, RunConfig, validate
+from pcaf_core.results import CONFIG_FILE, RunMetrics, read_metrics, write_metrics
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO_ROOT / "experiments" / "conf"
+RUN_SECTIONS = ("model", "memory", "profile", "data", "train", "eval")
+_TRACKED_PACKAGES = ("numpy", "torch", "triton", "jax", "flax", "optax", "hydra-core", "pandas")
+
+
+@dataclass
+class ResolvedRun:
+    """A run ready to start: the spec config, its labels and its deviations from the paper."""
+
+    run: RunConfig
+    cfg: DictConfig  # the full resolved config (written to config.yaml)
+    table: str
+    row: str
+    scale: str
+    backend: str
+    deviations: list[str]
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def _section_values(cfg: DictConfig) -> dict[str, Any]:
+    container = OmegaConf.to_container(cfg, resolve=True)
+    return _flatten({k: container[k] for k in RUN_SECTIONS})
+
+
+def apply_scale(cfg: DictConfig) -> list[str]:
+    """Apply ``cfg.scale`` in place; return one line per changed setting (and the scale's notes)."""
+    scale = cfg.scale
+    before = _section_values(cfg)
+    overrides: dict[str, Any] = dict(OmegaConf.to_container(scale.common, resolve=False) or {})
+    table_over = scale.tables.get(cfg.table) if cfg.table in scale.tables else None
+    if table_over is not None:
+        overrides.update(OmegaConf.to_container(table_over, resolve=False))
+    row_over = overrides.pop("rows", {}) or {}
+    overrides.update(row_over.get(cfg.row, {}))
+    for key, value in overrides.items():
+        if key.split(".")[0] not in RUN_SECTIONS:
+            raise ConfigError(f"scale.{scale.name}: override key {key!r} is not under {list(RUN_SECTIONS)}")
+        try:
+            OmegaConf.update(cfg, key, value, merge=True)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"scale.{scale.name}: cannot set {key}={value!r}: {exc}") from exc
+    after = _section_values(cfg)
+    deviations = [
+        f"{k}: {before.get(k)!r} -> {after[k]!r} (scale={scale.name})"
+        for k in sorted(after)
+        if before.get(k) != after[k]
+    ]
+    notes = OmegaConf.to_container(scale.notes, resolve=True) or {}
+    for note_key in ("*", cfg.table):
+        note = notes.get(note_key)
+        if note:
+            deviations += [f"{n} (scale={scale.name})" for n in (note if isinstance(note, list) else [note])]
+    return deviations
+
+
+def command_line_deviations(task_overrides: list[str]) -> list[str]:
+    """Command-line overrides that change a run's settings (group choices are labels, not deviations)."""
+    skip = ("experiment=", "scale=", "backend=", "output_root=", "run_dir=", "hydra.")
+    return [f"{o} (command line)" for o in task_overrides if not o.lstrip("+~").startswith(skip)]
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Build and validate the spec's :class:`RunConfig` (raises ConfigError naming the key)."""
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from exc
+    except ConfigError:
+        raise
+    return validate(RunConfig(**{s: getattr(obj, s) for s in RUN_SECTIONS}))
+
+
+def resolve(cfg: DictConfig, task_overrides: list[str] | None = None) -> ResolvedRun:
+    """Scale, validate and label a composed config (mutates ``cfg``)."""
+    if cfg.backend.name not in ("torch", "jax"):
+        raise ConfigError(f"backend.name={cfg.backend.name!r} is unknown: expected 'torch' or 'jax'")
+    deviations = apply_scale(cfg)
+    deviations += [f"note: {n}" for n in cfg.notes]
+    deviations += command_line_deviations(task_overrides or [])
+    run = to_run_config(cfg)
+    return ResolvedRun(run, cfg, str(cfg.table), str(cfg.row), str(cfg.scale.name), str(cfg.backend.name), deviations)
+
+
+def new_run_dir(resolved: ResolvedRun, root: str | Path | None = None) -> Path:
+    """``<root>/<table>/<scale>/<backend>/<row>/seed<seed>-<UTC time>-<random>``, created exclusively."""
+    base = Path(root if root is not None else resolved.cfg.output_root)
+    if not base.is_absolute():
+        base = Path.cwd() / base
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+    parent = base / resolved.table / resolved.scale / resolved.backend / resolved.row
+    parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        path = parent / f"seed{resolved.run.train.seed}-{stamp}-{uuid.uuid4().hex[:6]}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=10).stdout.strip()
+    return out.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for pkg in _TRACKED_PACKAGES:
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def labels(resolved: ResolvedRun) -> dict[str, Any]:
+    """The labels every record of this run carries."""
+    return {
+        "table": resolved.table,
+        "row": resolved.row,
+        "scale": resolved.scale,
+        "backend": resolved.backend,
+        "profile": resolved.run.profile.name,
+        "seed": resolved.run.train.seed,
+        "deviations": list(resolved.deviations),
+        "git_commit": git_commit() or "",
+        "versions": package_versions(),
+    }
+
+
+def write_run_files(run_dir: Path, resolved: ResolvedRun) -> None:
+    cfg = OmegaConf.to_container(resolved.cfg, resolve=True)
+    cfg["run_dir"] = str(run_dir)
+    tmp = run_dir / (CONFIG_FILE + ".tmp")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
+    os.replace(tmp, run_dir / CONFIG_FILE)
+    env = {**labels(resolved), "argv": sys.argv, "platform": platform.platform(), "host": platform.node()}
+    (run_dir / "environment.json").write_text(json.dumps(env, indent=2, default=str))
+
+
+def initial_record(resolved: ResolvedRun) -> RunMetrics:
+    """The identity and provenance a backend stamps on every version of the run's record."""
+    record = RunMetrics(table=resolved.table, row=resolved.row, status="running")
+    for key, value in labels(resolved).items():
+        setattr(record, key, value)
+    return record
+
+
+def _label_record(run_dir: Path, resolved: ResolvedRun, **extra: Any) -> RunMetrics:
+    """Stamp the run's labels onto its metrics.json (written by the backend or created here)."""
+    try:
+        metrics = read_metrics(run_dir)
+    except Exception:  # noqa: BLE001 - no (readable) record: start one from the labels
+        metrics = RunMetrics(table=resolved.table, row=resolved.row, status="failed")
+    for key, value in {**labels(resolved), **extra}.items():
+        if hasattr(metrics, key) and value is not None:
+            setattr(metrics, key, value)
+    write_metrics(run_dir, metrics)
+    return metrics
+
+
+def fmt(value: float | None, spec: str = ".2f") -> str:
+    """A metric for a log line: ``n/a`` when it was not measured."""
+    return "n/a" if value is None else format(value, spec)
+
+
+def summary_line(resolved: ResolvedRun, metrics: RunMetrics) -> str:
+    """One labelled line per finished run."""
+    tag = (f"[{resolved.table}/{resolved.row} scale={resolved.scale} backend={resolved.backend} "
+           f"profile={resolved.run.profile.name} seed={resolved.run.train.seed}]")
+    if metrics.status != "completed":
+        return f"{tag} FAILED: {metrics.error}"
+    return (f"{tag} best PPL {fmt(metrics.best_ppl)} / final {fmt(metrics.final_ppl)} (protocol=reference), "
+            f"full-split PPL {fmt(metrics.full_ppl)} (protocol=full), {fmt(metrics.tokens_per_sec, '.0f')} tok/s, "
+            f"{fmt(metrics.wall_time_s, '.0f')} s")
+
+
+def run_one(resolved: ResolvedRun, run_dir: Path | None = None, *, progress: bool | None = None) -> RunMetrics:
+    """Train one resolved run in ``run_dir`` (new if None). Never raises for a training failure:
+    the returned record (and ``metrics.json``) says ``failed`` with the error."""
+    run_dir = Path(run_dir) if run_dir is not None else new_run_dir(resolved)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_run_files(run_dir, resolved)
+    try:
+        backend = importlib.import_module(f"backends.{resolved.backend}.train")
+    except ImportError as exc:
+        return _label_record(run_dir, resolved, status="failed",
+                             error=f"backend {resolved.backend!r} is not available: {exc}")
+    try:
+        backend.train(resolved.run, run_dir, progress=progress, record=initial_record(resolved),
+                      device=resolved.cfg.backend.device, world_size=int(resolved.cfg.backend.world_size))
+    except KeyboardInterrupt:
+        _label_record(run_dir, resolved, status="failed", error="interrupted (KeyboardInterrupt); resume with run_dir=")
+        raise
+    except Exception as exc:  # noqa: BLE001 - recorded, the table shows the row as failed
+        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        (run_dir / "error.txt").write_text(traceback.format_exc())
+        return _label_record(run_dir, resolved, status="failed", error=detail)
+    return _label_record(run_dir, resolved)

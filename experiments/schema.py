@@ -1,0 +1,68 @@
+"""Structured schema of the Hydra app: the spec's RunConfig sections plus what the app itself needs.
+
+Registered in Hydra's ConfigStore so that composition checks every key and type against the
+dataclasses of :mod:`pcaf_core.config` (an unknown key or a wrong type fails before any training).
+Profiles are registered from :data:`pcaf_core.profiles.PROFILES`, their single source of truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from pcaf_core.config import DataConfig, EvalConfig, MemoryConfig, ModelConfig, ProfileConfig, TrainConfig
+from pcaf_core.profiles import PROFILES
+
+
+@dataclass
+class BackendConfig:
+    """Which backend trains the run. ``device``: ``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
+
+    name: str = "torch"
+    device: str = "auto"
+    world_size: int = 1  # > 1: data-parallel processes (torch: gloo on CPU, NCCL on GPUs)
+
+
+@dataclass
+class ScaleConfig:
+    """How a row's paper settings are shrunk. Applied by :mod:`experiments.app` after composition.
+
+    ``common``: dotted-key overrides for every row; ``tables``: per-table dotted-key overrides
+    (applied after ``common``); ``notes``: per-table free-text deviations written into every output.
+    Every changed value is recorded as a deviation from the paper's settings.
+    """
+
+    name: str = "paper"
+    common: dict[str, Any] = field(default_factory=dict)
+    tables: dict[str, Any] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ExperimentConfig:
+    """One run: a paper row (``table``/``row``) at a scale on a backend."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
+    table: str = "adhoc"
+    row: str = "adhoc"
+    seed_runs: list[dict[str, Any]] = field(default_factory=list)  # one run per entry (dotted overrides)
+    notes: list[str] = field(default_factory=list)  # the row's own remarks (e.g. budget not in the paper)
+    output_root: str = "outputs"
+    run_dir: str | None = None  # set by the app; a fixed path here resumes that run
+
+
+def register() -> None:
+    """Register the schema and the profiles with Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="experiment_schema", node=ExperimentConfig)
+    for name, prof in PROFILES.items():
+        cs.store(group="profile", name=name, node=prof)

@@ -1,0 +1,42 @@
+# Paper tables, sweeps, figures and parameter counts (experiments/, paper_tables/).
+# Default: the WikiText full-AR rows of the headline table at T=1024 (five models, about 40 minutes
+# at SCALE=cpu on a 2-core CPU). Naming TABLE runs all of that table's rows unless ROWS is given.
+ifeq ($(origin TABLE),undefined)
+TABLE := main-303m
+ROWS ?= *_wt103_t1024
+endif
+ROWS ?= *
+SCALE ?= cpu
+BACKEND ?= torch
+OUTPUTS ?= outputs
+OVERRIDES ?=
+SWEEP_ROW ?= wt2-nt-1024/pcaf_context
+SWEEP ?= memory.top_k=4,8,16,32
+
+.PHONY: reproduce-table reproduce-all sweep figures params
+
+# One paper table: run its rows (reusing completed runs), collect, render. The last line printed is
+# the path of the rendered Markdown table.
+reproduce-table: $(VENV)/.installed data
+	$(PY) -m experiments.reproduce --table $(TABLE) --scale $(SCALE) --backend $(BACKEND) \
+	  --rows '$(ROWS)' --output-root $(OUTPUTS) $(OVERRIDES)
+
+reproduce-all: $(VENV)/.installed data
+	@for t in wt2-nt-1024 wt2-nt-2048 wt103-nt-baselines wt103-nt-ablations sweeps-41m main-303m semantic-leak-audit; do \
+	  $(PY) -m experiments.reproduce --table $$t --scale $(SCALE) --backend $(BACKEND) --output-root $(OUTPUTS) $(OVERRIDES) || exit $$?; \
+	done
+
+# A Hydra multirun sweep over one row; ends in one table and one plot in the sweep directory.
+sweep: $(VENV)/.installed data
+	$(PY) -m experiments.run -m experiment=$(SWEEP_ROW) scale=$(SCALE) backend=$(BACKEND) \
+	  output_root=$(OUTPUTS) $(SWEEP) $(OVERRIDES)
+
+# Re-render every table and figure from the run records already under $(OUTPUTS).
+figures: $(VENV)/.installed
+	@for t in wt2-nt-1024 wt2-nt-2048 wt103-nt-baselines wt103-nt-ablations sweeps-41m main-303m semantic-leak-audit; do \
+	  $(PY) -m paper_tables render --table $$t --scale $(SCALE) --backend $(BACKEND) --runs $(OUTPUTS) --out $(OUTPUTS)/tables || exit $$?; \
+	done
+
+# Every paper-scale row's parameter count from the instantiated model (meta device), beside the paper's.
+params: $(VENV)/.installed
+	$(PY) -m experiments.params_report

@@ -1,0 +1,149 @@
+"""Kill a torch training process mid-run, resume it in a new process, and get the uninterrupted run
+bit for bit (CPU, fp32): metrics, learning curve, weights and optimiser state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+
+from pcaf_core.loop import config_to_dict, latest_checkpoint, read_loop_state
+from pcaf_core.results import read_curve, read_metrics
+from tests.test_torch_train import tiny_cfg, wt2_cache  # noqa: F401 - wt2_cache is a fixture
+
+RUNNER = """
+import json, sys, time
+from pathlib import Path
+
+import torch
+
+from backends.torch.train import TorchBackend
+from pcaf_core.loop import config_from_dict, run_training
+
+torch.set_num_threads(1)
+cfg = config_from_dict(json.loads(Path(sys.argv[1]).read_text()))
+delay = float(sys.argv[3])
+
+
+class Paced(TorchBackend):
+    # Sleeps after each step (outside the numerics) so the test can kill the run part-way.
+    def train_step(self, state, inputs, targets, lr):
+        out = super().train_step(state, inputs, targets, lr)
+        time.sleep(delay)
+        return out
+
+
+run_training(cfg, Paced("cpu"), Path(sys.argv[2]), progress=False)
+"""
+
+QUALITY = ("final_ppl", "best_ppl", "best_step", "acc_at_best", "acc_param_at_best", "final_acc", "final_acc_param",
+           "full_ppl", "full_acc", "full_acc_param", "full_windows", "steps_done", "params", "unigram_ppl",
+           "config_hash", "status")
+
+
+def _start(tmp_path: Path, cfg_file: Path, run_dir: Path, delay: float) -> subprocess.Popen:
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER)
+    return subprocess.Popen([sys.executable, str(script), str(cfg_file), str(run_dir), str(delay)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, min_step: int, timeout: float = 120) -> int:
+    pointer = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pointer.exists():
+            step = int(pointer.read_text().strip().split("_")[1])
+            if step >= min_step:
+                return step
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before it could be interrupted:\n{proc.stdout.read()}")
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail("no checkpoint appeared in time")
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 180) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out
+
+
+def _curve(run_dir: Path) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in read_curve(run_dir)]
+
+
+def _optimizer_tensors(ck: Path) -> list[torch.Tensor]:
+    state = torch.load(ck / "optimizer.pt", weights_only=True)["optimizer"]["state"]
+    return [t for i in sorted(state) for t in (state[i]["exp_avg"], state[i]["exp_avg_sq"], state[i]["step"])]
+
+
+@pytest.fixture
+def run_cfg(tmp_path, wt2_cache):  # noqa: F811 - the fixture parameter shadows its import
+    # reference_torch: dropout (RNG state) and gradient clipping are part of what must resume exactly.
+    cfg = tiny_cfg(wt2_cache, profile="reference_torch",
+                   train={"steps": 30, "checkpoint_every": 5, "log_every": 1},
+                   eval={"every": 10, "batches": 3, "full_max_windows": 32})
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(config_to_dict(cfg)))
+    return path
+
+
+def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path, run_cfg):
+    ref_dir, run_dir = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    ref = _start(tmp_path, run_cfg, ref_dir, 0.0)
+    victim = _start(tmp_path, run_cfg, run_dir, 0.1)
+    killed_after = _wait_for_checkpoint(victim, run_dir, min_step=10)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    assert victim.returncode == -signal.SIGKILL
+    rec = read_metrics(run_dir)
+    # SIGKILL cannot be caught: the record still says "running", with the progress of its last update.
+    assert rec.status == "running" and rec.steps_done < 30
+    assert read_loop_state(latest_checkpoint(run_dir)).step >= killed_after >= 10
+
+    _finish(_start(tmp_path, run_cfg, run_dir, 0.0))
+    _finish(ref)
+    a, b = read_metrics(ref_dir), read_metrics(run_dir)
+    assert b.status == "completed" and b.extra["segments"] == 2
+    assert {k: getattr(b, k) for k in QUALITY} == {k: getattr(a, k) for k in QUALITY}
+    assert _curve(run_dir) == _curve(ref_dir)
+    assert len(_curve(run_dir)) == 30
+    ck_a, ck_b = latest_checkpoint(ref_dir), latest_checkpoint(run_dir)
+    assert ck_a.name == ck_b.name == "step_30"
+    wa = safetensors.numpy.load_file(str(ck_a / "model.safetensors"))
+    wb = safetensors.numpy.load_file(str(ck_b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert wa[k].tobytes() == wb[k].tobytes(), k
+    for ta, tb in zip(_optimizer_tensors(ck_a), _optimizer_tensors(ck_b), strict=True):
+        assert torch.equal(ta, tb)
+    la, lb = read_loop_state(ck_a), read_loop_state(ck_b)
+    assert la.train_sampler == lb.train_sampler and la.eval_sampler == lb.eval_sampler
+
+
+def test_sigterm_leaves_an_interrupted_record_and_resumes(tmp_path, run_cfg):
+    run_dir = tmp_path / "run"
+    victim = _start(tmp_path, run_cfg, run_dir, 0.1)
+    _wait_for_checkpoint(victim, run_dir, min_step=5)
+    victim.send_signal(signal.SIGTERM)
+    out, _ = victim.communicate(timeout=30)
+    assert victim.returncode != 0, out
+    rec = read_metrics(run_dir)
+    assert rec.status == "failed" and "interrupted (RunInterrupted: received signal SIGTERM)" in rec.error
+    assert "resume from the last checkpoint" in rec.error and "step_" in rec.error
+    _finish(_start(tmp_path, run_cfg, run_dir, 0.0))
+    done = read_metrics(run_dir)
+    assert done.status == "completed" and done.error is None and done.steps_done == 30
+    assert np.isfinite(done.final_ppl)
