@@ -67,8 +67,16 @@ def _section_values(cfg: DictConfig) -> dict[str, Any]:
     return _flatten({k: container[k] for k in RUN_SECTIONS})
 
 
-def apply_scale(cfg: DictConfig) -> list[str]:
-    """Apply ``cfg.scale`` in place; return one line per changed setting (and the scale's notes)."""
+def _overridden_keys(task_overrides: list[str]) -> set[str]:
+    return {o.lstrip("+~").split("=", 1)[0] for o in task_overrides if "=" in o}
+
+
+def apply_scale(cfg: DictConfig, task_overrides: list[str] | None = None) -> list[str]:
+    """Apply ``cfg.scale`` in place; return one line per changed setting (and the scale's notes).
+
+    A key the user set on the command line wins over the scale (it is recorded as a command-line
+    deviation instead)."""
+    user_keys = _overridden_keys(task_overrides or [])
     scale = cfg.scale
     before = _section_values(cfg)
     overrides: dict[str, Any] = dict(OmegaConf.to_container(scale.common, resolve=False) or {})
@@ -78,6 +86,8 @@ def apply_scale(cfg: DictConfig) -> list[str]:
     row_over = overrides.pop("rows", {}) or {}
     overrides.update(row_over.get(cfg.row, {}))
     for key, value in overrides.items():
+        if key in user_keys:
+            continue
         if key.split(".")[0] not in RUN_SECTIONS:
             raise ConfigError(f"scale.{scale.name}: override key {key!r} is not under {list(RUN_SECTIONS)}")
         try:
@@ -119,7 +129,7 @@ def resolve(cfg: DictConfig, task_overrides: list[str] | None = None) -> Resolve
     """Scale, validate and label a composed config (mutates ``cfg``)."""
     if cfg.backend.name not in ("torch", "jax"):
         raise ConfigError(f"backend.name={cfg.backend.name!r} is unknown: expected 'torch' or 'jax'")
-    deviations = apply_scale(cfg)
+    deviations = apply_scale(cfg, task_overrides)
     deviations += [f"note: {n}" for n in cfg.notes]
     deviations += command_line_deviations(task_overrides or [])
     run = to_run_config(cfg)

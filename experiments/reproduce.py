@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from experiments import app
@@ -45,18 +46,25 @@ def table_rows(table: str) -> list[str]:
     return ordered + [r for r in files if r not in ordered]
 
 
+def _ensure_hydra() -> None:
+    """Initialise Hydra's compose API on the suite's config directory once per process."""
+    register()
+    if not GlobalHydra.instance().is_initialized():
+        initialize_config_dir(config_dir=str(app.CONF_DIR), version_base="1.3", job_name="reproduce")
+
+
 def compose_row(table: str, row: str, scale: str, backend: str, overrides: list[str]) -> list[app.ResolvedRun]:
     """Compose, scale and validate every run (one per seed entry) of a row."""
-    register()
+    _ensure_hydra()
     base = [f"experiment={table}/{row}", f"scale={scale}", f"backend={backend}"]
-    with initialize_config_dir(config_dir=str(app.CONF_DIR), version_base="1.3", job_name="reproduce"):
-        cfg = compose(config_name="config", overrides=base + overrides)
-        seed_runs = OmegaConf.to_container(cfg.seed_runs) or [{}]
-        runs = []
-        for entry in seed_runs:
-            seeded = compose(config_name="config",
-                             overrides=base + [f"{k}={v}" for k, v in entry.items()] + overrides)
-            runs.append(app.resolve(seeded, overrides))
+    cfg = compose(config_name="config", overrides=base + overrides)
+    seed_runs = OmegaConf.to_container(cfg.seed_runs) or [{}]
+    if seed_runs == [{}]:
+        return [app.resolve(cfg, overrides)]
+    runs = []
+    for entry in seed_runs:
+        seeded = compose(config_name="config", overrides=base + [f"{k}={v}" for k, v in entry.items()] + overrides)
+        runs.append(app.resolve(seeded, overrides))
     return runs
 
 
@@ -116,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     for row, runs in plan:
         for resolved in runs:
             done += 1
-            tag = f"[{done}/{n_runs}] {args.table}/{row} seed={resolved.run.train.seed} profile={resolved.run.profile.name}"
+            tag = (f"[{done}/{n_runs}] {args.table}/{row} seed={resolved.run.train.seed} "
+                   f"profile={resolved.run.profile.name}")
             previous, status = (None, "") if args.fresh else existing_run(resolved, root)
             if status == "completed":
                 print(f"{tag}: reusing completed run {previous}")

@@ -1,0 +1,14 @@
+# Benchmarks: CSV under bench/ (gitignored); ratios are measured side by side in one run.
+.PHONY: bench bench-throughput bench-kernels bench-precision
+
+bench: bench-data bench-kernels bench-throughput
+
+bench-kernels: $(VENV)/.installed
+	$(PY) benchmarks/bench_kernels.py --out bench/kernels.csv
+
+bench-throughput: $(VENV)/.installed
+	$(PY) benchmarks/bench_throughput.py --out bench/throughput.csv
+
+# bf16 autocast vs fp32 learning curves of the cpu-scale PCAF-context row (about 5 minutes).
+bench-precision: $(VENV)/.installed data
+	$(PY) benchmarks/precision_check.py --steps 120 --every 30 --out bench/bf16-vs-fp32.md --csv bench/bf16-vs-fp32.csv

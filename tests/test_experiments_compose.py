@@ -1,0 +1,107 @@
+"""Every experiment file composes at every scale; paper budgets and parameter counts are the paper's."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from experiments.params_report import published_counts
+from experiments.reproduce import available_tables, compose_row, table_rows
+from paper_tables.specs import TABLES
+from pcaf_core.params import count_params
+
+TABLE_NAMES = ["wt2-nt-1024", "wt2-nt-2048", "wt103-nt-baselines", "wt103-nt-ablations", "sweeps-41m",
+               "main-303m", "semantic-leak-audit"]
+ALL_ROWS = [(t, r) for t in TABLE_NAMES for r in table_rows(t)]
+
+
+@functools.cache
+def composed(table: str, row: str, scale: str):
+    return compose_row(table, row, scale, "torch", [])
+
+
+def test_every_paper_table_has_an_experiment_file_per_row():
+    assert available_tables() == sorted(TABLE_NAMES)
+    for table in TABLE_NAMES:
+        assert sorted(table_rows(table)) == sorted(TABLES[table].row_ids), table
+
+
+@pytest.mark.parametrize("scale", ["paper", "cpu"])  # smoke: tests/test_experiments_smoke.py runs every row
+def test_every_row_composes_and_validates(scale):
+    for table, row in ALL_ROWS:
+        runs = composed(table, row, scale)
+        assert runs, (table, row)
+        for r in runs:
+            assert (r.table, r.row, r.scale, r.backend) == (table, row, scale, "torch")
+            if scale == "paper":
+                assert not [d for d in r.deviations if "(scale=" in d], (table, row, r.deviations)
+            else:
+                assert any(f"(scale={scale})" in d for d in r.deviations)
+
+
+def test_multi_seed_rows_expand_to_their_seeds():
+    runs = composed("sweeps-41m", "pcaf_context_wt103", "paper")
+    assert [(r.run.train.seed, r.run.train.train_sample_seed, r.run.eval.eval_sample_seed) for r in runs] == [
+        (1234, 11001, 21001), (2345, 12001, 22001), (3456, 13001, 23001)]
+
+
+PAPER_BUDGETS = [
+    # (table, row, {dotted key: value}) spot checks against REFERENCE.md §5.5
+    ("wt2-nt-1024", "pcaf_context", {"train.steps": 5000, "train.batch_size": 64, "train.lr": 3e-4,
+                                     "train.weight_decay": 0.01, "eval.every": 500, "eval.batches": 50,
+                                     "profile.dropout": 0.1, "profile.grad_clip_norm": 1.0,
+                                     "memory.num_buckets": 32768, "memory.top_k": 16, "memory.context_order": 1,
+                                     "data.max_train_tokens": 2_000_000, "data.max_eval_tokens": 200_000}),
+    ("wt2-nt-2048", "transformer_dense", {"train.batch_size": 8, "train.seq_len": 2048}),
+    ("wt2-nt-1024", "transformer_local", {"train.batch_size": 32, "model.window": 128}),
+    ("wt103-nt-baselines", "transformer_dense_t1024", {"train.batch_size": 128, "train.steps": 20000,
+                                                       "eval.every": 1000, "eval.batches": 100}),
+    ("wt103-nt-ablations", "pcaf_semantic_t2048", {"train.batch_size": 256, "memory.semantic_score_scale": 0.5,
+                                                   "memory.candidate_policy": "topk_score",
+                                                   "profile.name": "reference_jax", "profile.dropout": 0.0}),
+    ("sweeps-41m", "pcaf_semantic_ar_s1024", {"train.mode": "ar", "train.steps": 25000, "train.lr": 7.5e-5,
+                                              "memory.top_k": 32, "memory.semantic_buckets": 1024,
+                                              "memory.semantic_score_scale": 1.0, "eval.batches": 20}),
+    ("sweeps-41m", "pcaf_scale_seq4096", {"train.batch_size": 128, "train.seq_len": 4096, "train.steps": 20000}),
+    ("main-303m", "pcaf_context_wt103_t1024", {"train.steps": 12000, "train.batch_size": 256,
+                                               "train.warmup_steps": 1500, "train.min_lr_ratio": 0.02,
+                                               "train.weight_decay": 0.05, "data.max_train_tokens": 100_000_000}),
+    ("main-303m", "transformer_dense_pg19_t2048", {"train.steps": 30000, "train.batch_size": 32,
+                                                   "train.warmup_steps": 3000, "train.weight_decay": 0.03,
+                                                   "eval.every": 2500, "data.max_train_tokens": 200_000_000}),
+]
+
+
+@pytest.mark.parametrize("table,row,expected", PAPER_BUDGETS, ids=[f"{t}/{r}" for t, r, _ in PAPER_BUDGETS])
+def test_paper_scale_rows_carry_the_paper_budget(table, row, expected):
+    run = composed(table, row, "paper")[0].run
+    for key, value in expected.items():
+        section, name = key.split(".")
+        assert getattr(getattr(run, section), name) == value, key
+
+
+def test_paper_scale_parameter_counts_equal_the_published_ones():
+    checked = 0
+    for table in TABLE_NAMES:
+        paper = published_counts(table)
+        for row in table_rows(table):
+            if row not in paper:
+                continue
+            run = composed(table, row, "paper")[0].run
+            assert count_params(run.model, run.memory, run.profile) == paper[row], (table, row)
+            checked += 1
+    assert checked >= 70
+
+
+def test_command_line_overrides_are_recorded_as_deviations():
+    r = compose_row("wt2-nt-1024", "pcaf_context", "paper", "torch", ["memory.top_k=4"])[0]
+    assert r.run.memory.top_k == 4
+    assert "memory.top_k=4 (command line)" in r.deviations
+
+
+def test_command_line_overrides_win_over_the_scale():
+    r = compose_row("main-303m", "pcaf_context_wt103_t1024", "cpu", "torch", ["train.steps=7", "eval.every=3"])[0]
+    assert (r.run.train.steps, r.run.eval.every) == (7, 3)
+    assert "train.steps=7 (command line)" in r.deviations
+    assert not any(d.startswith("train.steps:") for d in r.deviations)

@@ -1,0 +1,119 @@
+"""End to end: `make reproduce-table` at smoke scale, a multirun sweep, config errors, failed runs."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from experiments import app
+from experiments.reproduce import compose_row
+from paper_tables.published import load_published
+from paper_tables.specs import get_table
+from pcaf_core.results import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PCAF_NO_PROGRESS": "1"}
+
+
+@pytest.mark.slow
+def test_make_reproduce_table_smoke_renders_every_paper_row(tmp_path):
+    out = tmp_path / "outputs"
+    res = subprocess.run(["make", "--no-print-directory", "reproduce-table", "TABLE=wt2-nt-1024", "SCALE=smoke",
+                          f"OUTPUTS={out}"], cwd=REPO, capture_output=True, text=True, env=_env(), timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    md_path = Path(res.stdout.strip().splitlines()[-1])
+    assert md_path == out / "tables" / "wt2-nt-1024_smoke_torch.md"
+    for suffix in (".tex", ".csv", "_claims.csv", "_curves.png", "_curves.pdf", "_throughput.png",
+                   "_speed_quality.pdf"):
+        path = out / "tables" / f"wt2-nt-1024_smoke_torch{suffix}"
+        assert path.exists() and path.stat().st_size > 0, path
+    md = md_path.read_text()
+    spec = get_table("wt2-nt-1024")
+    published = load_published("wt2-nt-1024").set_index("row")
+    table_lines = [line for line in md.splitlines() if line.startswith("| ")]
+    for row in spec.rows:
+        line = next((ln for ln in table_lines if ln.startswith(f"| {row.display} |")), None)
+        assert line is not None, f"row {row.display} missing from the table"
+        assert f"{published.loc[row.id, 'best_ppl']:.2f}" in line  # published value beside the measured one
+        assert "missing" not in line and "failed" not in line
+    assert "Scale: smoke" in md and "Backend: torch" in md and "reference_torch" in md
+    with open(out / "tables" / "wt2-nt-1024_smoke_torch.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == len(spec.rows)
+
+
+@pytest.mark.slow
+def test_multirun_sweep_ends_in_one_table_and_one_plot(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "experiments.run", "-m", "experiment=wt2-nt-1024/pcaf_context",
+                          "scale=smoke", "memory.top_k=4,8,16,32", f"output_root={tmp_path}"],
+                         cwd=REPO, capture_output=True, text=True, env=_env(), timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    sweep_dirs = list((tmp_path / "multirun").iterdir())
+    assert len(sweep_dirs) == 1
+    sweep = sweep_dirs[0]
+    assert len([p for p in sweep.glob("*/metrics.json")]) == 4
+    table = sweep / "sweep_memory.top_k.csv"
+    assert table.exists() and (sweep / "sweep_memory.top_k.png").stat().st_size > 0
+    df = pd.read_csv(table)
+    assert sorted(df["memory.top_k"].tolist()) == [4, 8, 16, 32]
+    assert df["best_ppl"].notna().all()
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model=no_such_shape", "model/no_such_shape"),  # unknown group option
+    ("memory.top_k=many", "memory.top_k"),  # wrong type
+    ("memory.top_k=0", "memory.top_k"),  # impossible value
+    ("train.seq_len=1", "train.seq_len"),
+    ("memory.topk=3", "memory.topk"),  # unknown key
+])
+def test_config_errors_fail_before_training_and_name_the_key(override, key, tmp_path):
+    res = subprocess.run([sys.executable, "-m", "experiments.run", "experiment=wt2-nt-1024/pcaf_context",
+                          "scale=smoke", override, f"output_root={tmp_path}"],
+                         cwd=REPO, capture_output=True, text=True, env=_env(), timeout=300)
+    assert res.returncode != 0
+    assert key in res.stderr + res.stdout
+    assert not list(tmp_path.rglob("metrics.json"))  # nothing was trained
+
+
+def test_table_driver_validates_every_row_before_training(tmp_path, capsys):
+    from experiments.reproduce import main
+
+    assert main(["--table", "wt2-nt-1024", "--scale", "smoke", "--output-root", str(tmp_path),
+                 "memory.top_k=-1"]) == 2
+    assert "memory.top_k" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("metrics.json"))
+    assert main(["--table", "no-such-table", "--scale", "smoke"]) == 2
+
+
+def test_a_failing_run_leaves_a_failed_record(tmp_path, monkeypatch):
+    import backends.torch.train as torch_train
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(torch_train, "train", boom)
+    resolved = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch", [])[0]
+    metrics = app.run_one(resolved, tmp_path / "run")
+    assert metrics.status == "failed" and "simulated device failure" in metrics.error
+    on_disk = read_metrics(tmp_path / "run")
+    assert on_disk.status == "failed" and on_disk.table == "wt2-nt-1024" and on_disk.scale == "smoke"
+    assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "error.txt").exists()
+
+
+def test_params_report_matches_the_paper_for_every_paper_scale_row():
+    from experiments.params_report import report
+
+    df = report()
+    assert df["match"].all(), df[~df["match"]].to_string()
+    with_paper = df[df["paper"].notna()]
+    assert len(with_paper) >= 70
+    assert (with_paper["instantiated"] == with_paper["paper"].astype(int)).all()
