@@ -101,7 +101,7 @@ def test_command_line_overrides_are_recorded_as_deviations():
 
 
 def test_command_line_overrides_win_over_the_scale():
-    r = compose_row("main-303m", "pcaf_context_wt103_t1024", "cpu", "torch", ["train.steps=7", "eval.every=3"])[0]
-    assert (r.run.train.steps, r.run.eval.every) == (7, 3)
-    assert "train.steps=7 (command line)" in r.deviations
+    r = compose_row("main-303m", "pcaf_context_wt103_t1024", "cpu", "torch", ["train.steps=77", "eval.every=3"])[0]
+    assert (r.run.train.steps, r.run.eval.every) == (77, 3)
+    assert "train.steps=77 (command line)" in r.deviations
     assert not any(d.startswith("train.steps:") for d in r.deviations)
