@@ -213,7 +213,8 @@ def _label_record(run_dir: Path, resolved: ResolvedRun, **extra: Any) -> RunMetr
     try:
         metrics = read_metrics(run_dir)
     except Exception:  # noqa: BLE001 - no (readable) record: start one from the labels
-        metrics = RunMetrics(table=resolved.table, row=resolved.row, status="failed")
+        metrics = RunMetrics(table=resolved.table, row=resolved.row, status="failed",
+                             error=extra.get("error") or "the run left no readable record")
     for key, value in {**labels(resolved), **extra}.items():
         if hasattr(metrics, key) and value is not None:
             setattr(metrics, key, value)
