@@ -6,10 +6,8 @@ import functools
 
 import pytest
 
-from experiments.params_report import published_counts
 from experiments.reproduce import available_tables, compose_row, table_rows
 from paper_tables.specs import TABLES
-from pcaf_core.params import count_params
 
 TABLE_NAMES = ["wt2-nt-1024", "wt2-nt-2048", "wt103-nt-baselines", "wt103-nt-ablations", "sweeps-41m",
                "main-303m", "semantic-leak-audit"]
@@ -79,19 +77,6 @@ def test_paper_scale_rows_carry_the_paper_budget(table, row, expected):
     for key, value in expected.items():
         section, name = key.split(".")
         assert getattr(getattr(run, section), name) == value, key
-
-
-def test_paper_scale_parameter_counts_equal_the_published_ones():
-    checked = 0
-    for table in TABLE_NAMES:
-        paper = published_counts(table)
-        for row in table_rows(table):
-            if row not in paper:
-                continue
-            run = composed(table, row, "paper")[0].run
-            assert count_params(run.model, run.memory, run.profile) == paper[row], (table, row)
-            checked += 1
-    assert checked >= 70
 
 
 def test_command_line_overrides_are_recorded_as_deviations():
