@@ -12,7 +12,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from pcaf_core.config import DataConfig, EvalConfig, MemoryConfig, ModelConfig, ProfileConfig, TrainConfig
+from pcaf_core.config import RunConfig
 from pcaf_core.profiles import PROFILES
 
 
@@ -41,15 +41,10 @@ class ScaleConfig:
 
 
 @dataclass
-class ExperimentConfig:
-    """One run: a paper row (``table``/``row``) at a scale on a backend."""
+class ExperimentConfig(RunConfig):
+    """One run: a paper row (``table``/``row``) at a scale on a backend; the spec's sections plus
+    what the app needs."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-    profile: ProfileConfig = field(default_factory=ProfileConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     scale: ScaleConfig = field(default_factory=ScaleConfig)
     table: str = "adhoc"
