@@ -36,20 +36,26 @@ CASES = [
 ]
 
 
-def step_seconds(variant: str, route: str, mode: str, T: int, batch: int, precision: str, steps: int) -> float:
+def step_seconds(variant: str, route: str, mode: str, T: int, batch: int, precision: str, steps: int, *,
+                 fused_head: bool = True, fused_adamw: bool = True) -> float:
+    """Median seconds of one training step (forward, backward, AdamW) on random tokens.
+
+    ``fused_head=False`` trains through the full ``[B, Q, V]`` log-softmax (the evaluation path) instead
+    of ``backends.torch.head_loss``; ``fused_adamw=False`` uses AdamW's per-tensor loop.
+    """
     torch.manual_seed(0)
     model_cfg = ModelConfig(variant=variant, vocab_size=20000, d_model=128, d_hidden=512, n_layers=2, n_heads=4,
                             window=64, n_global=8, max_seq_len=T)
     memory = MemoryConfig(route=route, top_k=32, semantic_score_scale=0.5)
     model = build_model(model_cfg, memory, get_profile("reference_jax"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused_adamw or None, foreach=False)
     x = torch.randint(3, 20000, (batch, T))
     y = torch.randint(3, 20000, (batch, T) if mode == "ar" else (batch,))
     times = []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            out = model(x, y, mode, need_log_probs=False, need_predictions=False)
+            out = model(x, y, mode, need_log_probs=not fused_head, need_predictions=False)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -1,13 +1,17 @@
 # Benchmarks: CSV under bench/ (gitignored); ratios are measured side by side in one run.
-.PHONY: bench bench-throughput bench-kernels bench-precision
+.PHONY: bench bench-throughput bench-train-step bench-kernels bench-precision
 
-bench: bench-data bench-kernels bench-throughput
+bench: bench-data bench-kernels bench-throughput bench-train-step
 
 bench-kernels: $(VENV)/.installed
 	$(PY) benchmarks/bench_kernels.py --out bench/kernels.csv
 
 bench-throughput: $(VENV)/.installed
 	$(PY) benchmarks/bench_throughput.py --out bench/throughput.csv
+
+# Fused head loss and fused AdamW against the unfused training step, side by side (about 2 minutes).
+bench-train-step: $(VENV)/.installed
+	$(PY) -m benchmarks.bench_train_step --out bench/train_step.csv
 
 # bf16 autocast vs fp32 learning curves of the cpu-scale PCAF-context row (about 5 minutes).
 bench-precision: $(VENV)/.installed data

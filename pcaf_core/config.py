@@ -8,6 +8,8 @@ wrong key or type fails at composition. Value checks live in ``__post_init__`` a
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -137,6 +139,9 @@ class ProfileConfig:
     router_in_context_models: bool = False  # unused router params carried by non-semantic PCAF
     local_conv_full_param_set: bool = False  # local_conv carries PCAF's memory/gate/router params
     positional: str = "trainable_jax"
+    # Amplitude of the positional signal: the trainable table starts at (or the fixed table is)
+    # positional_scale x sinusoids. 1 in every reference; see docs/SPEC.md §"Positions".
+    positional_scale: float = 1.0
     init: str = "jax_normal"
     # --- correctness quirks ---------------------------------------------------------------
     semantic_ar_target_leak: bool = False
@@ -157,6 +162,8 @@ class ProfileConfig:
         _one_of(s, "router", self.router, ROUTER_FORMS)
         _one_of(s, "positional", self.positional, POSITIONAL_FORMS)
         _one_of(s, "init", self.init, INIT_FORMS)
+        _require(math.isfinite(self.positional_scale) and self.positional_scale >= 0, s, "positional_scale",
+                 self.positional_scale, "must be a finite number >= 0 (1 = the reference sinusoids)")
         _require(0.0 <= self.dropout < 1.0, s, "dropout", self.dropout, "must lie in [0, 1)")
         _require(self.grad_clip_norm >= 0, s, "grad_clip_norm", self.grad_clip_norm, "must be >= 0 (0 = off)")
 

@@ -143,7 +143,8 @@ def init_params(
     """Canonical initialisation (the reference JAX scheme), as NumPy arrays.
 
     Embeddings N(0, 0.02²); Linear weights N(0, 1/fan_in), biases 0; conv N(0, 1/k), bias 0;
-    LayerNorm gain 1, bias 0; ρ = 1; the positional table (if trainable) starts at the sinusoids.
+    LayerNorm gain 1, bias 0; ρ = 1; the positional table (if trainable) starts at the sinusoids times
+    ``profile.positional_scale``.
     Backends may initialise differently (``profile.init``); cross-backend tests load these arrays.
     """
     rng = np.random.default_rng(seed)
@@ -152,7 +153,7 @@ def init_params(
         if name == "embed.weight":
             w = rng.normal(0.0, 0.02, shape)
         elif name == "pos.table":
-            w = sinusoidal_table(shape[0], shape[1], "trainable_jax")
+            w = sinusoidal_table(shape[0], shape[1], "trainable_jax") * profile.positional_scale
         elif name == "memory.recency_scale":
             w = np.array(1.0)
         elif name.endswith("conv.weight"):

@@ -259,7 +259,8 @@ def hidden_states(
                 raise ValueError(f"T={T} exceeds the positional table's {model.max_seq_len} rows")
             x = x + p["pos.table"][:T]
         else:
-            x = x + sinusoidal_table(T, model.d_model, profile.positional).astype(x.dtype)
+            pe = sinusoidal_table(T, model.d_model, profile.positional) * profile.positional_scale
+            x = x + pe.astype(x.dtype)
         return transformer_stack(p, x, model, profile.gelu)
     return conv_stack(p, x, model, profile.gelu)
 

@@ -12,6 +12,7 @@ from pcaf_core.config import (
     ModelConfig,
     RunConfig,
     TrainConfig,
+    ProfileConfig,
     validate,
 )
 from pcaf_core.profiles import PROFILES, get_profile
@@ -36,6 +37,8 @@ BAD_VALUES = [
     (DataConfig, {"name": "c4"}, "data.name"),
     (DataConfig, {"max_vocab": 2}, "data.max_vocab"),
     (EvalConfig, {"protocol": "vibes"}, "eval.protocol"),
+    (ProfileConfig, {"positional_scale": -0.5}, "profile.positional_scale"),
+    (ProfileConfig, {"positional_scale": float("nan")}, "profile.positional_scale"),
 ]
 
 

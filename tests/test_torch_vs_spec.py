@@ -230,3 +230,31 @@ def test_all_tokens_equal_matches_spec(profile_name: str) -> None:
     ref = reference.forward(params, tokens, model, memory, profile, "ar", targets)
     out = torch_forward(params, model, memory, profile, tokens, targets, "ar")
     assert_matches(out, ref, rtol=1e-5, atol=1e-10)
+
+
+@pytest.mark.parametrize("profile_name", ["reference_jax", "reference_torch"])  # trainable / fixed table
+@pytest.mark.parametrize("init", ["jax_normal", "torch_default"])
+def test_positional_scale_matches_spec(profile_name: str, init: str) -> None:
+    """``profile.positional_scale`` scales the trainable table's start and the fixed table alike, in the
+    spec's init, the torch init under both schemes, and the forward."""
+    scale = 0.02
+    model, memory, _ = configs("transformer_dense", profile=profile_name)
+    profile = get_profile(profile_name, positional_scale=scale, init=init)
+    unscaled = get_profile(profile_name)
+    net = build_model(model, memory, profile, dtype=torch.float64)
+    if profile.positional == "trainable_jax":
+        want = scale * init_params(model, memory, unscaled)["pos.table"]
+        np.testing.assert_allclose(init_params(model, memory, profile)["pos.table"], want, rtol=1e-15)
+        # build_model creates float32 parameters and then casts: float32 rounding
+        np.testing.assert_allclose(net.pos.table.detach().numpy(), want, rtol=1e-7, atol=1e-9)
+    else:
+        base = build_model(model, memory, unscaled, dtype=torch.float64)
+        torch.testing.assert_close(net.pos(9, torch.float64, torch.device("cpu")),
+                                   scale * base.pos(9, torch.float64, torch.device("cpu")), rtol=1e-15, atol=0)
+    params = spec_params(model, memory, profile)
+    tokens, targets = window(20, "ar")
+    ref = reference.forward(params, tokens, model, memory, profile, "ar", targets)
+    assert_matches(torch_forward(params, model, memory, profile, tokens, targets, "ar"), ref, 1e-10, 1e-10)
+    ref_unscaled = reference.forward(params, tokens, model, memory, unscaled, "ar", targets)
+    if profile.positional == "fixed_torch":  # the fixed table is not a parameter: the forward changes
+        assert not np.allclose(ref.hidden, ref_unscaled.hidden)

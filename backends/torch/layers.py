@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.torch.head_loss import target_log_softmax, widen
 from pcaf_core.params import sinusoidal_table
 from pcaf_core.reference import LN_EPS
 
@@ -75,9 +76,19 @@ class Head(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.gelu_form = gelu_form
 
+    def features(self, h: torch.Tensor) -> torch.Tensor:
+        """``[..., d] -> [..., d_hidden]``: the output layer's input ``drop(GELU(W_h·LN h))``."""
+        return self.drop(gelu(self.hidden(self.norm(h)), self.gelu_form))
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        y = self.drop(gelu(self.hidden(self.norm(h)), self.gelu_form))
-        return torch.log_softmax(self.out(y), dim=-1)
+        # The normaliser in float32 under bf16 autocast: CUDA autocast upcasts log_softmax by itself, CPU
+        # autocast would keep bf16 and round every log-probability to 8 significant bits.
+        return torch.log_softmax(widen(self.out(self.features(h))), dim=-1)
+
+    def target_log_prob(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``forward(h)`` at ``targets`` only: h ``[..., d]``, targets ``[...]`` -> ``[...]``, without the
+        ``[..., V]`` log-softmax graph (``backends.torch.head_loss``)."""
+        return target_log_softmax(self.features(h), self.out.weight, self.out.bias, targets)
 
 
 class Gate(nn.Module):
@@ -97,9 +108,9 @@ class Gate(nn.Module):
 class PositionalTable(nn.Module):
     """The trainable positional table ``pos.table`` ``[max_seq_len, d]`` (reference JAX)."""
 
-    def __init__(self, max_seq_len: int, d: int) -> None:
+    def __init__(self, max_seq_len: int, d: int, scale: float = 1.0) -> None:
         super().__init__()
-        self.table = nn.Parameter(torch.as_tensor(sinusoidal_table(max_seq_len, d, "trainable_jax"),
+        self.table = nn.Parameter(torch.as_tensor(sinusoidal_table(max_seq_len, d, "trainable_jax") * scale,
                                                   dtype=torch.get_default_dtype()))
 
     def forward(self, seq_len: int) -> torch.Tensor:
@@ -118,16 +129,16 @@ class FixedPositions(nn.Module):
     only, so shorter windows read a prefix of it.
     """
 
-    def __init__(self, d: int, form: str) -> None:
+    def __init__(self, d: int, form: str, scale: float = 1.0) -> None:
         super().__init__()
-        self.d, self.form = d, form
+        self.d, self.form, self.scale = d, form, scale
         self._cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def forward(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (dtype, device)
         table = self._cache.get(key)
         if table is None or table.shape[0] < seq_len:
-            values = torch.as_tensor(np.asarray(sinusoidal_table(seq_len, self.d, self.form)), dtype=torch.float64)
+            values = torch.as_tensor(sinusoidal_table(seq_len, self.d, self.form) * self.scale, dtype=torch.float64)
             table = self._cache[key] = values.to(device=device, dtype=dtype)
         return table[:seq_len]
 

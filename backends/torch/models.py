@@ -71,7 +71,8 @@ class TorchForwardOutput:
     """Model outputs at the Q query positions (Q = 1 in NT mode, T in AR mode).
 
     hidden: ``[B, T, d]`` final states;
-    param_log_probs: ``[B, Q, V]`` parametric head;
+    param_log_probs: ``[B, Q, V]`` parametric head; None when neither log-probs nor predictions were
+        requested (a training step reads the head at the targets only);
     log_probs: ``[B, Q, V]`` the predictive distribution in log space (unnormalised under the NT floor),
         None when neither requested nor needed for the predictions;
     target_log_prob: ``[B, Q]`` log p(target) as the loss uses it (None without targets);
@@ -81,7 +82,7 @@ class TorchForwardOutput:
     """
 
     hidden: torch.Tensor
-    param_log_probs: torch.Tensor
+    param_log_probs: torch.Tensor | None
     log_probs: torch.Tensor | None
     target_log_prob: torch.Tensor | None
     prediction: torch.Tensor | None
@@ -154,17 +155,22 @@ class CanonicalLM(nn.Module, abc.ABC):
         Args:
             targets: NT ``[B]`` (the token after the window) or AR ``[B, T]`` (``x_{t+1}``); optional.
             mode: ``nt`` (one query at T-1) or ``ar`` (every position).
-            need_log_probs: build ``log_probs`` (and the memory's ``p_cache``), ``[B, Q, V]`` each. A
-                training step needs neither: the loss uses the target entries only.
-            need_predictions: compute ``prediction``; under the mixture-argmax accuracy this builds the
-                ``[B, Q, V]`` mixture even when ``need_log_probs`` is False.
+            need_log_probs: build ``log_probs``, ``param_log_probs`` (and the memory's ``p_cache``),
+                ``[B, Q, V]`` each. A training step needs none of them: the loss uses the target entries.
+            need_predictions: compute ``prediction``; this needs the head's ``[B, Q, V]`` log-probs, and
+                under the mixture-argmax accuracy the mixture too, even when ``need_log_probs`` is False.
         """
         tokens, tgt = self.check_inputs(tokens, targets, mode)
         T = tokens.shape[1]
         qpos = records.query_positions(T, mode, tokens.device)
         h = self.hidden_states(tokens)
-        param_lp = self.head(h[:, qpos])  # [B, Q, V]: the head's log-softmax over V is unavoidable
-        lp_y = None if tgt is None else param_lp.gather(-1, tgt[..., None])[..., 0]
+        if tgt is not None and not (need_log_probs or need_predictions):
+            # Training: the head at the targets only, without the [B, Q, V] log-softmax graph.
+            param_lp = None
+            lp_y = self.head.target_log_prob(h[:, qpos], tgt)
+        else:
+            param_lp = self.head(h[:, qpos])  # [B, Q, V]
+            lp_y = None if tgt is None else param_lp.gather(-1, tgt[..., None])[..., 0]
         if not self.uses_cache:
             pred = torch.argmax(param_lp, dim=-1) if need_predictions else None
             loss = None if lp_y is None else -lp_y.mean()
@@ -312,9 +318,9 @@ class TransformerLM(CanonicalLM):
         d, h, V, p = model.d_model, model.d_hidden, model.vocab_size, profile.dropout
         self.embed = nn.Embedding(V, d)
         if has_positional_table(model, profile):
-            self.pos: nn.Module = PositionalTable(model.max_seq_len, d)
+            self.pos: nn.Module = PositionalTable(model.max_seq_len, d, profile.positional_scale)
         else:
-            self.pos = FixedPositions(d, profile.positional)
+            self.pos = FixedPositions(d, profile.positional, profile.positional_scale)
         self.blocks = nn.ModuleList(
             TransformerBlock(d, h, model.n_heads, model.variant, model.window, model.n_global, model.linear_chunk,
                              profile.gelu, p)

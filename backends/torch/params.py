@@ -25,7 +25,7 @@ def init_params(
         if name == "embed.weight":
             w = torch.randn(shape, generator=gen, dtype=torch.float64, device="cpu") * 0.02
         elif name == "pos.table":
-            w = torch.as_tensor(sinusoidal_table(shape[0], shape[1], "trainable_jax"))
+            w = torch.as_tensor(sinusoidal_table(shape[0], shape[1], "trainable_jax") * profile.positional_scale)
         elif name == "memory.recency_scale":
             w = torch.tensor(1.0, dtype=torch.float64)
         elif name.endswith("conv.weight") or (name.endswith(".weight") and len(shape) == 2):

@@ -1,0 +1,72 @@
+"""The head's log-probability of the target, without the ``[N, V]`` log-softmax graph.
+
+A training step needs ``log p(y)`` of the parametric head at each query, never the whole distribution.
+Computing it as ``log_softmax(z @ W^T + b).gather(y)`` makes autograd keep the ``[N, V]`` log-probs and,
+in the backward pass, fill an ``[N, V]`` zero tensor, scatter into it and run the log-softmax backward:
+four memory-bound passes over the largest tensor of a full-AR step (at V=20,000 and 2,048 queries they
+cost a quarter of a CPU training step, more than the output matmul's share). :func:`target_log_softmax`
+keeps the logits (in the matmul dtype) and the log-normaliser, and forms the logits' gradient
+``g·(onehot(y) − softmax)`` in place, in one pass.
+
+The arithmetic is :meth:`backends.torch.layers.Head.forward`'s: logits in the matmul dtype (bf16 under
+autocast), normaliser and target logit in float32 (float64 stays float64), so both paths agree to float
+rounding (tests/test_torch_head_loss.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+
+def widen(x: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
+    """``x`` in float32 when it is a 16-bit float (a new tensor), else ``x`` itself (cloned if ``copy``)."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return x.float()
+    return x.clone() if copy else x
+
+
+class _TargetLogSoftmax(torch.autograd.Function):
+    """``log_softmax(z @ weight^T + bias)[n, y_n]``: z ``[N, H]``, weight ``[V, H]``, bias ``[V]``,
+    y ``[N]`` int64 -> ``[N]`` float32."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = torch.addmm(bias, z, weight.t())  # [N, V], the matmul dtype
+        lse = torch.logsumexp(widen(logits), dim=-1)  # [N]
+        target_logit = widen(logits.gather(1, y[:, None])[:, 0])
+        ctx.save_for_backward(z, weight, y, logits, lse)
+        return target_logit - lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        z, weight, y, logits, lse = ctx.saved_tensors
+        g = grad.to(lse.dtype)
+        # d/dlogits of g·(logit_y − lse) = g·onehot(y) − g·softmax, built in place in one wide buffer.
+        dlogits = widen(logits, copy=True).sub_(lse[:, None]).exp_().mul_(-g[:, None])
+        dlogits.scatter_add_(1, y[:, None], g[:, None])
+        dbias = dlogits.sum(0)
+        dl = dlogits.to(z.dtype)
+        dz = dl @ weight if ctx.needs_input_grad[0] else None
+        dweight = dl.t() @ z if ctx.needs_input_grad[1] else None
+        return dz, dweight, dbias.to(weight.dtype), None
+
+
+def target_log_softmax(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor
+                       ) -> torch.Tensor:
+    """Head log-probability of ``targets``: z ``[..., H]``, targets ``[...]`` (ids in ``[0, V)``) ->
+    ``[...]`` float32 (float64 when z is float64).
+
+    Under autocast the output matmul runs in the autocast dtype, as ``nn.Linear`` would; the casts of
+    ``weight`` and ``bias`` sit outside the autograd function, so their gradients reach the float32
+    parameters through autograd's own cast backward.
+    """
+    lead = targets.shape
+    zf = z.reshape(-1, z.shape[-1])
+    if torch.is_autocast_enabled(zf.device.type):
+        dtype = torch.get_autocast_dtype(zf.device.type)
+        zf, weight, bias = zf.to(dtype), weight.to(dtype), bias.to(dtype)
+    with torch.autocast(zf.device.type, enabled=False):
+        out = _TargetLogSoftmax.apply(zf, weight, bias, targets.reshape(-1))
+    return out.reshape(lead)
