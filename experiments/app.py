@@ -31,6 +31,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from experiments import allocator
 from pcaf_core.config import ConfigError, RunConfig, validate
 from pcaf_core.results import CONFIG_FILE, RunMetrics, read_metrics, write_metrics
 
@@ -196,7 +197,8 @@ def write_run_files(run_dir: Path, resolved: ResolvedRun) -> None:
     tmp = run_dir / (CONFIG_FILE + ".tmp")
     tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
     os.replace(tmp, run_dir / CONFIG_FILE)
-    env = {**labels(resolved), "argv": sys.argv, "platform": platform.platform(), "host": platform.node()}
+    env = {**labels(resolved), "argv": sys.argv, "platform": platform.platform(), "host": platform.node(),
+           "malloc": allocator.describe()}
     (run_dir / "environment.json").write_text(json.dumps(env, indent=2, default=str))
 
 

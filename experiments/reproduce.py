@@ -144,4 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from experiments.allocator import ensure_tunables
+
+    ensure_tunables()
     sys.exit(main())

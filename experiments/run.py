@@ -48,4 +48,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from experiments.allocator import ensure_tunables
+
+    ensure_tunables()
     main()

@@ -44,8 +44,8 @@ def build_optimizer(module: nn.Module, train: TrainConfig, profile: ProfileConfi
     """``torch.optim.AdamW`` with the run's betas, eps and weight decay; the loop sets the LR each step.
 
     The fused implementation (one kernel over all tensors, on CPU and CUDA) does the same arithmetic as
-    the per-tensor loop in a third of its time, which matters on a CPU where the update of a
-    20,000-row head costs a tenth of a training step.
+    the per-tensor loop: on the 2-core CPU one update of the 13M-parameter cpu-scale model takes 9 ms
+    against 55 ms (the loop's time is about 6% of a full-AR training step there).
     """
     groups = param_groups(module, train.weight_decay, profile.weight_decay_all_params)
     devices = {p.device.type for g in groups for p in g["params"]}

@@ -141,6 +141,10 @@ class TorchBackend:
         # warn_only: some CUDA kernels have no deterministic implementation, and a warning is better than
         # refusing to train; CPU runs are deterministic regardless.
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # Deterministic mode also fills every new uninitialised tensor with NaN, a debugging aid that
+        # costs a memory pass per allocation (an eighth of a CPU full-AR step); every kernel here writes
+        # its output before reading it, so results are the same without it.
+        torch.utils.deterministic.fill_uninitialized_memory = False
         # build_model draws the initial weights from its own generator seeded with train.seed.
         module = build_model(cfg.model, cfg.memory, cfg.profile, seed=cfg.train.seed, device=self.torch_device)
         # The global generator drives dropout. Each rank gets its own stream, so the ranks' batch slices
