@@ -9,7 +9,6 @@ wrong key or type fails at composition. Value checks live in ``__post_init__`` a
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field, fields
 from typing import Any
 

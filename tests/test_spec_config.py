@@ -10,9 +10,9 @@ from pcaf_core.config import (
     EvalConfig,
     MemoryConfig,
     ModelConfig,
+    ProfileConfig,
     RunConfig,
     TrainConfig,
-    ProfileConfig,
     validate,
 )
 from pcaf_core.profiles import PROFILES, get_profile

@@ -11,7 +11,6 @@ on each residual branch, and on the attention weights; it is active in training 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
