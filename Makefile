@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# glibc malloc keeps freed memory instead of unmapping it: 1.6-1.9x faster CPU training steps, same
+# glibc malloc keeps freed memory instead of unmapping it: 1.6-1.8x faster CPU training steps, same
 # numbers (experiments/allocator.py explains; its entry points set this themselves when run directly).
 export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295:glibc.malloc.hugetlb=1
 
