@@ -73,8 +73,25 @@ def _mean_curve(curves: list[pd.Series]) -> pd.Series:
     return pd.concat(curves, axis=1).sort_index().mean(axis=1, skipna=True)
 
 
-def plot_learning_curves(spec: TableSpec, curves: dict[str, list[pd.Series]], title: str = "") -> Figure:
-    """Best-so-far validation PPL vs step; one panel per row group, one line per row."""
+def measured_settings(spec: TableSpec, agg: pd.DataFrame) -> dict[str, str]:
+    """Per row group, the dataset(s) and window length(s) its measured runs used, e.g.
+    ``"measured: wikitext2, T=256"`` (a reduced scale may substitute both); groups without runs are left out."""
+    out: dict[str, str] = {}
+    for group in dict.fromkeys(row.group for row in spec.rows):
+        ids = [r.id for r in spec.rows if r.group == group and r.id in agg.index]
+        datasets = sorted({d for i in ids for d in (agg.at[i, "datasets"] or [])})
+        lengths = sorted({int(agg.at[i, "seq_len"]) for i in ids if pd.notna(agg.at[i, "seq_len"])})
+        if datasets or lengths:
+            parts = [", ".join(datasets)] if datasets else []
+            parts += ["T=" + "/".join(str(t) for t in lengths)] if lengths else []
+            out[group] = "measured: " + ", ".join(parts)
+    return out
+
+
+def plot_learning_curves(spec: TableSpec, curves: dict[str, list[pd.Series]], title: str = "",
+                         measured: dict[str, str] | None = None) -> Figure:
+    """Best-so-far validation PPL vs step; one panel per row group (titled with the paper's group and,
+    from ``measured``, what the runs actually used), one line per row."""
     groups: list[str] = []
     for row in spec.rows:
         if row.group not in groups:
@@ -94,7 +111,8 @@ def plot_learning_curves(spec: TableSpec, curves: dict[str, list[pd.Series]], ti
             ax.plot(mean.index, mean.values, marker="o", markersize=2.5, linewidth=1.3,
                     label=row.display + (f" (n={n})" if n > 1 else ""))
             drawn += 1
-        ax.set_title(group, fontsize=10)
+        note = (measured or {}).get(group)
+        ax.set_title(f"paper rows: {group}" + (f"\n({note})" if note else ""), fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("best-so-far validation PPL")
         if drawn:

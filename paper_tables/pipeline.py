@@ -9,6 +9,7 @@ from paper_tables.claims import evaluate_claims, referenced_tables
 from paper_tables.collect import collect_tables, unattributed_runs
 from paper_tables.figures import (
     load_curves,
+    measured_settings,
     plot_learning_curves,
     plot_speed_quality,
     plot_throughput,
@@ -59,7 +60,8 @@ def render_table(table: str, scale: str, backend: str, runs: str | os.PathLike[s
         pubs = {spec.name: report.published} if report.published is not None else {}
         figs = {
             "curves": plot_learning_curves(spec, load_curves(spec, report.agg),
-                                           title=f"{table} ({scale}, {backend}): best-so-far validation PPL"),
+                                           title=f"{table} ({scale}, {backend}): best-so-far validation PPL",
+                                           measured=measured_settings(spec, report.agg)),
             "throughput": plot_throughput(spec, report.agg, pubs, title=f"{table} ({scale}, {backend}): throughput"),
             "speed_quality": plot_speed_quality(spec, report.agg, pubs,
                                                 title=f"{table} ({scale}, {backend}): speed vs quality"),

@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 
 from paper_tables.__main__ import main
-from paper_tables.figures import best_so_far_curve, plot_learning_curves, plot_sweep, save_figure
+from paper_tables.collect import collect_tables
+from paper_tables.figures import best_so_far_curve, measured_settings, plot_learning_curves, plot_sweep, save_figure
 from paper_tables.specs import get_table
 from paper_tables.sweep import aggregate_sweep, load_sweep, swept_value
 from pcaf_core.results import RunMetrics, append_curve_row, write_metrics
@@ -59,6 +60,23 @@ def test_learning_curves_without_any_run_still_make_a_figure(tmp_path):
     assert all("no learning curves recorded" in [t.get_text() for t in ax.texts] for ax in fig.axes
                if ax.get_visible())
     _assert_png_pdf(*save_figure(fig, tmp_path / "curves"))
+
+
+def test_learning_curve_panels_say_what_the_runs_measured(tmp_path):
+    """A reduced scale may substitute the dataset and T: each panel names the paper's rows and the
+    dataset and T its runs actually used."""
+    root = tmp_path / "outputs"
+    for row in ("pcaf_context", "transformer_dense"):
+        d = _run(root / TABLE / "smoke" / "torch" / row / "s1", row=row, dataset="wikitext2", seq_len=64)
+        append_curve_row(d, {"step": 1, "eval_ppl_reference": 900.0})
+    spec = get_table(TABLE)
+    _, aggs = collect_tables(root, [TABLE], "smoke", "torch")
+    agg = aggs[TABLE]
+    settings = measured_settings(spec, agg)
+    assert set(settings.values()) == {"measured: wikitext2, T=64"}
+    fig = plot_learning_curves(spec, {}, measured=settings)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert titles and all(t.startswith("paper rows: ") and "(measured: wikitext2, T=64)" in t for t in titles)
 
 
 def test_cli_rejects_unknown_table_with_the_valid_names(capsys):
