@@ -63,6 +63,15 @@ def step_seconds(variant: str, route: str, mode: str, T: int, batch: int, precis
     return statistics.median(times[1:])
 
 
+def write_csv(path: str | Path, rows: list[dict]) -> None:
+    """``rows`` (dicts with the same keys) as a CSV file, parent directories created."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/throughput.csv")
@@ -78,11 +87,7 @@ def main() -> int:
         ref = next(x for x in rows if x["model"] == "dense Transformer" and x["mode"] == r["mode"]
                    and x["precision"] == r["precision"])
         r["x_dense"] = round(r["tokens_per_s"] / ref["tokens_per_s"], 3)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out, rows)
     print(f"{'model':18} {'mode':4} {'T':>5} {'prec':5} {'tok/s':>9} {'x dense':>8}  (d=128, 2 layers, V=20000, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads)")
     for r in rows:

@@ -10,12 +10,10 @@ speed-up column is against the unfused pair of the same model and precision.
 from __future__ import annotations
 
 import argparse
-import csv
-from pathlib import Path
 
 import torch
 
-from benchmarks.bench_throughput import step_seconds
+from benchmarks.bench_throughput import step_seconds, write_csv
 
 CASES = [  # (label, variant, route, precision)
     ("dense Transformer", "transformer_dense", "context", "bf16"),
@@ -40,11 +38,7 @@ def main() -> int:
             rows.append({"model": label, "precision": precision, "fused_head": fused_head,
                          "fused_adamw": fused_adamw, "step_s": round(dt, 4),
                          "tokens_per_s": round(8 * 256 / dt, 1), "speedup": round(base / dt, 3)})
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out, rows)
     print(f"{'model':18} {'prec':5} {'fused head':>10} {'fused AdamW':>11} {'tok/s':>8} {'speed-up':>8}  "
           f"(full AR, T=256, batch 8, V=20000, torch {torch.__version__}, {torch.get_num_threads()} threads)")
     for r in rows:
