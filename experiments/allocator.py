@@ -3,8 +3,8 @@
 A full-AR training step allocates and frees several tensors of tens to hundreds of MB (the ``[B·T, V]``
 logits and their gradient). glibc serves blocks that large with ``mmap`` and returns them with
 ``munmap`` on free, so every step page-faults its largest tensors in afresh and the kernel zeroes them:
-on the project's 2-core CPU that was about 40% of a cpu-scale training step (295 against 183 ms). Keeping freed memory in the
-heap (no mmap, no trim) and backing it with transparent huge pages removes that cost
+on the project's 2-core CPU that was about 40% of a cpu-scale training step (295 against 183 ms).
+Keeping freed memory in the heap (no mmap, no trim) and backing it with transparent huge pages removes that cost
 (``make bench-train-step`` measures it). The settings only change where memory comes from, never a
 computed value.
 

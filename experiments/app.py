@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -33,7 +32,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from experiments import allocator
 from pcaf_core.config import ConfigError, RunConfig, validate
-from pcaf_core.results import CONFIG_FILE, RunMetrics, read_metrics, write_metrics
+from pcaf_core.fsutil import atomic_write_text
+from pcaf_core.results import CONFIG_FILE, RunMetrics, SchemaError, read_metrics
+from pcaf_core.run_record import mark_failed
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "experiments" / "conf"
@@ -192,14 +193,13 @@ def labels(resolved: ResolvedRun) -> dict[str, Any]:
 
 
 def write_run_files(run_dir: Path, resolved: ResolvedRun) -> None:
+    """``config.yaml`` (the resolved Hydra config) and ``environment.json`` (labels, argv, host), atomically."""
     cfg = OmegaConf.to_container(resolved.cfg, resolve=True)
     cfg["run_dir"] = str(run_dir)
-    tmp = run_dir / (CONFIG_FILE + ".tmp")
-    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
-    os.replace(tmp, run_dir / CONFIG_FILE)
+    atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(cfg)))
     env = {**labels(resolved), "argv": sys.argv, "platform": platform.platform(), "host": platform.node(),
            "malloc": allocator.describe()}
-    (run_dir / "environment.json").write_text(json.dumps(env, indent=2, default=str))
+    atomic_write_text(run_dir / "environment.json", json.dumps(env, indent=2, default=str))
 
 
 def initial_record(resolved: ResolvedRun) -> RunMetrics:
@@ -210,18 +210,16 @@ def initial_record(resolved: ResolvedRun) -> RunMetrics:
     return record
 
 
-def _label_record(run_dir: Path, resolved: ResolvedRun, **extra: Any) -> RunMetrics:
-    """Stamp the run's labels onto its metrics.json (written by the backend or created here)."""
+def _failed(run_dir: Path, resolved: ResolvedRun, error: str) -> RunMetrics:
+    """The record of a run that raised: the loop's own ``failed`` record when it wrote one, else one
+    written here (the run failed before the loop could start, or a worker died without recording)."""
     try:
         metrics = read_metrics(run_dir)
-    except Exception:  # noqa: BLE001 - no (readable) record: start one from the labels
-        metrics = RunMetrics(table=resolved.table, row=resolved.row, status="failed",
-                             error=extra.get("error") or "the run left no readable record")
-    for key, value in {**labels(resolved), **extra}.items():
-        if hasattr(metrics, key) and value is not None:
-            setattr(metrics, key, value)
-    write_metrics(run_dir, metrics)
-    return metrics
+        if metrics.status == "failed":
+            return metrics
+    except (FileNotFoundError, SchemaError):
+        pass
+    return mark_failed(run_dir, initial_record(resolved), error, cfg=resolved.run)
 
 
 def fmt(value: float | None, spec: str = ".2f") -> str:
@@ -249,16 +247,16 @@ def run_one(resolved: ResolvedRun, run_dir: Path | None = None, *, progress: boo
     try:
         backend = importlib.import_module(f"backends.{resolved.backend}.train")
     except ImportError as exc:
-        return _label_record(run_dir, resolved, status="failed",
-                             error=f"backend {resolved.backend!r} is not available: {exc}")
+        return _failed(run_dir, resolved, f"backend {resolved.backend!r} is not available: {exc}")
     try:
-        backend.train(resolved.run, run_dir, progress=progress, record=initial_record(resolved),
-                      device=resolved.cfg.backend.device, world_size=int(resolved.cfg.backend.world_size))
+        # The loop writes metrics.json (labels from the template, its own deviations added) and is its only
+        # writer; nothing below rewrites a record the loop has written.
+        return backend.train(resolved.run, run_dir, progress=progress, record=initial_record(resolved),
+                             device=resolved.cfg.backend.device, world_size=int(resolved.cfg.backend.world_size))
     except KeyboardInterrupt:
-        _label_record(run_dir, resolved, status="failed", error="interrupted (KeyboardInterrupt); resume with run_dir=")
+        _failed(run_dir, resolved, "interrupted (KeyboardInterrupt); resume with run_dir=" + str(run_dir))
         raise
     except Exception as exc:  # noqa: BLE001 - recorded, the table shows the row as failed
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        (run_dir / "error.txt").write_text(traceback.format_exc())
-        return _label_record(run_dir, resolved, status="failed", error=detail)
-    return _label_record(run_dir, resolved)
+        atomic_write_text(run_dir / "error.txt", traceback.format_exc())
+        return _failed(run_dir, resolved, detail)

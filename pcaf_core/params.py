@@ -112,6 +112,21 @@ def param_shapes(model: ModelConfig, memory: MemoryConfig, profile: ProfileConfi
     return shapes
 
 
+# The common recipe's exclusions from weight decay besides "fewer than 2 dims" (norm gains, biases, the
+# 0-d ρ): the trainable positional table is 2-d and named explicitly.
+NO_DECAY_NAMES = ("pos.table", "memory.recency_scale")
+
+
+def decayed(name: str, shape: tuple[int, ...], decay_all: bool) -> bool:
+    """Whether AdamW's weight decay applies to canonical parameter ``name`` of ``shape``.
+
+    ``decay_all`` (``profile.weight_decay_all_params``, every reference profile) decays every parameter:
+    embeddings, LayerNorm gains and biases, ρ and the positional table. Otherwise norms, biases, ρ and
+    the positional table are left undecayed (the common recipe).
+    """
+    return decay_all or not (len(shape) < 2 or name in NO_DECAY_NAMES)
+
+
 def count_params(model: ModelConfig, memory: MemoryConfig, profile: ProfileConfig) -> int:
     """Number of parameters, from the canonical shapes alone (no allocation)."""
     return sum(math.prod(s) for s in param_shapes(model, memory, profile).values())

@@ -26,11 +26,12 @@ import json
 import math
 import numbers
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from pcaf_core.fsutil import atomic_write_text
 
 SCHEMA_VERSION = 1
 """Version of the ``metrics.json`` layout written by :func:`write_metrics`."""
@@ -302,27 +303,6 @@ def _decode_nonfinite(value: Any) -> Any:
     return value
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same directory and ``os.replace``.
-
-    A failure at any point leaves the previous file untouched and removes the temp file.
-    """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; records are meant to be shared and read by others
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def metrics_path(run_dir: str | os.PathLike[str]) -> Path:
     """Path of a run directory's ``metrics.json``."""
     return Path(run_dir) / METRICS_FILE
@@ -348,7 +328,7 @@ def write_metrics(run_dir: str | os.PathLike[str], metrics: RunMetrics) -> Path:
         raise SchemaError(f"run record for {metrics.table}/{metrics.row} is not JSON-serialisable: {exc}") from exc
     path = metrics_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_text(path, text + "\n")
+    atomic_write_text(path, text + "\n")
     return path
 
 
@@ -420,7 +400,7 @@ def append_curve_row(run_dir: str | os.PathLike[str], row: dict[str, Any]) -> Pa
             writer.writeheader()
             writer.writerows(old_rows)
             writer.writerow({k: _cell(row.get(k)) for k in header})
-            _atomic_write_text(path, buf.getvalue())
+            atomic_write_text(path, buf.getvalue())
             return path
         buf = io.StringIO()
         csv.writer(buf, lineterminator="\n").writerow([_cell(row.get(k)) for k in header])
@@ -432,7 +412,7 @@ def append_curve_row(run_dir: str | os.PathLike[str], row: dict[str, Any]) -> Pa
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)
     writer.writerow([_cell(row.get(k)) for k in header])
-    _atomic_write_text(path, buf.getvalue())
+    atomic_write_text(path, buf.getvalue())
     return path
 
 

@@ -109,6 +109,39 @@ def test_a_failing_run_leaves_a_failed_record(tmp_path, monkeypatch):
     assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "error.txt").exists()
 
 
+def test_the_loop_writes_the_completed_record_and_its_deviation_lines_survive(tmp_path):
+    """The app's deviations are the record's first lines, the loop's own (a capped full evaluation) follow,
+    and nothing rewrites the record after the loop (the file on disk is the record the loop returned)."""
+    resolved = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch", [])[0]
+    metrics = app.run_one(resolved, tmp_path / "run", progress=False)
+    assert metrics.status == "completed", metrics.error
+    assert read_metrics(tmp_path / "run") == metrics
+    n = len(resolved.deviations)
+    assert metrics.deviations[:n] == resolved.deviations
+    assert any("capped at 4 of" in line for line in metrics.deviations[n:])
+    assert metrics.backend == "torch" and metrics.scale == "smoke" and "torch" in metrics.versions
+
+
+def test_a_worker_that_died_mid_run_is_marked_failed_without_losing_its_record(tmp_path, monkeypatch):
+    import dataclasses
+
+    import backends.torch.train as torch_train
+    from pcaf_core.results import write_metrics
+
+    resolved = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch", [])[0]
+    partial = dataclasses.replace(app.initial_record(resolved), status="running", steps_done=3, best_ppl=812.5)
+
+    def died(cfg, run_dir, **kwargs):
+        write_metrics(run_dir, partial)  # what a worker leaves when it is killed mid-run
+        raise RuntimeError("worker 1 exited with signal 9")
+
+    monkeypatch.setattr(torch_train, "train", died)
+    metrics = app.run_one(resolved, tmp_path / "run")
+    assert metrics.status == "failed" and "signal 9" in metrics.error
+    assert metrics.steps_done == 3 and metrics.best_ppl == 812.5  # kept, not replaced by a blank record
+    assert read_metrics(tmp_path / "run") == metrics
+
+
 def test_params_report_matches_the_paper_for_every_paper_scale_row():
     from experiments.params_report import report
 

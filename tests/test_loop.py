@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pcaf_core import loop
+from pcaf_core.backend import EvalOutputs
 from pcaf_core.config import (
     ConfigError,
     DataConfig,
@@ -118,15 +119,15 @@ class BigramBackend(SingleProcess):
             W = W * np.nan
         return {"W": W, "step": step}, loss
 
-    def eval_batch(self, state: dict[str, Any], inputs: np.ndarray, targets: np.ndarray, mode: str,
-                   mask: np.ndarray | None = None) -> tuple[float, int, int, int]:
+    def eval_batch(self, state: dict[str, Any], inputs: np.ndarray, targets: np.ndarray,
+                   mode: str) -> EvalOutputs:
         self.calls.append(("eval", state["step"]))
         prev, y = self._pairs(inputs, targets)
-        m = np.ones(len(y), bool) if mask is None else np.asarray(mask, bool).reshape(-1)
         lp = self._log_probs(state["W"], prev)
-        nll = -lp[np.arange(len(y)), y]
-        pred = lp.argmax(-1)
-        return float(nll[m].sum()), int(m.sum()), int(((pred == y) & m).sum()), int(((pred == y) & m).sum())
+        shape = (len(inputs), -1)
+        pred = lp.argmax(-1).reshape(shape)
+        return EvalOutputs(target_log_prob=lp[np.arange(len(y)), y].reshape(shape), prediction=pred,
+                           prediction_param=pred)
 
     def save(self, state: dict[str, Any], path: Path) -> None:
         np.save(Path(path) / "W.npy", state["W"])
@@ -151,14 +152,19 @@ class ScriptedEvalBackend(BigramBackend):
         self.batches = batches
         self.n_eval_calls = 0
 
-    def eval_batch(self, state, inputs, targets, mode, mask=None):
-        if mask is not None:  # full protocol: a fixed loss of 25 nats (beyond the cap)
-            n = int(np.asarray(mask).sum())
-            return 25.0 * n, n, 0, 0
-        loss, acc = self.script[self.n_eval_calls // self.batches]
+    def eval_batch(self, state, inputs, targets, mode):
+        y = np.asarray(targets).reshape(len(inputs), -1)
+        n = y.size
+        if self.n_eval_calls >= len(self.script) * self.batches:  # the full protocol: 25 nats (beyond the cap)
+            loss, hits, hits_param = 25.0, 0, 0
+        else:
+            loss, acc = self.script[self.n_eval_calls // self.batches]
+            hits, hits_param = round(acc * n), round(acc * n / 2)
         self.n_eval_calls += 1
-        n = len(targets)
-        return loss * n, n, round(acc * n), round(acc * n / 2)
+        miss = (y + 1) % V
+        first = np.arange(n).reshape(y.shape)
+        return EvalOutputs(target_log_prob=np.full(y.shape, -loss), prediction=np.where(first < hits, y, miss),
+                           prediction_param=np.where(first < hits_param, y, miss))
 
 
 QUALITY_FIELDS = ("final_ppl", "best_ppl", "best_step", "acc_at_best", "acc_param_at_best", "final_acc",
@@ -224,13 +230,12 @@ def test_eval_windows_are_fresh_at_every_evaluation(tmp_path):
     seen: list[bytes] = []
 
     class Recording(BigramBackend):
-        def eval_batch(self, state, inputs, targets, mode, mask=None):
-            if mask is None:
-                seen.append(inputs.tobytes())
-            return super().eval_batch(state, inputs, targets, mode, mask)
+        def eval_batch(self, state, inputs, targets, mode):
+            seen.append(inputs.tobytes())
+            return super().eval_batch(state, inputs, targets, mode)
 
-    run_training(small_cfg(steps=8, eval={"every": 4, "batches": 2}), Recording(), tmp_path,
-                 corpus=markov_corpus(), progress=False)
+    run_training(small_cfg(steps=8, eval={"every": 4, "batches": 2, "protocol": "reference"}), Recording(),
+                 tmp_path, corpus=markov_corpus(), progress=False)
     assert len(seen) == 6 and len(set(seen)) == 6  # a continuing stream: no evaluation repeats windows
 
 

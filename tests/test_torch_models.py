@@ -157,15 +157,10 @@ def test_gradients_are_finite_with_empty_queries_and_cache_misses(mode: str, dis
 
 
 def test_input_validation_names_the_value_and_the_limit() -> None:
+    """Static checks only: token-id ranges are the loop's job (tests/test_batches.py)."""
     model, memory, prof = _configs("pcaf")
     net = _net(model, memory, prof)
     tokens, targets = _window(6, "nt")
-    with pytest.raises(ValueError, match=r"\[0, 16\).*vocab_size=16.*max 16"):
-        net(torch.where(tokens == tokens[0, 0], 16, tokens), targets, "nt")
-    with pytest.raises(ValueError, match="min -1"):
-        net(tokens - 1, targets, "nt")
-    with pytest.raises(ValueError, match="target ids.*max 99"):
-        net(tokens, torch.tensor([1, 99]), "nt")
     with pytest.raises(ValueError, match="nt targets must be"):
         net(tokens, torch.zeros(2, 6, dtype=torch.int64), "nt")
     with pytest.raises(ValueError, match="ar targets must be"):

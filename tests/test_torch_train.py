@@ -17,8 +17,9 @@ import torch
 
 from backends.torch import checkpoint as ckpt
 from backends.torch.optim import build_optimizer, param_groups
-from backends.torch.train import TorchBackend, check_inputs, train
+from backends.torch.train import TorchBackend, train
 from backends.torch.weights import to_canonical
+from pcaf_core.batches import check_batch
 from pcaf_core.config import (
     ConfigError,
     DataConfig,
@@ -29,6 +30,7 @@ from pcaf_core.config import (
     TrainConfig,
 )
 from pcaf_core.data import DataError, load_corpus
+from pcaf_core.evaluation import score_batch
 from pcaf_core.loop import TrainingDiverged, latest_checkpoint, run_training
 from pcaf_core.params import count_params
 from pcaf_core.profiles import get_profile
@@ -210,7 +212,9 @@ def test_dropout_on_in_training_off_in_evaluation(wt2_cache):
     y = rng.integers(3, V, (4,)).astype(np.int32)
     e1 = backend.eval_batch(state, x, y, "nt")
     e2 = backend.eval_batch(state, x, y, "nt")
-    assert e1 == e2 and not state.module.training
+    for field in ("target_log_prob", "prediction", "prediction_param"):
+        np.testing.assert_array_equal(getattr(e1, field), getattr(e2, field))
+    assert not state.module.training
     xt, yt = torch.from_numpy(x.astype(np.int64)), torch.from_numpy(y.astype(np.int64))
     state.module.train()
     with torch.no_grad():
@@ -276,6 +280,8 @@ def test_param_count_and_peak_memory(wt2_cache):
 
 
 def test_token_id_out_of_range_is_named(wt2_cache):
+    """The shared layer validates each batch once (the loop's training path calls check_batch, its
+    evaluation path score_batch); the model itself does not scan ids."""
     cfg = tiny_cfg(wt2_cache)
     backend = TorchBackend("cpu")
     state = backend.init(cfg)
@@ -283,10 +289,10 @@ def test_token_id_out_of_range_is_named(wt2_cache):
     x[2, 3] = V + 7
     y = np.full((4,), 6, dtype=np.int32)
     with pytest.raises(ValueError, match=rf"token id {V + 7} is outside the model's vocabulary \[0, {V}\)"):
-        backend.train_step(state, x, y, lr=1e-3)
+        check_batch(x, y, cfg)
     y[0] = V
     with pytest.raises(ValueError, match=rf"max id in this batch {V}.*model.vocab_size={V}"):
-        backend.eval_batch(state, np.full((4, 16), 5, dtype=np.int32), y, "nt")
+        score_batch(backend, state, cfg, np.full((4, 16), 5, dtype=np.int32), y)
 
 
 def test_corpus_larger_than_the_model_vocabulary_fails_before_training(tmp_path, wt2_cache):
@@ -306,10 +312,10 @@ def test_window_longer_than_the_positional_table(tmp_path, wt2_cache):
     assert "max_seq_len" in read_metrics(tmp_path).error
     good = tiny_cfg(wt2_cache, variant="transformer_dense")
     with pytest.raises(ValueError, match="T=48 exceeds model.max_seq_len=32"):
-        check_inputs(np.zeros((2, 48), np.int32), np.zeros(2, np.int32), good)
+        check_batch(np.zeros((2, 48), np.int32), np.zeros(2, np.int32), good)
     # Fixed sinusoids have no table: long windows are fine there.
-    check_inputs(np.zeros((2, 48), np.int32), np.zeros(2, np.int32),
-                 tiny_cfg(wt2_cache, variant="transformer_dense", profile="reference_torch"))
+    check_batch(np.zeros((2, 48), np.int32), np.zeros(2, np.int32),
+                tiny_cfg(wt2_cache, variant="transformer_dense", profile="reference_torch"))
 
 
 def test_corrupt_ids_in_the_corpus_are_named(tmp_path, wt2_cache):

@@ -13,6 +13,7 @@ from backends.torch.weights import canonical_shapes
 from pcaf_core.config import MODEL_VARIANTS, MemoryConfig, ModelConfig
 from pcaf_core.params import init_params, param_shapes
 from pcaf_core.profiles import get_profile
+from pcaf_core.weights import FORMAT_TAG
 
 SMALL = dict(vocab_size=20, d_model=8, d_hidden=12, n_layers=2, kernel_size=3, n_heads=2, max_seq_len=16)
 
@@ -109,7 +110,7 @@ def test_missing_extra_and_misshaped_keys_fail_loudly(tmp_path) -> None:
     assert all(np.array_equal(to_canonical(net)[k], before[k]) for k in before)
 
     path = tmp_path / "partial.safetensors"
-    safetensors.numpy.save_file(missing, str(path))
+    safetensors.numpy.save_file(missing, str(path), metadata=FORMAT_TAG)
     with pytest.raises(ValueError, match="gate.out.bias"):
         load_safetensors(path, net)
     # a file written for another configuration (no router under reference_torch's context model)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from backends.torch.backend import TorchBackend
 from pcaf_core.config import RunConfig
 from pcaf_core.loop import run_training
 from pcaf_core.results import RunMetrics, read_metrics
@@ -49,8 +50,6 @@ def run_rank(
     corpus: Any = None,
 ) -> RunMetrics:
     """Train as rank ``rank`` in an already initialised process group."""
-    from backends.torch.train import TorchBackend
-
     backend = TorchBackend(device, rank=rank, world_size=world_size)
     return run_training(cfg, backend, run_dir, corpus=corpus, resume=resume, progress=progress if rank == 0 else False,
                         record=record)

@@ -13,16 +13,7 @@ import torch
 from torch import nn
 
 from pcaf_core.config import ProfileConfig, TrainConfig
-
-# Torch parameter names are the canonical names (pcaf_core.params). Besides the rule "fewer than 2
-# dims" (norm gains, biases, the 0-d ρ), the trainable positional table is 2-d and named explicitly.
-_NO_DECAY_NAMES = ("pos.table", "memory.recency_scale")
-
-
-def is_no_decay(name: str, param: nn.Parameter) -> bool:
-    """Whether ``param`` (named ``name`` in ``named_parameters``) is a norm, bias, ρ or positional
-    table, i.e. excluded from weight decay when ``weight_decay_all_params`` is off."""
-    return param.ndim < 2 or name in _NO_DECAY_NAMES
+from pcaf_core.params import decayed
 
 
 def param_groups(module: nn.Module, weight_decay: float, decay_all: bool) -> list[dict]:
@@ -31,8 +22,9 @@ def param_groups(module: nn.Module, weight_decay: float, decay_all: bool) -> lis
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if decay_all:
         return [{"params": [p for _, p in named], "weight_decay": weight_decay, "names": [n for n, _ in named]}]
-    decay = [(n, p) for n, p in named if not is_no_decay(n, p)]
-    no_decay = [(n, p) for n, p in named if is_no_decay(n, p)]
+    # Torch parameter names are the canonical names, so the shared rule applies to them directly.
+    decay = [(n, p) for n, p in named if decayed(n, tuple(p.shape), False)]
+    no_decay = [(n, p) for n, p in named if not decayed(n, tuple(p.shape), False)]
     groups = []
     for items, wd in ((decay, weight_decay), (no_decay, 0.0)):
         if items:

@@ -12,7 +12,6 @@ otherwise. Semantics as :mod:`backends.torch.ddp`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -21,23 +20,7 @@ import torch
 import torch.distributed as dist
 
 from backends.torch.ddp import default_threads, run_rank
-from pcaf_core.config import RunConfig
-from pcaf_core.loop import RUN_SECTIONS, config_from_dict
-
-
-def read_config(path: Path) -> RunConfig:
-    """The :class:`RunConfig` stored in ``path`` (JSON, or YAML via OmegaConf)."""
-    text = Path(path).read_text(encoding="utf-8")
-    if Path(path).suffix in (".yaml", ".yml"):
-        from omegaconf import OmegaConf
-
-        data = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
-    else:
-        data = json.loads(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} does not hold a config mapping")
-    # A run directory's config.yaml (the Hydra app's) also holds labels, scale and backend sections.
-    return config_from_dict({k: v for k, v in data.items() if k in RUN_SECTIONS})
+from pcaf_core.config_io import read_config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,18 +9,18 @@ reversed). Files hold the canonical dict, so they load into the JAX backend unch
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-import safetensors.numpy
 import torch
 from torch import nn
 
 from pcaf_core.params import check_params
+from pcaf_core.weights import FORMAT_TAG, save_canonical
+from pcaf_core.weights import load_canonical as load_canonical_file
 
-FORMAT_TAG = {"format": "pcaf-canonical"}
+__all__ = ["FORMAT_TAG", "canonical_shapes", "load_canonical", "load_safetensors", "save_safetensors", "to_canonical"]
 
 
 def _to_canonical_layout(owner: nn.Module, leaf: str, t: torch.Tensor) -> torch.Tensor:
@@ -95,24 +95,12 @@ def load_canonical(module: nn.Module, params: Mapping[str, object]) -> nn.Module
 
 
 def save_safetensors(path: str | os.PathLike, module: nn.Module, metadata: Mapping[str, str] | None = None) -> Path:
-    """Write ``to_canonical(module)`` to ``path`` atomically (temporary file in the same folder, then
-    ``os.replace``): a crash leaves either the old file or the new one. Returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = to_canonical(module)
-    meta = {**FORMAT_TAG, **{str(k): str(v) for k, v in (metadata or {}).items()}}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        safetensors.numpy.save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    """Write ``to_canonical(module)`` to ``path`` (atomically, with the canonical format tag:
+    :func:`pcaf_core.weights.save_canonical`). Returns the path."""
+    return save_canonical(path, to_canonical(module), metadata)
 
 
 def load_safetensors(path: str | os.PathLike, module: nn.Module) -> nn.Module:
-    """Load a canonical safetensors file into ``module`` (see :func:`load_canonical`) and return it."""
-    return load_canonical(module, safetensors.numpy.load_file(str(path)))
+    """Load a canonical safetensors file into ``module`` and return it. The file's format tag, dtypes,
+    finiteness and keys/shapes are checked first (:func:`pcaf_core.weights.load_canonical`)."""
+    return load_canonical(module, load_canonical_file(path, canonical_shapes(module)))

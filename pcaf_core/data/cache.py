@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._fsutil import atomic_write_bytes, file_lock, fsync_path
+from pcaf_core.fsutil import atomic_write_bytes, file_lock, fsync_path
+
 from .corpora import (
     SPLITS,
     Source,

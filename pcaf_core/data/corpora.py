@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._fsutil import file_lock
+from pcaf_core.fsutil import file_lock
+
 from .errors import DataError, DataNotFoundError
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")

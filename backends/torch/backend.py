@@ -1,0 +1,204 @@
+"""The torch implementation of :class:`pcaf_core.backend.Backend`.
+
+``TorchBackend`` owns the numerics of one process: model, AdamW, clipping, dropout, precision, seeding
+and the torch state files. The loop (``pcaf_core.loop``) owns the cadence, validation, evaluation
+reduction, bookkeeping and checkpoint layout; ``backends.torch.train`` and ``backends.torch.ddp``
+build this backend and hand it to the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from backends.torch import checkpoint as ckpt
+from backends.torch.optim import build_optimizer, fill_missing_grads
+from pcaf_core.backend import EvalOutputs
+from pcaf_core.config import RunConfig
+from pcaf_core.sysinfo import peak_rss_mb
+
+
+class TrainingLoss(nn.Module):
+    """``module``'s training loss as the forward's only output.
+
+    Training needs the target entries only (no ``[B, Q, V]`` mixture, no argmax). Returning a bare
+    tensor also matters under DDP: it finds the tensors of a forward's output to hook its gradient
+    all-reduce (with ``static_graph`` the first step's reduction runs from such a hook), and it does
+    not look inside a dataclass such as the models' output.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, mode: str) -> torch.Tensor:
+        return self.module(tokens, targets, mode, need_log_probs=False, need_predictions=False).loss
+
+
+@dataclass
+class TorchState:
+    """Model (``module``), the training-loss callable (``wrapped``: :class:`TrainingLoss`, inside
+    ``DistributedDataParallel`` when data-parallel) and the optimiser."""
+
+    module: nn.Module
+    wrapped: nn.Module
+    optimizer: torch.optim.AdamW
+    cfg: RunConfig
+
+
+class TorchBackend:
+    """The torch implementation of :class:`pcaf_core.loop.Backend`.
+
+    device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device`` (None: CUDA when available).
+    rank / world_size: data-parallel position; with ``world_size > 1`` a ``torch.distributed`` process
+    group must already be initialised (``backends.torch.ddp`` does it).
+    """
+
+    name = "torch"
+
+    def __init__(self, device: str | torch.device | None = None, *, rank: int = 0, world_size: int = 1) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.torch_device = torch.device(device)
+        self.rank = rank
+        self.world_size = world_size
+        if self.torch_device.type == "cuda":
+            self.device = f"{torch.cuda.get_device_name(self.torch_device)} (torch {torch.__version__})"
+        else:
+            self.device = (f"cpu (torch {torch.__version__}, {torch.get_num_threads()} threads; "
+                           "peak memory = process max RSS)")
+
+    # ------------------------------------------------------------------ distributed members
+
+    def barrier(self) -> None:
+        """``torch.distributed.barrier`` when data-parallel."""
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        """Sum ``values`` over ranks in float64."""
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        t = torch.tensor(list(values), dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+        return t.tolist()
+
+    def versions(self) -> dict[str, str]:
+        """torch and safetensors versions."""
+        import safetensors
+
+        return {"torch": torch.__version__, "safetensors": safetensors.__version__}
+
+    # ------------------------------------------------------------------ state
+
+    def _autocast(self, cfg: RunConfig) -> AbstractContextManager[Any]:
+        if cfg.train.precision == "bf16":
+            return torch.autocast(device_type=self.torch_device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _build(self, cfg: RunConfig) -> TorchState:
+        from backends.torch.models import build_model
+
+        # warn_only: some CUDA kernels have no deterministic implementation, and a warning is better than
+        # refusing to train; CPU runs are deterministic regardless.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        # Deterministic mode also fills every new uninitialised tensor with NaN, a debugging aid that
+        # costs a memory pass per allocation (183 against 154 ms a cpu-scale full-AR step); every kernel writes
+        # its output before reading it, so results are the same without it.
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        # build_model draws the initial weights from its own generator seeded with train.seed.
+        module = build_model(cfg.model, cfg.memory, cfg.profile, seed=cfg.train.seed, device=self.torch_device)
+        # The global generator drives dropout. Each rank gets its own stream, so the ranks' batch slices
+        # do not share dropout masks; one process uses train.seed itself.
+        torch.manual_seed(cfg.train.seed + self.rank)
+        wrapped: nn.Module = TrainingLoss(module)
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # static_graph: some profiles carry parameters the forward never touches (REFERENCE.md
+            # §7.16); DDP then learns the used set once instead of erroring on unused parameters.
+            wrapped = DistributedDataParallel(
+                wrapped,
+                device_ids=[self.torch_device.index] if self.torch_device.type == "cuda" else None,
+                static_graph=True,
+            )
+        optimizer = build_optimizer(module, cfg.train, cfg.profile)
+        return TorchState(module=module, wrapped=wrapped, optimizer=optimizer, cfg=cfg)
+
+    def init(self, cfg: RunConfig) -> TorchState:
+        """Build the model (``backends.torch.models.build_model``, seeded by ``train.seed``), AdamW,
+        and seed the dropout stream."""
+        return self._build(cfg)
+
+    def load(self, path: Path, cfg: RunConfig) -> TorchState:
+        """Rebuild the model and optimiser, then load weights, optimiser and generator states."""
+        state = self._build(cfg)
+        ckpt.load_weights(state.module, Path(path) / ckpt.WEIGHTS_FILE)
+        ckpt.load_optimizer_state(path, state.optimizer, self.torch_device)
+        # Without a saved state for this rank (the checkpoint was written by fewer processes) its
+        # dropout stream restarts from the seed _build set.
+        ckpt.load_rng_state(path, self.rank)
+        return state
+
+    def save(self, state: TorchState, path: Path) -> None:
+        """Weights (safetensors), optimiser and generator states into ``path``."""
+        ckpt.save_torch_state(Path(path), state.module, state.optimizer, self.rank)
+
+    def param_count(self, state: TorchState) -> int:
+        """Number of trainable parameter elements (buffers such as a fixed sinusoid table excluded)."""
+        return sum(p.numel() for p in state.module.parameters() if p.requires_grad)
+
+    def peak_memory_mb(self) -> float | None:
+        """CUDA ``max_memory_allocated``, or the process's peak RSS on CPU (MiB)."""
+        if self.torch_device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.torch_device) / 2**20
+        return peak_rss_mb()
+
+    # ------------------------------------------------------------------ steps
+
+    def _tensors(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.from_numpy(np.ascontiguousarray(inputs, dtype=np.int64)).to(self.torch_device)
+        y = torch.from_numpy(np.ascontiguousarray(targets, dtype=np.int64)).to(self.torch_device)
+        return x, y
+
+    def train_step(
+        self, state: TorchState, inputs: np.ndarray, targets: np.ndarray, lr: float
+    ) -> tuple[TorchState, float]:
+        """Forward, backward, optional clipping and one AdamW step at ``lr``; returns the loss."""
+        cfg = state.cfg
+        x, y = self._tensors(inputs, targets)
+        for group in state.optimizer.param_groups:
+            group["lr"] = lr
+        state.wrapped.train()
+        state.optimizer.zero_grad(set_to_none=True)
+        with self._autocast(cfg):
+            loss = state.wrapped(x, y, cfg.train.mode)
+        loss.backward()
+        fill_missing_grads(state.module)
+        if cfg.profile.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(state.module.parameters(), cfg.profile.grad_clip_norm)
+        state.optimizer.step()
+        # .item() synchronises the device, so the loop's step timer measures the whole step.
+        return state, float(loss.detach().float().item())
+
+    @torch.no_grad()
+    def eval_batch(self, state: TorchState, inputs: np.ndarray, targets: np.ndarray, mode: str) -> EvalOutputs:
+        """Per-target log-probs and the mixture and parametric argmax of one evaluation batch (the loop
+        reduces them: :func:`pcaf_core.evaluation.reduce_outputs`)."""
+        x, y = self._tensors(inputs, targets)
+        state.module.eval()
+        with self._autocast(state.cfg):
+            out = state.module(x, y, mode)
+        log_probs = out.log_probs if out.log_probs is not None else out.param_log_probs
+        return EvalOutputs(
+            target_log_prob=out.target_log_prob.double().cpu().numpy(),
+            prediction=log_probs.argmax(-1).cpu().numpy(),
+            prediction_param=out.param_log_probs.argmax(-1).cpu().numpy(),
+        )

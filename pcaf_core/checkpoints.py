@@ -1,0 +1,268 @@
+"""Checkpoint directories: layout, the loop's own state, the file manifest, writing and finding them.
+
+``<run_dir>/checkpoints/step_<N>/`` holds the backend's files (weights, optimiser, RNG; any layout,
+subdirectories included) and ``loop_state.json``: the loop's state plus a manifest (size and sha256)
+of every other file in the directory. A checkpoint is written under ``.tmp_step_<N>``, fsynced,
+manifested and renamed into place; only then does ``checkpoints/latest`` move. A directory whose
+manifest does not match its files is never used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pcaf_core import results
+from pcaf_core.fsutil import atomic_write_text, fsync_path
+
+log = logging.getLogger("pcaf.checkpoints")
+
+CHECKPOINT_DIR = "checkpoints"
+LATEST_FILE = "latest"
+LOOP_STATE_FILE = "loop_state.json"
+LOOP_STATE_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (wrong config, unreadable, incomplete). The message says what to do."""
+
+
+@dataclass
+class LoopState:
+    """Everything the loop itself needs to resume bit-exactly (the backend saves the rest)."""
+
+    step: int = 0
+    train_sampler: dict[str, Any] = field(default_factory=dict)
+    eval_sampler: dict[str, Any] = field(default_factory=dict)
+    best: dict[str, Any] | None = None  # EvalResult.as_dict() of the best reference evaluation
+    final: dict[str, Any] | None = None  # the latest reference evaluation
+    curve: list[dict[str, Any]] = field(default_factory=list)
+    pending_loss_sum: float = 0.0  # training losses since the last curve row
+    pending_loss_count: int = 0
+    timed_steps: int = 0  # steps in the throughput measurement
+    timed_seconds: float = 0.0
+    train_seconds: float = 0.0  # every train step, warm-up included
+    elapsed_seconds: float = 0.0  # wall time of the previous process segments
+    segments: int = 0  # process segments that ran this training (1 + resumes)
+    config_hash: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    version: int = LOOP_STATE_VERSION
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def to_jsonable(value: Any) -> Any:
+    """Sampler states may hold NumPy scalars or arrays; JSON them losslessly and tag arrays."""
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return value
+
+
+def from_jsonable(value: Any) -> Any:
+    """Inverse of :func:`to_jsonable`."""
+    if isinstance(value, dict):
+        if set(value) == {"__ndarray__", "dtype"}:
+            return np.asarray(value["__ndarray__"], dtype=value["dtype"])
+        return {k: from_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_jsonable(v) for v in value]
+    return value
+
+
+def dump_json(data: Any) -> str:
+    # Python's float repr round-trips exactly, so losses and timings come back bit-identical.
+    return json.dumps(results._encode_nonfinite(to_jsonable(data)), indent=1, allow_nan=False)
+
+
+def load_json(text: str) -> Any:
+    return results._decode_nonfinite(json.loads(text))
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _backend_files(directory: Path) -> list[Path]:
+    """Every regular file under ``directory`` except the loop state, relative paths sorted."""
+    return sorted(p.relative_to(directory) for p in directory.rglob("*")
+                  if p.is_file() and p.name != LOOP_STATE_FILE)
+
+
+def manifest(directory: Path) -> dict[str, dict[str, Any]]:
+    """``relative path -> {bytes, sha256}`` of the backend's files, each fsynced first."""
+    out = {}
+    for rel in _backend_files(directory):
+        f = directory / rel
+        fsync_path(f)
+        out[rel.as_posix()] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    return out
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    """``<run_dir>/checkpoints``."""
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def step_of(path: Path) -> int | None:
+    """N of a ``step_<N>`` directory, None for any other name."""
+    name = path.name
+    if not name.startswith("step_"):
+        return None
+    try:
+        return int(name[len("step_"):])
+    except ValueError:
+        return None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint directory ``path`` cannot be used, or None when it is complete."""
+    state_file = path / LOOP_STATE_FILE
+    if not state_file.is_file():
+        return f"{state_file} is missing (the checkpoint was not finished)"
+    try:
+        data = load_json(state_file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        return f"{state_file} is unreadable ({exc})"
+    files = data.get("files")
+    if not isinstance(files, dict):
+        return f"{state_file} has no file manifest"
+    for name, entry in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != entry.get("bytes"):
+            return f"{f} has {f.stat().st_size} bytes, the manifest says {entry.get('bytes')}"
+        if sha256_file(f) != entry.get("sha256"):
+            return f"{f} does not match its sha256 in the manifest"
+    return None
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint directories of ``run_dir`` (complete or not), newest step first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(s, p) for p in root.iterdir() if p.is_dir() and (s := step_of(p)) is not None]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of ``run_dir``: the one ``checkpoints/latest`` names when it is
+    complete, otherwise the highest-step complete one (a crash can leave the pointer behind or a
+    directory half-written). None when there is none."""
+    root = checkpoint_root(run_dir)
+    pointer = root / LATEST_FILE
+    if pointer.is_file():
+        named = root / pointer.read_text(encoding="utf-8").strip()
+        problem = checkpoint_problem(named)
+        if problem is None:
+            return named
+        log.warning("checkpoints/latest points at an unusable checkpoint: %s; scanning for another", problem)
+    for path in list_checkpoints(run_dir):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        log.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def read_loop_state(path: Path) -> LoopState:
+    """The loop state stored in checkpoint directory ``path``."""
+    data = load_json((path / LOOP_STATE_FILE).read_text(encoding="utf-8"))
+    if data.get("version") != LOOP_STATE_VERSION:
+        raise CheckpointError(
+            f"{path / LOOP_STATE_FILE} has loop-state version {data.get('version')!r}, this code reads "
+            f"{LOOP_STATE_VERSION}; start a new run directory (or pass resume=False)"
+        )
+    data.pop("files", None)
+    data["train_sampler"] = from_jsonable(data.get("train_sampler", {}))
+    data["eval_sampler"] = from_jsonable(data.get("eval_sampler", {}))
+    names = {f.name for f in dataclasses.fields(LoopState)}
+    return LoopState(**{k: v for k, v in data.items() if k in names})
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    is_main: bool,
+    barrier: Callable[[], None],
+    save_backend: Callable[[Path], None],
+    loop_payload: Callable[[], dict[str, Any]],
+    keep: int,
+) -> Path:
+    """Write ``checkpoints/step_<step>`` and move ``latest`` to it; returns the directory.
+
+    Every rank calls this: ``save_backend(tmp_dir)`` writes the backend's files (each rank its share);
+    the main rank then manifests them, writes ``loop_payload()`` as the loop state, renames the directory
+    into place, moves the pointer and prunes all but the ``keep`` newest checkpoints.
+    """
+    root = checkpoint_root(run_dir)
+    final = root / f"step_{step}"
+    tmp = root / f".tmp_step_{step}"
+    if is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier()
+    save_backend(tmp)
+    barrier()
+    if is_main:
+        payload = loop_payload()
+        payload["files"] = manifest(tmp)
+        atomic_write_text(tmp / LOOP_STATE_FILE, dump_json(payload))
+        if final.exists():  # a resumed run passes the same step again
+            trash = root / f".old_step_{step}"
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        fsync_path(root)
+        # The pointer moves only once the directory is complete and in place.
+        atomic_write_text(root / LATEST_FILE, final.name + "\n")
+        for path in list_checkpoints(run_dir)[max(1, keep):]:
+            if path != final:
+                shutil.rmtree(path, ignore_errors=True)
+    barrier()
+    return final
+
+
+def loop_state_payload(ls: LoopState, **updates: Any) -> dict[str, Any]:
+    """``asdict(ls)`` with ``updates`` applied (the caller's fresh sampler states and wall time)."""
+    payload = asdict(ls)
+    payload.update(updates)
+    return payload
