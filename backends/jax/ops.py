@@ -1,0 +1,94 @@
+"""Memory-bounded gather primitives shared by routing and scoring (mirrors :mod:`backends.torch.ops`).
+
+Scoring C candidate slots per query needs ``x_q · y_{idx[q, c]}``. Gathering ``y`` to ``[B, Q, C, d]``
+at once costs ``B·Q·C·d`` elements, and reverse-mode autodiff would keep that gather as a residual for
+the backward pass. :func:`gather_dot` therefore gathers a fixed-size chunk of queries at a time
+(``jax.lax.map``, static shapes) under ``jax.checkpoint``, so only the inputs and the integer index are
+kept and the gather is recomputed chunk by chunk in the backward pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+CHUNK_ELEMENTS = 1 << 22  # elements per temporary chunk (16 MiB in float32)
+
+
+def batch_gather(values: jax.Array, index: jax.Array) -> jax.Array:
+    """``values[b, index[b, ...]]``: values ``[B, T, *F]``, index ``[B, *I]`` (in ``[0, T)``) -> ``[B, *I, *F]``.
+
+    Out-of-range indices are clamped into ``[0, T)`` (an empty ``-1`` slot reads position 0; mask it).
+    """
+    B = values.shape[0]
+    flat = index.reshape(B, -1)
+    out = jax.vmap(lambda v, i: jnp.take(v, i, axis=0, mode="clip"))(values, flat)
+    return out.reshape(*index.shape, *values.shape[2:])
+
+
+def query_chunk(n_queries: int, per_query: int, chunk_elements: int) -> int:
+    """Queries per chunk so that a chunk holds at most ``chunk_elements`` (at least one query)."""
+    return max(1, min(n_queries, chunk_elements // max(per_query, 1)))
+
+
+def map_query_chunks(fn, n_queries: int, chunk: int, *per_query: jax.Array):
+    """Apply ``fn`` to fixed-size chunks of queries and concatenate the results along the query axis.
+
+    Args:
+        fn: maps chunked arguments (query axis of length ``chunk``) to a pytree of arrays whose axis 1
+            is the chunk's query axis (``[B, chunk, ...]``).
+        n_queries: Q.
+        chunk: queries per chunk (static).
+        per_query: arrays ``[B, Q, ...]``; padded to a multiple of ``chunk`` with zeros.
+    Returns:
+        ``fn``'s pytree with query axes of length Q (padding dropped).
+
+    One chunk is the whole call when ``chunk >= Q``; otherwise ``jax.lax.map`` runs the chunks in
+    sequence, so only one chunk's temporaries exist at a time.
+    """
+    if chunk >= n_queries:
+        return fn(*per_query)
+    n_chunks = -(-n_queries // chunk)
+    pad = n_chunks * chunk - n_queries
+
+    def split(a: jax.Array) -> jax.Array:
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape(a.shape[0], n_chunks, chunk, *a.shape[2:])
+        return jnp.moveaxis(a, 1, 0)  # [n_chunks, B, chunk, ...]
+
+    out = jax.lax.map(lambda args: fn(*args), tuple(split(a) for a in per_query))
+
+    def merge(a: jax.Array) -> jax.Array:
+        a = jnp.moveaxis(a, 0, 1)  # [B, n_chunks, chunk, ...]
+        return a.reshape(a.shape[0], n_chunks * chunk, *a.shape[3:])[:, :n_queries]
+
+    return jax.tree_util.tree_map(merge, out)
+
+
+def gather_dot(
+    x: jax.Array,
+    y: jax.Array,
+    index: jax.Array,
+    *,
+    chunk_elements: int = CHUNK_ELEMENTS,
+    precision: jax.lax.PrecisionLike = None,
+) -> jax.Array:
+    """``out[b, q, c] = x[b, q] · y[b, index[b, q, c]]``.
+
+    Args:
+        x: ``[B, Q, d]`` (queries, or router distributions of the queries).
+        y: ``[B, T, d]`` per-position rows (keys, or router distributions).
+        index: ``[B, Q, C]`` integer positions in ``[0, T)`` (clip empty slots before calling).
+        chunk_elements: at most this many gathered elements (``B·chunk·C·d``) exist at a time.
+        precision: matmul precision of the contraction (``None`` = the context default).
+    Returns:
+        ``[B, Q, C]``, differentiable in ``x`` and ``y``; no ``[B, Q, C, d]`` array is kept for backward.
+    """
+    B, Q, C = index.shape
+    d = x.shape[-1]
+
+    @jax.checkpoint
+    def chunk_dot(xc: jax.Array, ic: jax.Array) -> jax.Array:
+        return jnp.einsum("bqd,bqcd->bqc", xc, batch_gather(y, ic), precision=precision)
+
+    return map_query_chunks(chunk_dot, Q, query_chunk(Q, B * C * d, chunk_elements), x, index)

@@ -1,0 +1,394 @@
+"""Candidate selection in jnp, equal to :mod:`pcaf_core.routing` slot for slot (mirrors :mod:`backends.torch.routing`).
+
+Every route returns :class:`Candidates`, ``index [B, Q, C]`` int32 (-1 = empty) and ``valid [B, Q, C]``
+bool, in the spec's slot order: ``topk_score`` by descending score with ties to the lower index,
+``recent`` most recent first, ``first`` earliest first, dense semantic by descending
+``m + 1e-4·ρ·r`` with ties to the lower index, empty slots last.
+
+All shapes are static: ``top_k``, ``policy``, ``strategy``, ``sparse_window``, ``chunk_elements`` and
+``target_leak`` are Python values, the sequence length and the number of queries come from the array
+shapes, so every function traces once under ``jax.jit``. ``rho`` may be a traced scalar (a parameter).
+
+How the context route avoids T×T arrays (docs/BACKENDS.md gives the argument in full):
+
+* One stable sort per sequence by ``(address, position)`` lays every sequence out bucket by bucket,
+  positions ascending inside a bucket (:func:`bucket_layout`). A query's earlier same-bucket records
+  are the entries of its bucket segment before its own slot, so ``recent`` reads the K slots just
+  before it and ``first`` the first K slots of the segment: O(T log T + Q·K).
+* ``topk_score`` scores only the M most recent same-bucket records and proves, query by query, that no
+  older record can enter the top K. If the proof fails for any query, ``jax.lax.cond`` runs a dense
+  pass over all T records in fixed-size query chunks (``jax.lax.map``; at most ``chunk_elements``
+  scores at a time) and the dense answer replaces the sparse one for exactly those queries.
+
+Selection yields integer indices only; its inputs pass through ``jax.lax.stop_gradient``, and
+gradients flow through the scores of the selected slots, computed by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from backends.jax.ops import CHUNK_ELEMENTS, batch_gather, gather_dot, map_query_chunks, query_chunk
+from pcaf_core.config import CANDIDATE_POLICIES
+from pcaf_core.routing import SEMANTIC_TIE_BREAK
+
+TOPK_STRATEGIES = ("auto", "dense")
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class Candidates(NamedTuple):
+    """Selected records (a pytree, so it can leave a jitted function).
+
+    index: ``[B, Q, C]`` int32 record positions, -1 = empty slot.
+    valid: ``[B, Q, C]`` bool; equal to ``index >= 0`` except for the reference's semantic target leak
+        (:func:`route_semantic_dense`), whose leaked slots are valid but not causal.
+    """
+
+    index: jax.Array
+    valid: jax.Array
+
+    @property
+    def width(self) -> int:
+        return self.index.shape[-1]
+
+
+class SelectionInputs(NamedTuple):
+    """What the ``topk_score`` policy ranks by: ``q_t·k_s/√d + ρ·r_s`` (√d with d = query width).
+
+    query: ``[B, Q, d]`` query vectors (unit norm in the models); keys: ``[B, T, d]`` likewise;
+    recency: ``[T]`` recency of each record, non-decreasing in s; rho: the recency scale ρ (a Python
+    float or a scalar array, possibly traced). Gradients are stopped inside the routes.
+    """
+
+    query: jax.Array
+    keys: jax.Array
+    recency: jax.Array
+    rho: float | jax.Array
+
+
+class BucketLayout(NamedTuple):
+    """Every sequence sorted bucket by bucket (positions ascending inside a bucket).
+
+    order: ``[B, T]`` int32 position stored at each slot; rank: ``[B, T]`` int32 slot of each position
+    (the inverse permutation); seg_start: ``[B, T]`` int32 first slot of the bucket segment holding each slot.
+    """
+
+    order: jax.Array
+    rank: jax.Array
+    seg_start: jax.Array
+
+
+def _work_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """Selection precision: at least float32, since bf16/fp16 rounding would swamp the proof's margins."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _exact_selection(select: SelectionInputs) -> SelectionInputs:
+    work = _work_dtype(jnp.result_type(select.query))
+    q, k, r = (jax.lax.stop_gradient(jnp.asarray(a, work)) for a in (select.query, select.keys, select.recency))
+    return SelectionInputs(q, k, r, jax.lax.stop_gradient(jnp.asarray(select.rho, work)))
+
+
+def _as_int32(x: jax.Array) -> jax.Array:
+    return jnp.asarray(x).astype(jnp.int32)
+
+
+def bucket_layout(addresses: jax.Array) -> BucketLayout:
+    """Sort ``[B, T]`` non-negative addresses by ``(address, position)``: one O(T log T) sort per sequence.
+
+    A two-key sort (positions are unique) rather than a combined ``address·T + position`` key, which
+    would overflow int32 for large bucket counts.
+    """
+    addr = _as_int32(addresses)
+    B, T = addr.shape
+    pos = jnp.arange(T, dtype=jnp.int32)
+    sorted_addr, order = jax.lax.sort((addr, jnp.broadcast_to(pos, (B, T))), dimension=1, num_keys=2)
+    rank = jax.vmap(lambda o: jnp.zeros(T, jnp.int32).at[o].set(pos, unique_indices=True))(order)
+    is_start = jnp.concatenate([jnp.ones((B, 1), bool), sorted_addr[:, 1:] != sorted_addr[:, :-1]], axis=1)
+    seg_start = jax.lax.cummax(jnp.where(is_start, pos, 0), axis=1)
+    return BucketLayout(order=order, rank=rank, seg_start=seg_start)
+
+
+def _query_slots(layout: BucketLayout, query_pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Slot, segment start and number of earlier same-bucket records of each query, each ``[B, Q]``."""
+    slot = jnp.take(layout.rank, _as_int32(query_pos), axis=1)
+    start = jnp.take_along_axis(layout.seg_start, slot, axis=1)
+    return slot, start, slot - start
+
+
+def _slots_to_candidates(layout: BucketLayout, src: jax.Array, valid: jax.Array) -> Candidates:
+    B, Q, W = src.shape
+    index = jnp.take_along_axis(layout.order, src.reshape(B, Q * W), axis=1).reshape(B, Q, W)
+    return Candidates(jnp.where(valid, index, -1), valid)
+
+
+def _recent_slots(layout: BucketLayout, slot: jax.Array, count: jax.Array, width: int) -> Candidates:
+    """The ``width`` slots just before each query's slot in its segment, most recent first."""
+    offs = jnp.arange(1, width + 1, dtype=jnp.int32)
+    valid = offs <= count[..., None]  # [B, Q, width]
+    return _slots_to_candidates(layout, jnp.maximum(slot[..., None] - offs, 0), valid)
+
+
+def _first_slots(layout: BucketLayout, start: jax.Array, count: jax.Array, width: int) -> Candidates:
+    """The first ``width`` slots of each query's segment that precede the query, earliest first."""
+    T = layout.order.shape[1]
+    offs = jnp.arange(width, dtype=jnp.int32)
+    valid = offs < count[..., None]
+    return _slots_to_candidates(layout, jnp.minimum(start[..., None] + offs, T - 1), valid)
+
+
+def topk_rows(rank: jax.Array, valid: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Per row, the k valid columns with the largest ``rank``, ties to the lower column, in that order.
+
+    Args:
+        rank: ``[..., T]`` float scores; valid: ``[..., T]`` bool.
+    Returns:
+        index ``[..., k]`` int32 (-1 = fewer than k valid columns) and its mask ``[..., k]`` bool.
+
+    ``jax.lax.top_k`` returns equal values lowest index first (the spec's tie rule), so masking the
+    invalid columns to -inf is all it needs; a slot is valid iff its value is finite.
+    """
+    T = rank.shape[-1]
+    kk = min(k, T)
+    masked = jnp.where(valid, rank, -jnp.inf)
+    vals, idx = jax.lax.top_k(masked, kk)
+    ok = vals > -jnp.inf
+    index = jnp.where(ok, idx.astype(jnp.int32), -1)
+    if kk < k:
+        pad = [(0, 0)] * (rank.ndim - 1) + [(0, k - kk)]
+        index, ok = jnp.pad(index, pad, constant_values=-1), jnp.pad(ok, pad, constant_values=False)
+    return index, ok
+
+
+def _dense_context_topk(
+    addresses: jax.Array, query_pos: jax.Array, top_k: int, select: SelectionInputs, chunk_elements: int
+) -> Candidates:
+    """Spec-exact ``topk_score`` for every query, scoring all T records in chunks of queries so that at
+    most ``chunk_elements`` scores (``B·chunk·T``) exist at a time."""
+    B, T = addresses.shape
+    Q = query_pos.shape[0]
+    scale = math.sqrt(select.query.shape[-1])
+    col = jnp.arange(T, dtype=jnp.int32)
+    rec_term = select.rho * select.recency  # [T]
+    t_all = jnp.broadcast_to(query_pos, (B, Q))
+    a_all = jnp.take(addresses, query_pos, axis=1)
+
+    def chunk(q: jax.Array, t: jax.Array, a_t: jax.Array) -> tuple[jax.Array, jax.Array]:
+        score = jnp.einsum("bqd,btd->bqt", q, select.keys, precision=_HIGHEST) / scale + rec_term
+        ok = (addresses[:, None, :] == a_t[..., None]) & (col < t[..., None])
+        return topk_rows(score, ok, top_k)
+
+    index, valid = map_query_chunks(chunk, Q, query_chunk(Q, B * T, chunk_elements), select.query, t_all, a_all)
+    return Candidates(index, valid)
+
+
+def route_context_topk_score(
+    addresses: jax.Array,
+    query_pos: jax.Array,
+    top_k: int,
+    select: SelectionInputs,
+    *,
+    strategy: str = "auto",
+    sparse_window: int | None = None,
+    layout: BucketLayout | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> tuple[Candidates, jax.Array]:
+    """``topk_score`` context route; also returns which queries took the dense path.
+
+    ``strategy="auto"``: score the M = ``sparse_window`` (default 4K, at least K) most recent
+    same-bucket records of each query and keep their top K. That is the spec's answer whenever the
+    bucket holds at most M earlier records, or when ρ >= 0 and the K-th best of the M scores strictly
+    exceeds ``‖q‖·max‖k‖/√d + ρ·r_{s'}`` plus a rounding margin, where s' is the most recent record
+    left out (Cauchy-Schwarz; recency non-decreasing). Queries where neither holds are routed densely:
+    if any exists, ``jax.lax.cond`` runs the chunked dense pass for all queries and its answer is kept
+    for those queries only. ``strategy="dense"`` routes every query densely.
+
+    Args:
+        addresses: ``[B, T]`` int bucket addresses; query_pos: ``[Q]`` int query positions.
+        top_k: K (static); select: the ranking inputs (float32, or wider if given wider).
+        layout: a precomputed :func:`bucket_layout` of ``addresses`` (optional).
+        chunk_elements: at most this many scores / gathered elements exist at a time.
+    Returns:
+        :class:`Candidates` of width K, and ``[B, Q]`` bool: True where the dense path was taken.
+    """
+    if strategy not in TOPK_STRATEGIES:
+        raise ValueError(f"topk_score strategy {strategy!r} is unknown: expected one of {list(TOPK_STRATEGIES)}")
+    addresses, query_pos = _as_int32(addresses), _as_int32(query_pos)
+    select = _exact_selection(select)
+    B, Q, K = addresses.shape[0], query_pos.shape[0], top_k
+    if strategy == "dense":
+        dense = jnp.ones((B, Q), bool)
+        return _dense_context_topk(addresses, query_pos, K, select, chunk_elements), dense
+
+    M = max(sparse_window if sparse_window is not None else 4 * K, K)
+    layout = bucket_layout(addresses) if layout is None else layout
+    slot, _, count = _query_slots(layout, query_pos)
+    win = _recent_slots(layout, slot, count, M + 1)  # slot M: the most recent record left out
+    idx_m, ok_m = win.index[..., :M], win.valid[..., :M]
+    safe_m = jnp.maximum(idx_m, 0)
+    d = select.query.shape[-1]
+    score = gather_dot(select.query, select.keys, safe_m, chunk_elements=chunk_elements, precision=_HIGHEST)
+    score = jnp.where(ok_m, score / math.sqrt(d) + select.rho * select.recency[safe_m], -jnp.inf)
+    # The window is most recent first; reversed, it is in ascending record index, so top_k's
+    # lower-index tie rule is the spec's.
+    vals, order = jax.lax.top_k(score[..., ::-1], K)
+    keep = vals > -jnp.inf
+    sparse = Candidates(jnp.where(keep, jnp.take_along_axis(idx_m[..., ::-1], order, axis=-1), -1), keep)
+
+    overflow = count > M
+    eps = jnp.finfo(score.dtype).eps
+    rho = select.rho
+    left_out = jnp.maximum(win.index[..., M], 0)
+    # |q·k| <= ‖q‖·max‖k‖ (= 1 for the models' unit vectors; using the norms keeps the proof valid for
+    # any inputs). The margins cover rounding of the dot products (~d·eps relative) and of ρ·r, here and
+    # in the spec; they only ever send more queries to the dense path.
+    dot_bound = (jnp.linalg.norm(select.query, axis=-1)
+                 * jnp.max(jnp.linalg.norm(select.keys, axis=-1), axis=-1, keepdims=True))
+    bound = (dot_bound * (1.0 + 4.0 * d * eps) / math.sqrt(d)
+             + rho * select.recency[left_out] + 4.0 * eps * (1.0 + jnp.abs(rho)))
+    proven = (vals[..., K - 1] > bound) & (rho >= 0)
+    dense = overflow & ~proven
+
+    def with_dense() -> Candidates:
+        full = _dense_context_topk(addresses, query_pos, K, select, chunk_elements)
+        pick = dense[..., None]
+        return Candidates(jnp.where(pick, full.index, sparse.index), jnp.where(pick, full.valid, sparse.valid))
+
+    out = jax.lax.cond(jnp.any(dense), with_dense, lambda: sparse)
+    return out, dense
+
+
+def route_context(
+    addresses: jax.Array,
+    query_pos: jax.Array,
+    top_k: int,
+    policy: str,
+    select: SelectionInputs | None = None,
+    *,
+    strategy: str = "auto",
+    sparse_window: int | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> Candidates:
+    """Context (exact-hash) route: earlier records in the query's bucket, at most K of them.
+
+    Args:
+        addresses: ``[B, T]`` int bucket address of every position (records and queries alike).
+        query_pos: ``[Q]`` int query positions; query t may read records s < t with ``a_s == a_t``.
+        top_k: K, the number of slots (static).
+        policy: which K a full bucket keeps (static): ``topk_score`` (highest ``q·k/√d + ρ·r``),
+            ``recent`` (largest s) or ``first`` (smallest s).
+        select: the ranking inputs; needed by ``topk_score``.
+        strategy, sparse_window, chunk_elements: see :func:`route_context_topk_score`.
+    Returns:
+        :class:`Candidates` of width K. No ``[T, T]`` array for ``recent``/``first``; for ``topk_score``
+        only the dense fallback branch scores all records, in bounded chunks.
+    """
+    if policy not in CANDIDATE_POLICIES:
+        raise ValueError(f"candidate policy {policy!r} is unknown: expected one of {list(CANDIDATE_POLICIES)}")
+    if policy == "topk_score":
+        if select is None:
+            raise ValueError("policy 'topk_score' needs select=SelectionInputs(query, keys, recency, rho)")
+        return route_context_topk_score(addresses, query_pos, top_k, select, strategy=strategy,
+                                        sparse_window=sparse_window, chunk_elements=chunk_elements)[0]
+    layout = bucket_layout(addresses)
+    slot, start, count = _query_slots(layout, query_pos)
+    if policy == "recent":
+        return _recent_slots(layout, slot, count, top_k)
+    return _first_slots(layout, start, count, top_k)
+
+
+def semantic_overlap(router_probs: jax.Array, query_pos: jax.Array) -> jax.Array:
+    """``m[b, q, s] = r̃_{t_q} · r̃_s``: ``[B, Q, T]`` from router probabilities ``[B, T, S]`` (dense)."""
+    return jnp.einsum("bqs,bts->bqt", jnp.take(router_probs, _as_int32(query_pos), axis=1), router_probs,
+                      precision=_HIGHEST)
+
+
+def route_semantic_dense(
+    router_probs: jax.Array,
+    recency: jax.Array,
+    rho: float | jax.Array,
+    query_pos: jax.Array,
+    top_k: int,
+    *,
+    target_leak: bool = False,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> Candidates:
+    """Dense semantic route: the K earlier records with the largest ``m_s + 1e-4·ρ·r_s``.
+
+    O(T²) work by definition (every record is compared with every query); computed in fixed-size
+    chunks of queries (``jax.lax.map``) so that at most ``chunk_elements`` overlaps exist at a time.
+
+    Args:
+        router_probs: ``[B, T, S]`` router distributions (gradients are stopped: ranking is not
+            differentiated).
+        recency: ``[T]`` recency of each record.
+        rho: the recency scale ρ (float or scalar array).
+        query_pos: ``[Q]`` int query positions.
+        top_k: K (static).
+        target_leak: the reference full-AR quirk (static): a query t < K also receives the masked picks
+            ``s = t, t+1, …, min(K, T)-1`` in slots t.., marked valid (slot t holds the target itself).
+    Returns:
+        :class:`Candidates` of width K.
+    """
+    work = _work_dtype(jnp.result_type(router_probs))
+    probs = jax.lax.stop_gradient(jnp.asarray(router_probs, work))
+    rec = jax.lax.stop_gradient(jnp.asarray(recency, work))
+    rho = jax.lax.stop_gradient(jnp.asarray(rho, work))
+    query_pos = _as_int32(query_pos)
+    B, T, _ = probs.shape
+    Q, K = query_pos.shape[0], top_k
+    col = jnp.arange(T, dtype=jnp.int32)
+    tie_break = (SEMANTIC_TIE_BREAK * rho) * rec  # same association as the spec: (1e-4·ρ)·r
+
+    def chunk(pq: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+        rank = jnp.einsum("bqs,bts->bqt", pq, probs, precision=_HIGHEST) + tie_break
+        return topk_rows(rank, col < t[..., None], K)
+
+    index, valid = map_query_chunks(chunk, Q, query_chunk(Q, B * T, chunk_elements),
+                                    jnp.take(probs, query_pos, axis=1), jnp.broadcast_to(query_pos, (B, Q)))
+    if target_leak:
+        slots = jnp.arange(K, dtype=jnp.int32)
+        # A query t < K holds exactly t causal picks in slots 0..t-1; the reference's masked picks fill
+        # slot j >= t with record j (lax.top_k order), up to the last position T-1.
+        leak = (slots >= query_pos[:, None]) & (slots < T)  # [Q, K]
+        index = jnp.where(leak, slots, index)
+        valid = valid | leak
+    return Candidates(index, valid)
+
+
+def semantic_buckets(router_probs: jax.Array) -> jax.Array:
+    """``[B, T]`` int32 semantic bucket of every position: argmax of the router distribution
+    (ties to the lower bucket: ``jnp.argmax`` returns the first maximum)."""
+    return jnp.argmax(router_probs, axis=-1).astype(jnp.int32)
+
+
+def route_semantic_bucketed(sem_buckets: jax.Array, query_pos: jax.Array, top_k: int) -> Candidates:
+    """Bucketed semantic route: the K most recent earlier records with the query's semantic bucket."""
+    return route_context(sem_buckets, query_pos, top_k, "recent")
+
+
+def combine_hybrid(context: Candidates, semantic: Candidates, *, dedup: bool) -> Candidates:
+    """Hybrid route: ``[context slots, semantic slots]`` (width 2K).
+
+    Without ``dedup`` (the reference) a record picked by both routes holds two slots. With ``dedup`` a
+    semantic slot whose record is already a valid context slot of the same query is emptied.
+    """
+    if not dedup:
+        return Candidates(jnp.concatenate([context.index, semantic.index], axis=-1),
+                          jnp.concatenate([context.valid, semantic.valid], axis=-1))
+    ctx_idx = jnp.where(context.valid, context.index, -2)  # -2 never matches a record
+    dup = (semantic.index[..., :, None] == ctx_idx[..., None, :]).any(-1) & semantic.valid
+    return Candidates(jnp.concatenate([context.index, jnp.where(dup, -1, semantic.index)], axis=-1),
+                      jnp.concatenate([context.valid, semantic.valid & ~dup], axis=-1))
+
+
+def gather_records(values: jax.Array, cand: Candidates) -> jax.Array:
+    """Gather per-position arrays at candidate slots.
+
+    values: ``[B, T, ...]``; returns ``[B, Q, C, ...]`` (empty slots read position 0; mask with ``valid``).
+    """
+    return batch_gather(values, jnp.maximum(cand.index, 0))
