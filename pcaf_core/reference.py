@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.special import erf
@@ -88,10 +89,12 @@ def head_log_probs(p: dict[str, np.ndarray], h: np.ndarray, gelu_form: str) -> n
     return log_softmax(linear(p, "head.out", gelu(linear(p, "head.hidden", y), gelu_form)))
 
 
-def attention_mask(seq_len: int, variant: str, window: int, n_global: int) -> np.ndarray:
-    """``[T, T]`` bool, True where query t may attend key s."""
-    t = np.arange(seq_len)[:, None]
-    s = np.arange(seq_len)[None, :]
+def attention_allowed(t: Any, s: Any, variant: str, window: int, n_global: int) -> Any:
+    """True where query position ``t`` may attend key position ``s`` (causal; local window; global prefix).
+
+    ``t`` and ``s`` are integer arrays of any array library that broadcast against each other (NumPy,
+    torch, jax.numpy): every backend builds its mask with this one rule from its own ``arange``.
+    """
     causal = s <= t
     if variant in ("transformer_dense", "linear_attention"):
         return causal
@@ -99,6 +102,11 @@ def attention_mask(seq_len: int, variant: str, window: int, n_global: int) -> np
     if variant == "transformer_local":
         return local
     return local | (causal & (s < n_global))
+
+
+def attention_mask(seq_len: int, variant: str, window: int, n_global: int) -> np.ndarray:
+    """``[T, T]`` bool, True where query t may attend key s (:func:`attention_allowed`)."""
+    return attention_allowed(np.arange(seq_len)[:, None], np.arange(seq_len)[None, :], variant, window, n_global)
 
 
 def _split_heads(x: np.ndarray, n_heads: int) -> np.ndarray:

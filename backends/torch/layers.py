@@ -17,7 +17,7 @@ from torch import nn
 
 from backends.torch.head_loss import target_log_softmax, widen
 from pcaf_core.params import sinusoidal_table
-from pcaf_core.reference import LN_EPS
+from pcaf_core.reference import LN_EPS, attention_allowed
 
 L2_RSQRT_EPS = 1e-6  # rsqrt_eps form: x / sqrt(Σx² + 1e-6)
 L2_MAX_EPS = 1e-12  # max_eps form: x / max(‖x‖, 1e-12)
@@ -148,16 +148,10 @@ def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_mask(seq_len: int, variant: str, window: int, n_global: int, device: torch.device) -> torch.Tensor:
-    """``[T, T]`` bool, True where query t may attend key s (causal; local window; global prefix)."""
-    t = torch.arange(seq_len, device=device)[:, None]
-    s = torch.arange(seq_len, device=device)[None, :]
-    causal = s <= t
-    if variant in ("transformer_dense", "linear_attention"):
-        return causal
-    local = causal & (t - s < window)
-    if variant == "transformer_local":
-        return local
-    return local | (causal & (s < n_global))
+    """``[T, T]`` bool, True where query t may attend key s (the spec's rule,
+    :func:`pcaf_core.reference.attention_allowed`, built on ``device``)."""
+    pos = torch.arange(seq_len, device=device)
+    return attention_allowed(pos[:, None], pos[None, :], variant, window, n_global)
 
 
 def causal_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -1,0 +1,381 @@
+"""Building blocks of every model in flax.linen (mirrors :mod:`backends.torch.layers` and the building
+blocks of :mod:`pcaf_core.reference`).
+
+Parameter names are the canonical ones of :func:`pcaf_core.params.param_shapes`: every module here
+stores ``weight``/``bias`` (``table`` for positions) in the canonical layout, Linear ``[in, out]``
+(``y = x @ W + b``) and the causal depthwise conv ``[k, d]`` indexed by lag, so
+:mod:`backends.jax.weights` only has to nest and flatten names (``blocks.0`` <-> ``blocks_0``).
+
+Precision: ``dtype`` is the compute dtype of matmuls and convolutions (float32, or bfloat16 for the
+bf16 option); parameters keep their own dtype and are cast at use. LayerNorm statistics, softmax
+normalisers and the residual stream run in ``wide(dtype)`` (at least float32), as torch autocast does.
+
+Dropout sits where the reference PyTorch code has it: after the GELU of the block MLP and of the head,
+on each residual branch, and on the attention weights; it is active only with ``deterministic=False``
+and then draws from the ``"dropout"`` RNG stream.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from pcaf_core.params import sinusoidal_table
+from pcaf_core.reference import LN_EPS, attention_allowed
+
+L2_RSQRT_EPS = 1e-6  # rsqrt_eps form: x / sqrt(Σx² + 1e-6)
+L2_MAX_EPS = 1e-12  # max_eps form: x / max(‖x‖, 1e-12)
+LINEAR_ATTENTION_DEN_FLOOR = 1e-6
+EMBED_STD = 0.02  # canonical (jax_normal) embedding init
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+
+
+def wide(dtype: Dtype) -> jnp.dtype:
+    """The dtype of normalisers and of the residual stream: ``dtype`` promoted to at least float32."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def gelu(x: jax.Array, form: str) -> jax.Array:
+    """GELU: ``tanh`` approximation (jax.nn.gelu default) or exact ``erf`` (torch nn.GELU)."""
+    return jax.nn.gelu(x, approximate=form == "tanh")
+
+
+def l2_normalize(x: jax.Array, form: str) -> jax.Array:
+    """``rsqrt_eps``: ``x / sqrt(Σx² + 1e-6)`` (JAX); ``max_eps``: ``x / max(‖x‖, 1e-12)`` (F.normalize)."""
+    sq = jnp.sum(x * x, axis=-1, keepdims=True)
+    if form == "rsqrt_eps":
+        return x / jnp.sqrt(sq + L2_RSQRT_EPS)
+    return x / jnp.maximum(jnp.sqrt(sq), L2_MAX_EPS)
+
+
+# --------------------------------------------------------------------------- initialisers (module.init)
+# The canonical initialisation is backends.jax.params.init_params; these make ``module.init`` produce
+# the same distributions (jax_normal) so that a bare init is usable too.
+
+
+def fan_in_normal(key: jax.Array, shape: tuple[int, ...], dtype: Dtype = jnp.float32) -> jax.Array:
+    """N(0, 1/fan_in) with fan_in = ``shape[0]`` (Linear ``[in, out]`` and conv ``[k, d]`` alike)."""
+    return jax.random.normal(key, shape, dtype) / math.sqrt(shape[0])
+
+
+def embed_normal(key: jax.Array, shape: tuple[int, ...], dtype: Dtype = jnp.float32) -> jax.Array:
+    return jax.random.normal(key, shape, dtype) * EMBED_STD
+
+
+# --------------------------------------------------------------------------- basic modules
+
+
+class Dense(nn.Module):
+    """``y = x @ weight + bias`` with ``weight [in, out]``; the matmul runs in ``dtype``."""
+
+    features: int
+    use_bias: bool = True
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("weight", fan_in_normal, (x.shape[-1], self.features), self.param_dtype)
+        y = jnp.matmul(x.astype(self.dtype), w.astype(self.dtype))
+        if self.use_bias:
+            b = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+            y = y + b.astype(self.dtype)
+        return y
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last axis, eps 1e-5, exact two-pass variance, computed in ``wide(dtype)``;
+    returns ``dtype``. Parameters ``weight`` (gain, 1) and ``bias`` (0)."""
+
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = x.shape[-1]
+        w = self.param("weight", nn.initializers.ones, (d,), self.param_dtype)
+        b = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype)
+        work = wide(self.dtype)
+        x = x.astype(work)
+        mu = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+        y = (x - mu) / jnp.sqrt(var + LN_EPS) * w.astype(work) + b.astype(work)
+        return y.astype(self.dtype)
+
+
+class Embed(nn.Module):
+    """Token embedding ``weight [V, d]``: ``[B, T]`` int -> ``[B, T, d]`` in ``out_dtype``."""
+
+    num_embeddings: int
+    features: int
+    out_dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        w = self.param("weight", embed_normal, (self.num_embeddings, self.features), self.param_dtype)
+        return jnp.take(w, tokens, axis=0).astype(self.out_dtype)
+
+
+class CausalConv(nn.Module):
+    """Causal depthwise conv ``out_t = Σ_lag weight[lag]·x_{t-lag} + bias`` (zeros left of the window).
+
+    ``weight [k, d]`` by lag (the canonical layout, no tap reversal), ``bias [d]``. ``[B, T, d] -> [B, T, d]``.
+    """
+
+    kernel_size: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d, T = x.shape[-1], x.shape[1]
+        w = self.param("weight", fan_in_normal, (self.kernel_size, d), self.param_dtype).astype(self.dtype)
+        b = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype).astype(self.dtype)
+        x = x.astype(self.dtype)
+        out = jnp.broadcast_to(b, x.shape)
+        # k shifted multiply-adds: k is small (5), and each tap stays an elementwise op XLA fuses.
+        for lag in range(min(self.kernel_size, T)):
+            shifted = x if lag == 0 else jnp.pad(x, ((0, 0), (lag, 0), (0, 0)))[:, :T]
+            out = out + w[lag] * shifted
+        return out
+
+
+class ConvBlock(nn.Module):
+    """Pre-LN residual block ``x += drop(W2·drop(GELU(W1·conv(LN x))))``: ``[B, T, d] -> [B, T, d]``.
+
+    The residual stream keeps its dtype (``wide(dtype)`` in the models); the branch runs in ``dtype``.
+    """
+
+    d_model: int
+    d_hidden: int
+    kernel_size: int
+    gelu_form: str
+    dropout: float = 0.0
+    dtype: Dtype = jnp.float32
+
+    def setup(self) -> None:
+        self.norm = LayerNorm(dtype=self.dtype)
+        self.conv = CausalConv(self.kernel_size, dtype=self.dtype)
+        self.mlp_in = Dense(self.d_hidden, dtype=self.dtype)
+        self.mlp_out = Dense(self.d_model, dtype=self.dtype)
+        self.drop = nn.Dropout(self.dropout)
+
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
+        y = self.conv(self.norm(x))
+        y = self.mlp_out(self.drop(gelu(self.mlp_in(y), self.gelu_form), deterministic=deterministic))
+        return x + self.drop(y, deterministic=deterministic).astype(x.dtype)
+
+
+class Head(nn.Module):
+    """Parametric head ``log_softmax(W_o·drop(GELU(W_h·LN h)))``: ``[..., d] -> [..., V]`` in ``wide(dtype)``."""
+
+    d_hidden: int
+    vocab_size: int
+    gelu_form: str
+    dropout: float = 0.0
+    dtype: Dtype = jnp.float32
+
+    def setup(self) -> None:
+        self.norm = LayerNorm(dtype=self.dtype)
+        self.hidden = Dense(self.d_hidden, dtype=self.dtype)
+        self.out = Dense(self.vocab_size, dtype=self.dtype)
+        self.drop = nn.Dropout(self.dropout)
+
+    def logits(self, h: jax.Array, deterministic: bool = True) -> jax.Array:
+        """``[..., d] -> [..., V]`` logits, widened to at least float32 for the normaliser."""
+        z = self.drop(gelu(self.hidden(self.norm(h)), self.gelu_form), deterministic=deterministic)
+        return self.out(z).astype(wide(self.dtype))
+
+    def __call__(self, h: jax.Array, deterministic: bool = True) -> jax.Array:
+        return jax.nn.log_softmax(self.logits(h, deterministic), axis=-1)
+
+    def target_log_prob(self, h: jax.Array, targets: jax.Array, deterministic: bool = True) -> jax.Array:
+        """``__call__(h)`` at ``targets`` only: h ``[..., d]``, targets ``[...]`` int -> ``[...]``.
+
+        ``logit_y - logsumexp(logits)``: no ``[..., V]`` log-probability array is returned, and XLA fuses
+        the normaliser into the logits' consumer.
+        """
+        z = self.logits(h, deterministic)
+        return jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(z, axis=-1)
+
+
+class Gate(nn.Module):
+    """Learned gate ``σ(W_2·GELU(W_1·LN h))``: ``[..., d] -> [...]`` raw λ in (0, 1), in ``wide(dtype)``."""
+
+    d_model: int
+    gelu_form: str
+    dtype: Dtype = jnp.float32
+
+    def setup(self) -> None:
+        self.norm = LayerNorm(dtype=self.dtype)
+        self.hidden = Dense(self.d_model // 2, dtype=self.dtype)
+        self.out = Dense(1, dtype=self.dtype)
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        g = self.out(gelu(self.hidden(self.norm(h)), self.gelu_form))[..., 0]
+        return jax.nn.sigmoid(g.astype(wide(self.dtype)))
+
+
+class PositionalTable(nn.Module):
+    """The trainable positional table ``table [max_seq_len, d]`` (reference JAX), initialised at
+    ``scale``·sinusoids (``trainable_jax`` form). Call with T to get rows ``[:T]``."""
+
+    max_seq_len: int
+    d_model: int
+    scale: float = 1.0
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, seq_len: int) -> jax.Array:
+        def init(key: jax.Array, shape: tuple[int, int], dtype: Dtype) -> jax.Array:
+            return jnp.asarray(sinusoidal_table(shape[0], shape[1], "trainable_jax") * self.scale, dtype)
+
+        table = self.param("table", init, (self.max_seq_len, self.d_model), self.param_dtype)
+        if seq_len > self.max_seq_len:
+            raise ValueError(f"sequence length T={seq_len} exceeds the positional table's {self.max_seq_len} rows "
+                             f"(model.max_seq_len={self.max_seq_len})")
+        return table[:seq_len]
+
+
+def fixed_positions(seq_len: int, d: int, form: str, scale: float, dtype: Dtype) -> jax.Array:
+    """Non-trainable sinusoids (``fixed_torch``) ``[T, d]``: computed in float64 and cast, not a parameter."""
+    return jnp.asarray(sinusoidal_table(seq_len, d, form) * scale, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def elu_plus_one(x: jax.Array) -> jax.Array:
+    """``φ(x) = elu(x) + 1`` as ``exp(x)`` for x <= 0, exact for very negative x (no ``expm1 + 1``)."""
+    return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
+
+
+def attention_mask(seq_len: int, variant: str, window: int, n_global: int) -> jax.Array:
+    """``[T, T]`` bool, True where query t may attend key s (the spec's rule,
+    :func:`pcaf_core.reference.attention_allowed`, traced so XLA builds it rather than embedding a constant)."""
+    pos = jnp.arange(seq_len)
+    return attention_allowed(pos[:, None], pos[None, :], variant, window, n_global)
+
+
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, drop: Callable[[jax.Array], jax.Array] | None = None
+) -> jax.Array:
+    """Masked softmax attention. q, k, v ``[B, T, H, hd]``; mask ``[T, T]`` bool -> ``[B, T, H, hd]``.
+
+    Logits and softmax in ``wide(q.dtype)`` (exact float64 when the inputs are float64, unlike
+    ``jax.nn.dot_product_attention``, whose softmax is always float32); ``drop`` acts on the weights.
+    """
+    work = wide(q.dtype)
+    logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=work) / math.sqrt(q.shape[-1])
+    probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+    if drop is not None:
+        probs = drop(probs)
+    return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v)
+
+
+def causal_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
+    """Normalised causal linear attention, chunked (exact):
+    ``out_t = φ(q_t)·Σ_{s<=t} φ(k_s) v_sᵀ / max(φ(q_t)·Σ_{s<=t} φ(k_s), 1e-6)``.
+
+    q, k, v: ``[B, H, T, hd]``. Inside a chunk a lower-triangular (diagonal included) ``[c, c]`` product;
+    across chunks exclusive prefix sums of ``φ(k)ᵀv`` ``[hd, hd]`` and ``Σφ(k)``. Memory O(T·c + T/c·hd²).
+    """
+    B, H, T, hd = q.shape
+    fq, fk = elu_plus_one(q), elu_plus_one(k)
+    c = max(1, min(chunk, T))
+    n = -(-T // c)
+    pad = n * c - T
+    if pad:
+        # Features are padded after φ, so padded keys contribute zero; padded queries are dropped.
+        widths = ((0, 0), (0, 0), (0, pad), (0, 0))
+        fq, fk, v = (jnp.pad(x, widths) for x in (fq, fk, v))
+    fq, fk, vv = (x.reshape(B, H, n, c, hd) for x in (fq, fk, v))
+    tri = jnp.tril(jnp.ones((c, c), dtype=fq.dtype))
+    a = jnp.einsum("bhncd,bhnsd->bhncs", fq, fk) * tri  # [B, H, n, c, c]
+    num = jnp.einsum("bhncs,bhnsd->bhncd", a, vv)
+    den = a.sum(-1)
+    kv = jnp.einsum("bhnsd,bhnse->bhnde", fk, vv)  # [B, H, n, hd, hd]
+    ks = fk.sum(-2)  # [B, H, n, hd]
+
+    def exclusive_cumsum(x: jax.Array) -> jax.Array:
+        total = jnp.cumsum(x, axis=2)
+        return jnp.concatenate([jnp.zeros_like(total[:, :, :1]), total[:, :, :-1]], axis=2)
+
+    num = num + jnp.einsum("bhncd,bhnde->bhnce", fq, exclusive_cumsum(kv))
+    den = den + jnp.einsum("bhncd,bhnd->bhnc", fq, exclusive_cumsum(ks))
+    out = num / jnp.maximum(den, LINEAR_ATTENTION_DEN_FLOOR)[..., None]
+    return out.reshape(B, H, n * c, hd)[:, :, :T]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with a fused ``qkv`` projection (columns ``[q | k | v]``, heads contiguous)
+    and an ``out`` projection: softmax attention masked per variant, or normalised linear attention
+    (computed in ``wide(dtype)``: its running sums would lose too much in bfloat16)."""
+
+    d_model: int
+    n_heads: int
+    variant: str
+    window: int
+    n_global: int
+    linear_chunk: int
+    dropout: float = 0.0
+    dtype: Dtype = jnp.float32
+
+    def setup(self) -> None:
+        self.qkv = Dense(3 * self.d_model, dtype=self.dtype)
+        self.out = Dense(self.d_model, dtype=self.dtype)
+        self.drop = nn.Dropout(self.dropout)
+
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
+        """``[B, T, d] -> [B, T, d]``."""
+        B, T, d = x.shape
+        H = self.n_heads
+        qkv = self.qkv(x)
+        q, k, v = (qkv[..., i * d : (i + 1) * d].reshape(B, T, H, d // H) for i in range(3))
+        if self.variant == "linear_attention":
+            # No attention matrix exists to drop out; the reference linear attention (JAX) has no dropout.
+            work = wide(self.dtype)
+            q, k, v = (y.astype(work).transpose(0, 2, 1, 3) for y in (q, k, v))
+            o = causal_linear_attention(q, k, v, self.linear_chunk).transpose(0, 2, 1, 3)
+        else:
+            mask = attention_mask(T, self.variant, self.window, self.n_global)
+            o = attention(q, k, v, mask, lambda p: self.drop(p, deterministic=deterministic))
+        return self.out(o.reshape(B, T, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN block: ``x += drop(Attn(LN x))``; ``x += drop(W2·drop(GELU(W1·LN x)))``."""
+
+    d_model: int
+    d_hidden: int
+    n_heads: int
+    variant: str
+    window: int
+    n_global: int
+    linear_chunk: int
+    gelu_form: str
+    dropout: float = 0.0
+    dtype: Dtype = jnp.float32
+
+    def setup(self) -> None:
+        self.attn_norm = LayerNorm(dtype=self.dtype)
+        self.attn = Attention(self.d_model, self.n_heads, self.variant, self.window, self.n_global,
+                              self.linear_chunk, self.dropout, dtype=self.dtype)
+        self.mlp_norm = LayerNorm(dtype=self.dtype)
+        self.mlp_in = Dense(self.d_hidden, dtype=self.dtype)
+        self.mlp_out = Dense(self.d_model, dtype=self.dtype)
+        self.drop = nn.Dropout(self.dropout)
+
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
+        a = self.attn(self.attn_norm(x), deterministic)
+        x = x + self.drop(a, deterministic=deterministic).astype(x.dtype)
+        y = self.mlp_out(self.drop(gelu(self.mlp_in(self.mlp_norm(x)), self.gelu_form), deterministic=deterministic))
+        return x + self.drop(y, deterministic=deterministic).astype(x.dtype)

@@ -1,0 +1,459 @@
+"""Every model of :data:`pcaf_core.config.MODEL_VARIANTS` as a ``flax.linen`` Module (mirrors
+:mod:`pcaf_core.reference` and :mod:`backends.torch.models`), behind one factory and one call signature.
+
+* :class:`PCAFModel`: embedding + causal conv blocks + parametric head, and for ``pcaf`` /
+  ``pcaf_no_gate`` the associative memory (context, semantic or hybrid route) mixed in by a gate.
+  ``pcaf_no_cache`` and ``local_conv`` are the same network with the cache path off (their unused
+  memory/gate/router parameters exist where the profile says the reference carried them).
+* :class:`TransformerLM`: dense / local / global-local softmax attention or linear attention.
+
+``module.apply(variables, tokens [B, T] int, targets, mode, deterministic=..., need_log_probs=...,
+need_predictions=..., rngs=...)`` returns a :class:`JaxForwardOutput` whose fields mirror
+:class:`backends.torch.models.TorchForwardOutput`. ``mode`` and the ``need_*`` flags are static Python
+values. ``deterministic=True`` equals the spec; ``deterministic=False`` adds the profile's dropout
+(``rngs={"dropout": key}``).
+
+Submodule and parameter names are the canonical names with list indices as ``blocks_0``
+(:mod:`backends.jax.weights` converts), and ``module.init`` creates every canonical parameter, the
+unused ones included, so ``jax.eval_shape(module.init, ...)`` counts a configuration's parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from backends.jax import hashing, mixture, records, routing
+from backends.jax.layers import (
+    ConvBlock,
+    Dense,
+    Embed,
+    Gate,
+    Head,
+    LayerNorm,
+    PositionalTable,
+    TransformerBlock,
+    fixed_positions,
+    l2_normalize,
+    wide,
+)
+from backends.jax.routing import Candidates, SelectionInputs
+from pcaf_core.config import (
+    PCAF_VARIANTS,
+    TRANSFORMER_VARIANTS,
+    MemoryConfig,
+    ModelConfig,
+    ProfileConfig,
+)
+from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
+
+Dtype = Any
+
+
+@flax.struct.dataclass
+class JaxMemoryTrace:
+    """Intermediates of the associative memory path (Q queries, C slots); a pytree.
+
+    addresses: ``[B, T]`` int32 bucket of every position; cand: the selected :class:`Candidates`;
+    scores / cache_weights: ``[B, Q, C]``; gate: ``[B, Q]`` masked (and clipped) λ;
+    p_cache: ``[B, Q, V]`` or None when full distributions were not requested;
+    router_probs: ``[B, T, S]`` or None (context route);
+    topk_dense: ``[B, Q]`` bool, which queries the ``topk_score`` context route scored densely
+    (None for the other policies and routes).
+    """
+
+    addresses: jax.Array
+    cand: Candidates
+    scores: jax.Array
+    cache_weights: jax.Array
+    gate: jax.Array
+    p_cache: jax.Array | None
+    router_probs: jax.Array | None
+    topk_dense: jax.Array | None = None
+
+
+@flax.struct.dataclass
+class JaxForwardOutput:
+    """Model outputs at the Q query positions (Q = 1 in NT mode, T in AR mode); a pytree.
+
+    hidden: ``[B, T, d]`` final states;
+    param_log_probs: ``[B, Q, V]`` parametric head; None when neither log-probs nor predictions were
+        requested (a training step reads the head at the targets only);
+    log_probs: ``[B, Q, V]`` the predictive distribution in log space (unnormalised under the NT floor),
+        None when not computed;
+    target_log_prob: ``[B, Q]`` log p(target) as the loss uses it (None without targets);
+    prediction: ``[B, Q]`` int32 argmax under the profile's accuracy definition;
+    prediction_mixture: ``[B, Q]`` int32 argmax of the predictive distribution (the mixture for cache
+        models, the head otherwise); prediction_param: ``[B, Q]`` int32 argmax of the parametric head
+        (the three are None when predictions were not requested);
+    memory: the memory trace (None without a cache);
+    loss: mean NLL, a 0-d array (None without targets).
+    """
+
+    hidden: jax.Array
+    param_log_probs: jax.Array | None
+    log_probs: jax.Array | None
+    target_log_prob: jax.Array | None
+    prediction: jax.Array | None
+    prediction_mixture: jax.Array | None
+    prediction_param: jax.Array | None
+    memory: JaxMemoryTrace | None
+    loss: jax.Array | None
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
+def check_inputs(model: ModelConfig, profile: ProfileConfig, tokens: Any, targets: Any, mode: str
+                 ) -> tuple[jax.Array, jax.Array | None]:
+    """Check the static properties of ``tokens [B, T]`` and ``targets`` (NT ``[B]`` or ``[B, 1]``, AR
+    ``[B, T]``): dtype, shape, mode, T within the positional table; return them as arrays with targets
+    reshaped to ``[B, Q]``. Raises ValueError naming the bad value and its limit.
+
+    Token-id ranges are not checked (they would need the values: no device sync, no check under jit);
+    the training loop validates each batch once on the host (:func:`pcaf_core.batches.check_batch`).
+    """
+    records.check_mode(mode)
+    tokens = jnp.asarray(tokens)
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an integer array [B, T], got dtype {tokens.dtype}")
+    if tokens.ndim != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 1:
+        raise ValueError(f"tokens must be [B, T] with B >= 1 and T >= 1, got shape {tuple(tokens.shape)}")
+    B, T = tokens.shape
+    if has_positional_table(model, profile) and T > model.max_seq_len:
+        raise ValueError(f"sequence length T={T} exceeds model.max_seq_len={model.max_seq_len} "
+                         "(the trainable positional table's rows)")
+    if targets is None:
+        return tokens, None
+    targets = jnp.asarray(targets)
+    Q = 1 if mode == "nt" else T
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(f"targets must be an integer array, got dtype {targets.dtype}")
+    if targets.size != B * Q:
+        want = "[B] or [B, 1]" if mode == "nt" else "[B, T]"
+        raise ValueError(f"{mode} targets must be {want} = {B * Q} ids, got shape {tuple(targets.shape)}")
+    return tokens, targets.reshape(B, Q)
+
+
+# The selection steps as jitted programs keyed by their few static values (not by the whole
+# configuration): eager callers (evaluation, tests) dispatch a handful of cached computations instead of
+# the routing's hundreds of small ops, and configurations that share K or a policy share the programs.
+# Under an outer jax.jit they are inlined.
+_addresses = jax.jit(hashing.addresses, static_argnums=(1, 2), static_argnames=("int32_wraparound",))
+_route_context = jax.jit(routing.route_context, static_argnums=(2, 3))
+_route_context_topk_score = jax.jit(routing.route_context_topk_score, static_argnums=(2,))
+_route_semantic_dense = jax.jit(routing.route_semantic_dense, static_argnums=(4,), static_argnames=("target_leak",))
+_route_semantic_bucketed = jax.jit(
+    lambda probs, qpos, top_k: routing.route_semantic_bucketed(routing.semantic_buckets(probs), qpos, top_k),
+    static_argnums=(2,))
+_combine_hybrid = jax.jit(routing.combine_hybrid, static_argnames=("dedup",))
+
+
+def select_candidates(
+    tokens: jax.Array,
+    query: jax.Array,
+    keys: jax.Array,
+    router_probs: jax.Array | None,
+    recency: jax.Array,
+    rho: jax.Array,
+    *,
+    context_order: int,
+    num_buckets: int,
+    int32_wraparound: bool,
+    route: str,
+    semantic_index: str,
+    policy: str,
+    top_k: int,
+    target_leak: bool,
+    dedup: bool,
+    mode: str,
+) -> tuple[jax.Array, Candidates, jax.Array | None]:
+    """Addresses ``[B, T]`` int32, the selected :class:`Candidates` of every query (spec slot order) and,
+    for the ``topk_score`` context route, which queries it scored densely (``[B, Q]`` bool, else None).
+
+    tokens ``[B, T]``; query ``[B, Q, d]`` and keys ``[B, T, d]`` unit vectors; router_probs ``[B, T, S]``
+    (semantic and hybrid routes, else None); recency ``[T]``; rho the recency scale. Selection is integer
+    valued and not differentiated: every float input passes through ``stop_gradient``. The keyword
+    arguments are static configuration values.
+    """
+    T = tokens.shape[1]
+    qpos = records.query_positions(T, mode)
+    query, keys, rho = (jax.lax.stop_gradient(x) for x in (query, keys, rho))
+    addr = _addresses(tokens, context_order, num_buckets, int32_wraparound=int32_wraparound)
+    cand: Candidates | None = None
+    topk_dense = None
+    if route in ("context", "hybrid"):
+        if policy == "topk_score":
+            select = SelectionInputs(query, keys, recency, rho)
+            cand, topk_dense = _route_context_topk_score(addr, qpos, top_k, select)
+        else:
+            cand = _route_context(addr, qpos, top_k, policy)
+    if route in ("semantic", "hybrid"):
+        probs = jax.lax.stop_gradient(router_probs)
+        if semantic_index == "dense":
+            sem = _route_semantic_dense(probs, recency, rho, qpos, top_k, target_leak=target_leak)
+        else:
+            sem = _route_semantic_bucketed(probs, qpos, top_k)
+        cand = sem if cand is None else _combine_hybrid(cand, sem, dedup=dedup)
+    return addr, cand, topk_dense
+
+class CanonicalLM(nn.Module):
+    """Shared checks, head and forward of every model; subclasses provide ``hidden_states`` and, for
+    cache models, ``memory_read``."""
+
+    model_config: ModelConfig
+    memory_config: MemoryConfig
+    profile: ProfileConfig
+    dtype: Dtype = jnp.float32
+
+    @property
+    def uses_cache(self) -> bool:
+        return uses_cache(self.model_config)
+
+    def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The canonical ``name -> shape`` of this configuration (:func:`pcaf_core.params.param_shapes`)."""
+        return param_shapes(self.model_config, self.memory_config, self.profile)
+
+    def hidden_states(self, tokens: jax.Array, deterministic: bool) -> jax.Array:  # pragma: no cover
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        targets: jax.Array | None = None,
+        mode: str = "nt",
+        *,
+        deterministic: bool = True,
+        need_log_probs: bool = True,
+        need_predictions: bool = True,
+    ) -> JaxForwardOutput:
+        """Evaluate windows ``tokens [B, T]``.
+
+        Args:
+            targets: NT ``[B]`` / ``[B, 1]`` (the token after the window) or AR ``[B, T]``; optional.
+            mode: ``nt`` (one query at T-1) or ``ar`` (every position); static.
+            deterministic: dropout off (evaluation) when True.
+            need_log_probs: build ``log_probs`` and ``param_log_probs`` (and the memory's ``p_cache``),
+                ``[B, Q, V]`` each. A training step needs none of them: the loss uses the target entries.
+            need_predictions: compute the predictions (needs the ``[B, Q, V]`` head and mixture).
+        """
+        tokens, tgt = check_inputs(self.model_config, self.profile, tokens, targets, mode)
+        T = tokens.shape[1]
+        h = self.hidden_states(tokens, deterministic)
+        h_q = h[:, T - 1:] if mode == "nt" else h  # the query positions, sliced statically
+        if tgt is not None and not (need_log_probs or need_predictions):
+            param_lp = None
+            lp_y = self.head.target_log_prob(h_q, tgt, deterministic)
+        else:
+            param_lp = self.head(h_q, deterministic)  # [B, Q, V]
+            lp_y = None if tgt is None else jnp.take_along_axis(param_lp, tgt[..., None], axis=-1)[..., 0]
+        pred_param = _argmax(param_lp) if need_predictions else None
+        if not self.uses_cache:
+            if self.is_initializing():
+                self.init_unused(h_q)
+            loss = None if lp_y is None else -jnp.mean(lp_y)
+            return JaxForwardOutput(h, param_lp, param_lp, lp_y, pred_param, pred_param, pred_param, None, loss)
+
+        prof = self.profile
+        parametric_only = prof.ar_accuracy_parametric_only and mode == "ar"
+        nt_floor = prof.nt_mixture_floor and mode == "nt"
+        need_mix = need_log_probs or need_predictions
+        mem, cand_values = self.memory_read(tokens, h, mode, need_p_cache=need_mix)
+        mix_lp = None
+        if need_mix:
+            mix_lp = mixture.mixture_log_probs(param_lp, mem.p_cache, mem.gate, nt_floor=nt_floor)
+        tlp = loss = None
+        if tgt is not None:
+            pc_y = mixture.target_cache_prob(mem.cache_weights, cand_values, mem.cand.valid, tgt)
+            tlp = mixture.target_log_prob(lp_y, pc_y, mem.gate, nt_floor=nt_floor, ar_floor=prof.ar_mixture_floor,
+                                          mode=mode)
+            loss = -jnp.mean(tlp)
+        pred = pred_mix = None
+        if need_predictions:
+            pred_mix = _argmax(mix_lp)
+            pred = mixture.predictions(mix_lp, param_lp, parametric_only=parametric_only)
+        return JaxForwardOutput(h, param_lp, mix_lp, tlp, pred, pred_mix, pred_param, mem, loss)
+
+    def init_unused(self, h_q: jax.Array) -> None:
+        """Create parameters the forward does not use (``module.init`` only); none by default."""
+
+
+class AssociativeMemory(nn.Module):
+    """Query/key projections ``W_q, W_k`` (no bias), the optional semantic router and the recency scale ρ.
+
+    Router forms: ``linear_bias`` (``Dense(S)`` with bias) or ``layernorm_linear`` (``LN -> Dense(S)``
+    without bias, the LayerNorm named ``router_norm``). Projections run in ``dtype``; their outputs are
+    widened to at least float32 for normalisation, selection and scoring.
+    """
+
+    d_model: int
+    semantic_buckets: int
+    router_form: str
+    with_router: bool
+    dtype: Dtype = jnp.float32
+
+    def setup(self) -> None:
+        self.query = Dense(self.d_model, use_bias=False, dtype=self.dtype)
+        self.key = Dense(self.d_model, use_bias=False, dtype=self.dtype)
+        if self.with_router:
+            if self.router_form == "layernorm_linear":
+                self.router_norm = LayerNorm(dtype=self.dtype)
+            self.router = Dense(self.semantic_buckets, use_bias=self.router_form == "linear_bias", dtype=self.dtype)
+        self.recency_scale = self.param("recency_scale", nn.initializers.ones, (), jnp.float32)
+
+    def project(self, h: jax.Array, h_q: jax.Array, l2norm: str) -> tuple[jax.Array, jax.Array]:
+        """Unit keys ``[B, T, d]`` and queries ``[B, Q, d]`` in ``wide(dtype)``."""
+        work = wide(self.dtype)
+        keys = l2_normalize(self.key(h).astype(work), l2norm)
+        query = l2_normalize(self.query(h_q).astype(work), l2norm)
+        return keys, query
+
+    def router_probs(self, h: jax.Array, temperature: float) -> jax.Array:
+        """``softmax(router(h)/τ)``: ``[B, T, d] -> [B, T, S]`` in ``wide(dtype)``."""
+        x = self.router_norm(h) if self.router_form == "layernorm_linear" else h
+        return jax.nn.softmax(self.router(x).astype(wide(self.dtype)) / temperature, axis=-1)
+
+    def __call__(self, h: jax.Array) -> None:
+        """Create every parameter (``module.init`` of models that carry the memory unused)."""
+        self.project(h, h, "rsqrt_eps")
+        if self.with_router:
+            self.router_probs(h, 1.0)
+
+
+class PCAFModel(CanonicalLM):
+    """PCAF and its conv-backbone relatives (``pcaf``, ``pcaf_no_gate``, ``pcaf_no_cache``, ``local_conv``)."""
+
+    def setup(self) -> None:
+        model, memory, profile = self.model_config, self.memory_config, self.profile
+        if model.variant not in PCAF_VARIANTS and model.variant != "local_conv":
+            raise ValueError(f"PCAFModel builds {list(PCAF_VARIANTS) + ['local_conv']}, not {model.variant!r}")
+        d, hid, V, p = model.d_model, model.d_hidden, model.vocab_size, profile.dropout
+        self.embed = Embed(V, d, out_dtype=wide(self.dtype))
+        self.blocks = [ConvBlock(d, hid, model.kernel_size, profile.gelu, p, dtype=self.dtype)
+                       for _ in range(model.n_layers)]
+        self.head = Head(hid, V, profile.gelu, p, dtype=self.dtype)
+        if has_memory_params(model, profile):
+            self.memory = AssociativeMemory(d, memory.semantic_buckets, profile.router,
+                                            has_router(model, memory, profile), dtype=self.dtype)
+            self.gate = Gate(d, profile.gelu, dtype=self.dtype)
+
+    def hidden_states(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
+        """Final hidden states ``[B, T, d]`` (``wide(dtype)``) of the conv backbone."""
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, deterministic)
+        return x
+
+    def init_unused(self, h_q: jax.Array) -> None:
+        if has_memory_params(self.model_config, self.profile):
+            self.memory(h_q)
+            self.gate(h_q)
+
+    def memory_read(
+        self, tokens: jax.Array, h: jax.Array, mode: str, *, need_p_cache: bool = True
+    ) -> tuple[JaxMemoryTrace, jax.Array]:
+        """Records, routing, scores, cache weights, p_cache and the masked gate for every query.
+
+        Returns the trace and the slot values ``[B, Q, C]`` (the successor token of each slot's record).
+        Selection (integer candidates) is not differentiated; gradients reach W_q, W_k, ρ and the router
+        through the scores of the selected slots.
+        """
+        mcfg, prof = self.memory_config, self.profile
+        B, T = tokens.shape
+        work = wide(self.dtype)
+        rec = records.recency(T, mode, work)
+        rho = self.memory.recency_scale.astype(work)
+        h_q = h[:, T - 1:] if mode == "nt" else h
+        keys, query = self.memory.project(h, h_q, prof.l2norm)
+        semantic = mcfg.route in ("semantic", "hybrid")
+        router_probs = self.memory.router_probs(h, mcfg.semantic_temperature) if semantic else None
+        addr, cand, topk_dense = select_candidates(
+            tokens, query, keys, router_probs, rec, rho,
+            context_order=mcfg.context_order, num_buckets=mcfg.num_buckets,
+            int32_wraparound=prof.hash_int32_wraparound, route=mcfg.route, semantic_index=mcfg.semantic_index,
+            policy=mcfg.candidate_policy, top_k=mcfg.top_k,
+            target_leak=prof.semantic_ar_target_leak and mode == "ar", dedup=prof.hybrid_dedup, mode=mode)
+
+        query_router = None
+        if router_probs is not None:
+            query_router = router_probs[:, T - 1:] if mode == "nt" else router_probs
+        scores = mixture.candidate_scores(query, keys, rec, rho, cand, router_probs, query_router,
+                                          mcfg.semantic_score_scale)
+        alpha = mixture.cache_weights(scores, cand.valid)
+        values = routing.gather_records(records.successor_values(tokens), cand)
+        p_cache = None
+        if need_p_cache:
+            p_cache = mixture.cache_distribution(alpha, values, cand.valid, self.model_config.vocab_size)
+
+        if self.model_config.variant == "pcaf_no_gate":
+            raw = jnp.full(h_q.shape[:2], mcfg.fixed_gate, dtype=work)
+            if self.is_initializing():
+                self.gate(h_q)
+        else:
+            raw = self.gate(h_q)
+        gate = mixture.mask_gate(raw, jnp.any(cand.valid, axis=-1), clip_when_empty=prof.gate_clip_when_empty)
+        if self.is_initializing() and not semantic and self.memory.with_router:
+            self.memory.router_probs(h, mcfg.semantic_temperature)
+        trace = JaxMemoryTrace(addr, cand, scores, alpha, gate, p_cache, router_probs, topk_dense)
+        return trace, values
+
+
+class TransformerLM(CanonicalLM):
+    """Transformer baselines: ``transformer_dense`` / ``_local`` / ``_global_local`` and ``linear_attention``.
+
+    Positions: the trainable table ``pos.table`` (``trainable_jax``; T is limited by its rows) or fixed
+    sinusoids (``fixed_torch``, any T, not a parameter), both scaled by ``profile.positional_scale``.
+    """
+
+    def setup(self) -> None:
+        model, profile = self.model_config, self.profile
+        if model.variant not in TRANSFORMER_VARIANTS:
+            raise ValueError(f"TransformerLM builds {list(TRANSFORMER_VARIANTS)}, not {model.variant!r}")
+        d, hid, V, p = model.d_model, model.d_hidden, model.vocab_size, profile.dropout
+        self.embed = Embed(V, d, out_dtype=wide(self.dtype))
+        if has_positional_table(model, profile):
+            self.pos = PositionalTable(model.max_seq_len, d, profile.positional_scale)
+        self.blocks = [TransformerBlock(d, hid, model.n_heads, model.variant, model.window, model.n_global,
+                                        model.linear_chunk, profile.gelu, p, dtype=self.dtype)
+                       for _ in range(model.n_layers)]
+        self.head = Head(hid, V, profile.gelu, p, dtype=self.dtype)
+
+    def hidden_states(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
+        """Final hidden states ``[B, T, d]`` (``wide(dtype)``) of the Transformer."""
+        model, profile = self.model_config, self.profile
+        x = self.embed(tokens)
+        T = tokens.shape[1]
+        if has_positional_table(model, profile):
+            x = x + self.pos(T).astype(x.dtype)
+        else:
+            x = x + fixed_positions(T, model.d_model, profile.positional, profile.positional_scale, x.dtype)
+        for block in self.blocks:
+            x = block(x, deterministic)
+        return x
+
+
+def _config_hash(self: CanonicalLM) -> int:
+    """Hash of a model by its configuration values: the config dataclasses are mutable (unhashable), and
+    a module must be hashable to serve as a static argument of ``jax.jit``."""
+    return hash((type(self).__name__, repr(self.model_config), repr(self.memory_config), repr(self.profile),
+                 str(jnp.dtype(self.dtype)), self.name))
+
+
+# Assigned after class creation: linen's dataclass transform would replace a __hash__ defined in the body.
+PCAFModel.__hash__ = _config_hash  # type: ignore[method-assign]
+TransformerLM.__hash__ = _config_hash  # type: ignore[method-assign]
+
+
+def build_model(
+    model: ModelConfig, memory: MemoryConfig, profile: ProfileConfig, *, dtype: Dtype = jnp.float32
+) -> PCAFModel | TransformerLM:
+    """The Module of ``model.variant``; ``dtype`` is the compute dtype of matmuls (float32, bfloat16 for
+    the bf16 precision, float64 under x64). Parameters come from :func:`backends.jax.params.init_params`
+    through :func:`backends.jax.weights.to_variables` (they stay float32 under bf16 compute)."""
+    cls = TransformerLM if model.variant in TRANSFORMER_VARIANTS else PCAFModel
+    return cls(model, memory, profile, dtype=dtype)
