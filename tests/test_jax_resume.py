@@ -1,0 +1,145 @@
+"""Kill a JAX training process mid-run, resume it in a new process, and get the uninterrupted run bit for
+bit (CPU, fp32): metrics, learning curve, weights, optimiser state, step and dropout key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.numpy
+
+from pcaf_core.config import DataConfig
+from pcaf_core.loop import config_to_dict, latest_checkpoint, read_loop_state
+from pcaf_core.results import read_curve, read_metrics
+from tests.test_jax_train import tiny_cfg
+
+RUNNER = """
+import sys, time
+from pathlib import Path
+
+from backends.jax.backend import JaxBackend
+from pcaf_core.config_io import read_config
+from pcaf_core.loop import run_training
+from tests.test_jax_train import CORPUS
+
+cfg = read_config(sys.argv[1])
+delay = float(sys.argv[3])
+
+
+class Paced(JaxBackend):
+    # Sleeps after each step (outside the numerics) so the test can kill the run part-way.
+    def train_step(self, state, inputs, targets, lr):
+        out = super().train_step(state, inputs, targets, lr)
+        time.sleep(delay)
+        return out
+
+
+run_training(cfg, Paced("cpu"), Path(sys.argv[2]), corpus=CORPUS, progress=False)
+"""
+
+QUALITY = ("final_ppl", "best_ppl", "best_step", "acc_at_best", "acc_param_at_best", "final_acc", "final_acc_param",
+           "full_ppl", "full_acc", "full_acc_param", "full_windows", "steps_done", "params", "unigram_ppl",
+           "config_hash", "status")
+
+
+def _start(tmp_path: Path, cfg_file: Path, run_dir: Path, delay: float) -> subprocess.Popen:
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    return subprocess.Popen([sys.executable, str(script), str(cfg_file), str(run_dir), str(delay)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, min_step: int, timeout: float = 180) -> int:
+    pointer = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pointer.exists():
+            step = int(pointer.read_text().strip().split("_")[1])
+            if step >= min_step:
+                return step
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before it could be interrupted:\n{proc.stdout.read()}")
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail("no checkpoint appeared in time")
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out
+
+
+def _curve(run_dir: Path) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in read_curve(run_dir)]
+
+
+def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path):
+    # reference_torch: dropout (the step's key) and gradient clipping are part of what must resume exactly.
+    cfg = tiny_cfg(variant="local_conv", profile="reference_torch",
+                   train={"steps": 16, "checkpoint_every": 4, "log_every": 1},
+                   eval={"every": 8, "batches": 2, "full_max_windows": 16})
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps(config_to_dict(cfg)))
+    ref_dir, run_dir = tmp_path / "uninterrupted", tmp_path / "interrupted"
+
+    ref = _start(tmp_path, cfg_file, ref_dir, 0.0)
+    victim = _start(tmp_path, cfg_file, run_dir, 0.1)
+    killed_after = _wait_for_checkpoint(victim, run_dir, min_step=8)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    assert victim.returncode == -signal.SIGKILL
+    rec = read_metrics(run_dir)
+    # SIGKILL cannot be caught: the record still says "running", with the progress of its last update.
+    assert rec.status == "running" and rec.steps_done < 16
+    assert read_loop_state(latest_checkpoint(run_dir)).step >= killed_after >= 8
+
+    _finish(_start(tmp_path, cfg_file, run_dir, 0.0))
+    _finish(ref)
+    a, b = read_metrics(ref_dir), read_metrics(run_dir)
+    assert b.status == "completed" and b.extra["segments"] == 2
+    assert {k: getattr(b, k) for k in QUALITY} == {k: getattr(a, k) for k in QUALITY}
+    assert _curve(run_dir) == _curve(ref_dir)
+    assert len(_curve(run_dir)) == 16
+    ck_a, ck_b = latest_checkpoint(ref_dir), latest_checkpoint(run_dir)
+    assert ck_a.name == ck_b.name == "step_16"
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        ta = safetensors.numpy.load_file(str(ck_a / name))
+        tb = safetensors.numpy.load_file(str(ck_b / name))
+        assert ta.keys() == tb.keys() and len(ta) > 10, name
+        for k in ta:
+            assert ta[k].dtype == tb[k].dtype and ta[k].tobytes() == tb[k].tobytes(), (name, k)
+    opt = safetensors.numpy.load_file(str(ck_b / "optimizer.safetensors"))
+    assert int(opt["step"]) == 16 and int(opt["opt_state.count"]) == 16
+    la, lb = read_loop_state(ck_a), read_loop_state(ck_b)
+    assert la.train_sampler == lb.train_sampler and la.eval_sampler == lb.eval_sampler
+
+
+def test_command_line_entry_point(tmp_path):
+    # The multi-host launcher in a single process: the config file names the data (a small WikiText-2 slice).
+    cfg = tiny_cfg(train={"steps": 4, "checkpoint_every": 2}, eval={"every": 2, "batches": 1, "full_max_windows": 8})
+    cfg.data = DataConfig(name="wikitext2", max_vocab=40, max_train_tokens=6000, max_eval_tokens=1500,
+                          cache_dir=str(tmp_path / "cache"))
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps(config_to_dict(cfg)))
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "backends.jax.train", "--config", str(cfg_file), "--run-dir", str(run_dir),
+           "--device", "cpu", "--no-progress"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    m = read_metrics(run_dir)
+    assert m.status == "completed" and m.backend == "jax" and m.steps_done == 4 and m.dataset == "wikitext2"
+    assert m.extra["segments"] == 1 and m.extra["world_size"] == 1
+    bad = subprocess.run([*cmd[:4], str(tmp_path / "missing.json"), *cmd[5:]], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert bad.returncode == 2 and "missing.json does not exist" in bad.stderr
