@@ -52,6 +52,29 @@ def test_make_reproduce_table_smoke_renders_every_paper_row(tmp_path):
 
 
 @pytest.mark.slow
+def test_make_reproduce_table_smoke_on_the_jax_backend(tmp_path):
+    """``BACKEND=jax`` runs the same rows through the JAX backend; records and table say so."""
+    out = tmp_path / "outputs"
+    rows = "pcaf_context_wt103_t1024,local_conv_wt103_t1024"
+    res = subprocess.run(["make", "--no-print-directory", "reproduce-table", "TABLE=main-303m", f"ROWS={rows}",
+                          "SCALE=smoke", "BACKEND=jax", f"OUTPUTS={out}"], cwd=REPO, capture_output=True, text=True,
+                         env=_env(), timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    md_path = Path(res.stdout.strip().splitlines()[-1])
+    assert md_path == out / "tables" / "main-303m_smoke_jax.md"
+    md = md_path.read_text()
+    assert "Backend: jax" in md and "cpu (jax " in md
+    records = [read_metrics(p.parent) for p in (out / "main-303m" / "smoke" / "jax").rglob("metrics.json")]
+    assert sorted(r.row for r in records) == sorted(rows.split(","))
+    for r in records:
+        assert r.status == "completed" and r.backend == "jax" and "flax" in r.versions and "optax" in r.versions
+        assert r.full_ppl is not None and r.params > 0
+    for row in ("PCAF-context", "Local conv"):
+        line = next(ln for ln in md.splitlines() if ln.startswith(f"| {row} | WikiText-103 | 1024 |"))
+        assert "missing" not in line and "failed" not in line
+
+
+@pytest.mark.slow
 def test_multirun_sweep_ends_in_one_table_and_one_plot(tmp_path):
     res = subprocess.run([sys.executable, "-m", "experiments.run", "-m", "experiment=wt2-nt-1024/pcaf_context",
                           "scale=smoke", "memory.top_k=4,8,16,32", f"output_root={tmp_path}"],
