@@ -15,28 +15,55 @@ without T×T tensors where the route allows it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 SEMANTIC_TIE_BREAK = 1e-4  # weight of rho * recency in the dense semantic ranking
 
 
-@dataclass
-class Candidates:
-    """Selected records.
+class Candidates(NamedTuple):
+    """Selected records; the one container every backend uses (a NamedTuple: a JAX pytree as it is).
 
-    index: ``[B, Q, C]`` int64 record positions, -1 = empty slot.
+    index: ``[B, Q, C]`` integer record positions, -1 = empty slot (int64 in NumPy and torch, int32 in JAX).
     valid: ``[B, Q, C]`` bool; the reference's semantic leak marks some slots valid that are not
         causal (see :func:`route_semantic_dense`), otherwise ``valid == (index >= 0)``.
     """
 
-    index: np.ndarray
-    valid: np.ndarray
+    index: Any
+    valid: Any
 
     @property
     def width(self) -> int:
         return self.index.shape[-1]
+
+
+class SelectionInputs(NamedTuple):
+    """What the ``topk_score`` policy ranks by: ``q_t·k_s/√d + ρ·r_s`` (√d with d = query width).
+
+    query: ``[B, Q, d]`` query vectors (unit norm in the models); keys: ``[B, T, d]`` likewise;
+    recency: ``[T]`` recency of each record, non-decreasing in s; rho: the recency scale ρ (a float, or
+    a scalar array in JAX, possibly traced). Selection is not differentiated: backends pass detached
+    tensors (torch) or stop gradients inside the routes (JAX).
+    """
+
+    query: Any
+    keys: Any
+    recency: Any
+    rho: Any
+
+
+class BucketLayout(NamedTuple):
+    """Every sequence sorted bucket by bucket (positions ascending inside a bucket), as the sparse
+    backends route from it.
+
+    order: ``[B, T]`` position stored at each slot; rank: ``[B, T]`` slot of each position (the inverse
+    permutation); seg_start: ``[B, T]`` first slot of the bucket segment holding each slot.
+    """
+
+    order: Any
+    rank: Any
+    seg_start: Any
 
 
 def _empty(batch: int, n_queries: int, width: int) -> Candidates:

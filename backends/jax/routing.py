@@ -27,59 +27,16 @@ gradients flow through the scores of the selected slots, computed by the caller.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from backends.jax.ops import CHUNK_ELEMENTS, batch_gather, gather_dot, map_query_chunks, query_chunk
 from pcaf_core.config import CANDIDATE_POLICIES
-from pcaf_core.routing import SEMANTIC_TIE_BREAK
+from pcaf_core.routing import SEMANTIC_TIE_BREAK, BucketLayout, Candidates, SelectionInputs
 
 TOPK_STRATEGIES = ("auto", "dense")
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-class Candidates(NamedTuple):
-    """Selected records (a pytree, so it can leave a jitted function).
-
-    index: ``[B, Q, C]`` int32 record positions, -1 = empty slot.
-    valid: ``[B, Q, C]`` bool; equal to ``index >= 0`` except for the reference's semantic target leak
-        (:func:`route_semantic_dense`), whose leaked slots are valid but not causal.
-    """
-
-    index: jax.Array
-    valid: jax.Array
-
-    @property
-    def width(self) -> int:
-        return self.index.shape[-1]
-
-
-class SelectionInputs(NamedTuple):
-    """What the ``topk_score`` policy ranks by: ``q_t·k_s/√d + ρ·r_s`` (√d with d = query width).
-
-    query: ``[B, Q, d]`` query vectors (unit norm in the models); keys: ``[B, T, d]`` likewise;
-    recency: ``[T]`` recency of each record, non-decreasing in s; rho: the recency scale ρ (a Python
-    float or a scalar array, possibly traced). Gradients are stopped inside the routes.
-    """
-
-    query: jax.Array
-    keys: jax.Array
-    recency: jax.Array
-    rho: float | jax.Array
-
-
-class BucketLayout(NamedTuple):
-    """Every sequence sorted bucket by bucket (positions ascending inside a bucket).
-
-    order: ``[B, T]`` int32 position stored at each slot; rank: ``[B, T]`` int32 slot of each position
-    (the inverse permutation); seg_start: ``[B, T]`` int32 first slot of the bucket segment holding each slot.
-    """
-
-    order: jax.Array
-    rank: jax.Array
-    seg_start: jax.Array
 
 
 def _work_dtype(dtype: jnp.dtype) -> jnp.dtype:

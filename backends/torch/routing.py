@@ -23,57 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple
 
 import torch
 
 from backends.torch.ops import CHUNK_ELEMENTS, batch_gather, gather_dot
 from pcaf_core.config import CANDIDATE_POLICIES
-from pcaf_core.routing import SEMANTIC_TIE_BREAK
+from pcaf_core.routing import SEMANTIC_TIE_BREAK, BucketLayout, Candidates, SelectionInputs
 
 TOPK_STRATEGIES = ("auto", "dense")
-
-
-class Candidates(NamedTuple):
-    """Selected records.
-
-    index: ``[B, Q, C]`` int64 record positions, -1 = empty slot.
-    valid: ``[B, Q, C]`` bool; equal to ``index >= 0`` except for the reference's semantic target leak
-        (:func:`route_semantic_dense`), whose leaked slots are valid but not causal.
-    """
-
-    index: torch.Tensor
-    valid: torch.Tensor
-
-    @property
-    def width(self) -> int:
-        return self.index.shape[-1]
-
-
-class SelectionInputs(NamedTuple):
-    """What the ``topk_score`` policy ranks by: ``q_t·k_s/√d + ρ·r_s`` (√d with d = query width).
-
-    query: ``[B, Q, d]`` query vectors (unit norm in the models); keys: ``[B, T, d]`` likewise;
-    recency: ``[T]`` recency of each record, non-decreasing in s; rho: the recency scale ρ.
-    Pass detached tensors: selection is not differentiated.
-    """
-
-    query: torch.Tensor
-    keys: torch.Tensor
-    recency: torch.Tensor
-    rho: float
-
-
-class BucketLayout(NamedTuple):
-    """Every sequence sorted bucket by bucket (positions ascending inside a bucket).
-
-    order: ``[B, T]`` int64 position stored at each slot; rank: ``[B, T]`` slot of each position
-    (the inverse permutation); seg_start: ``[B, T]`` first slot of the bucket segment holding each slot.
-    """
-
-    order: torch.Tensor
-    rank: torch.Tensor
-    seg_start: torch.Tensor
 
 
 def _exact_selection(select: SelectionInputs) -> SelectionInputs:
