@@ -1,4 +1,4 @@
-"""pcaf_core is backend-neutral: it imports neither torch nor jax."""
+"""pcaf_core is backend-neutral: it imports neither torch nor jax; the two backends never import each other."""
 
 from __future__ import annotations
 
@@ -13,18 +13,32 @@ import pcaf_core
 FORBIDDEN = {"torch", "jax", "jaxlib", "flax", "optax", "triton"}
 
 
-def test_no_source_file_imports_a_backend():
-    root = Path(pcaf_core.__file__).parent
-    offenders = []
+def _imports(root: Path) -> list[tuple[str, str]]:
+    """(file, absolute module name) of every import statement under ``root``."""
+    found = []
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = []
             if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
+                found += [(path.name, a.name) for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
-            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in FORBIDDEN]
+                found += [(path.name, node.module)]
+    return found
+
+
+def test_no_source_file_imports_a_backend():
+    root = Path(pcaf_core.__file__).parent
+    offenders = [f"{f}: {m}" for f, m in _imports(root) if m.split(".")[0] in FORBIDDEN]
     assert not offenders, offenders
+
+
+def test_the_backends_never_import_each_other():
+    backends = Path(pcaf_core.__file__).parents[1] / "backends"
+    pairs = (("torch", "jax", {"jax", "jaxlib", "flax", "optax"}), ("jax", "torch", {"torch", "triton"}))
+    for mine, other, framework in pairs:
+        found = _imports(backends / mine)
+        assert len(found) > 20  # the walk sees the package
+        offenders = [f"{f}: {m}" for f, m in found if m.startswith(f"backends.{other}") or m.split(".")[0] in framework]
+        assert not offenders, (mine, offenders)
 
 
 def test_importing_every_module_loads_no_backend():
