@@ -73,7 +73,13 @@ def embed_normal(key: jax.Array, shape: tuple[int, ...], dtype: Dtype = jnp.floa
 
 
 class Dense(nn.Module):
-    """``y = x @ weight + bias`` with ``weight [in, out]``; the matmul runs in ``dtype``."""
+    """``y = x @ weight + bias`` with ``weight [in, out]``; operands in ``dtype``, returns ``dtype``.
+
+    Products accumulate in ``wide(dtype)`` and the bias is added before the one rounding to ``dtype``,
+    as a bf16 GEMM with a bias epilogue does under torch autocast. On XLA:CPU this is also the fast
+    form: a bf16 dot with a bf16 result runs about 1.8x slower than with float32 accumulation
+    (512x128 @ 128x20000: 30 against 17 ms on the 2-core machine).
+    """
 
     features: int
     use_bias: bool = True
@@ -83,11 +89,12 @@ class Dense(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.param("weight", fan_in_normal, (x.shape[-1], self.features), self.param_dtype)
-        y = jnp.matmul(x.astype(self.dtype), w.astype(self.dtype))
+        acc = wide(self.dtype)
+        y = jnp.matmul(x.astype(self.dtype), w.astype(self.dtype), preferred_element_type=acc)
         if self.use_bias:
             b = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
-            y = y + b.astype(self.dtype)
-        return y
+            y = y + b.astype(acc)
+        return y.astype(self.dtype)
 
 
 class LayerNorm(nn.Module):
