@@ -236,5 +236,5 @@ def plot_sweep(df: pd.DataFrame, x: str, y: str = "best_ppl", title: str = "") -
             ax.set_xticks(pos, [str(v) for v in xs])
     ax.set_xlabel(x)
     ax.set_ylabel(y)
-    ax.set_title(title or f"{y} vs {x}", fontsize=10)
+    ax.set_title(title or f"{y} vs {x}", fontsize=10 if "\n" not in title else 7)
     return fig

@@ -105,10 +105,12 @@ def load_sweep(root: str | os.PathLike[str], param: str) -> pd.DataFrame:
     for _, run in runs.iterrows():
         value, source = swept_value(run["run_dir"], root, param, run["overrides"], run["extra"])
         line = {param: value, "value_source": source}
-        for key in ("status", "error", "seed", "table", "row", "run_dir", *SWEEP_METRICS):
+        for key in ("status", "error", "seed", "table", "row", "scale", "backend", "profile", "run_dir",
+                    *SWEEP_METRICS):
             line[key] = run[key]
         lines.append(line)
-    columns = [param, "value_source", "status", "error", "seed", "table", "row", "run_dir", *SWEEP_METRICS]
+    columns = [param, "value_source", "status", "error", "seed", "table", "row", "scale", "backend", "profile",
+               "run_dir", *SWEEP_METRICS]
     return pd.DataFrame(lines, columns=columns, dtype=object)
 
 
@@ -170,10 +172,26 @@ def _status(line: pd.Series) -> str:
     return "; ".join(parts) or "missing"
 
 
-def render_sweep_markdown(agg: pd.DataFrame, param: str, y: str, root: str, unresolved: list[str]) -> str:
-    """Markdown table of the sweep: one line per swept value."""
-    out = [f"# Sweep over `{param}`", "", f"- Runs read under `{root}`; metric plotted: `{y}` (mean ± sample std "
-           "over completed runs; PPL from the reference protocol unless the column says full).", ""]
+def sweep_labels(df: pd.DataFrame) -> str:
+    """``Row: … · Scale: … · Backend: … · Profile: … · Seeds: …`` over the runs read (every distinct value)."""
+    if df.empty:
+        return "no runs"
+
+    def values(col: str) -> str:
+        found = sorted({str(v) for v in df[col] if v is not None and str(v) != "nan"})
+        return ", ".join(found) or "unknown"
+
+    rows = sorted({f"{t}/{r}" for t, r in zip(df["table"], df["row"])})
+    return (f"Row: {', '.join(rows)} · Scale: {values('scale')} · Backend: {values('backend')} · "
+            f"Profile: {values('profile')} · Seeds: {values('seed')}")
+
+
+def render_sweep_markdown(agg: pd.DataFrame, param: str, y: str, root: str, unresolved: list[str],
+                          labels: str = "") -> str:
+    """Markdown table of the sweep: one line per swept value; ``labels`` (:func:`sweep_labels`) heads it."""
+    out = [f"# Sweep over `{param}`", ""] + ([f"- {labels}"] if labels else []) + [
+        f"- Runs read under `{root}`; metric plotted: `{y}` (mean ± sample std "
+        "over completed runs; PPL from the reference protocol unless the column says full).", ""]
     header = [param, "Best PPL", "Final PPL", "Acc. @ best", "Full-split PPL", "Tok/s", "Status"]
     out += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for _, line in agg.iterrows():
@@ -219,8 +237,11 @@ def render_sweep(runs: str | os.PathLike[str], params: str | Sequence[str], out:
         stem = out_dir / f"sweep_{label.replace('/', '_')}"
         csv_path = stem.with_name(stem.name + ".csv")
         csv_path.write_text(render_sweep_csv(agg), encoding="utf-8")
-        png, pdf = save_figure(plot_sweep(df[df["status"] == "completed"], x=key, y=y), stem)
+        labels = sweep_labels(df)
+        title = f"{y} vs {key}\n" + labels.replace(" · Profile", "\nProfile")
+        png, pdf = save_figure(plot_sweep(df[df["status"] == "completed"], x=key, y=y, title=title), stem)
         md = stem.with_name(stem.name + ".md")
-        md.write_text(render_sweep_markdown(agg, key, y, str(runs), unresolved_runs(df, key)), encoding="utf-8")
+        md.write_text(render_sweep_markdown(agg, key, y, str(runs), unresolved_runs(df, key), labels),
+                      encoding="utf-8")
         written += [csv_path, png, pdf, md]
     return written

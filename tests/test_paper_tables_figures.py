@@ -134,6 +134,8 @@ def test_cli_sweep_writes_table_and_plot(tmp_path, capsys):
     assert md_path == out / "sweep_memory.top_k.md"
     md = md_path.read_text()
     assert "| 4 | 100.50 ± 0.71 |" in md
+    assert ("- Row: sweeps-41m/pcaf_topk16 · Scale: smoke · Backend: torch · Profile: reference_torch · "
+            "Seeds: 1, 2, 3, 4") in md  # every number carries its labels
     assert "1 failed: diverged" in md
     assert "Runs without a value for `memory.top_k`" in md and "unknown" in md
     _assert_png_pdf(out / "sweep_memory.top_k.png", out / "sweep_memory.top_k.pdf")
