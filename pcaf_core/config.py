@@ -149,6 +149,13 @@ class ProfileConfig:
     ar_mixture_floor: bool = False  # prob-space mixture, log max(p, 1e-8)
     ar_accuracy_parametric_only: bool = False
     gate_clip_when_empty: bool = False  # clip lambda to >= 1e-5 even when the gate was masked to 0
+    # NT only: log1p(-min(λ, 1-1e-5)) on the parametric term and log(max(λ, 1e-5)) on the cache term,
+    # each clamped on its own side, instead of one two-sided clip of λ (gate_clip_when_empty then has
+    # no effect in NT: an empty query keeps weight 1 on the parametric term).
+    nt_gate_per_term_clamp: bool = False
+    # NT only: the loss is -log_softmax(log-mixture)[target], i.e. the (unnormalised) mixture is
+    # re-normalised over the vocabulary before the target is read, in training and evaluation.
+    nt_loss_renormalise: bool = False
     # --- training regularisation ----------------------------------------------------------
     dropout: float = 0.0
     grad_clip_norm: float = 0.0  # 0 = no clipping

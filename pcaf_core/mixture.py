@@ -5,8 +5,11 @@ Shapes: B sequences, Q queries per sequence (1 in NT mode, T in AR mode), C cand
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
+from pcaf_core.config import ProfileConfig
 from pcaf_core.routing import Candidates
 
 SEMANTIC_OVERLAP_FLOOR = 1e-6  # log(max(m, 1e-6)) in the route term
@@ -14,6 +17,34 @@ NT_CACHE_FLOOR = 1e-6  # reference NT: log(max(p_cache, 1e-6)) for every vocabul
 AR_PROB_FLOOR = 1e-8  # reference AR: log(max(p, 1e-8))
 GATE_CLIP = 1e-5  # lambda is clipped to [1e-5, 1 - 1e-5]
 MASKED_SCORE = -1e9
+
+
+class MixtureRule(NamedTuple):
+    """Which profile switches act in one mode: the spec and both backends read this, never the switches.
+
+    nt_floor: ``p_cache`` floored at 1e-6 on every entry (NT). ar_floor: the probability-space AR target
+    log-prob floored at 1e-8. gate_per_term: each gate term clamped on its own side (NT). renormalise:
+    the NT loss re-normalises the log-mixture over the vocabulary. parametric_accuracy: accuracy is the
+    argmax of the parametric head (AR).
+    """
+
+    nt_floor: bool
+    ar_floor: bool
+    gate_per_term: bool
+    renormalise: bool
+    parametric_accuracy: bool
+
+
+def mixture_rule(profile: ProfileConfig, mode: str) -> MixtureRule:
+    """The :class:`MixtureRule` of ``profile`` in ``mode`` (``nt`` or ``ar``)."""
+    nt = mode == "nt"
+    return MixtureRule(
+        nt_floor=profile.nt_mixture_floor and nt,
+        ar_floor=profile.ar_mixture_floor and not nt,
+        gate_per_term=profile.nt_gate_per_term_clamp and nt,
+        renormalise=profile.nt_loss_renormalise and nt,
+        parametric_accuracy=profile.ar_accuracy_parametric_only and not nt,
+    )
 
 
 def selection_score(query: np.ndarray, keys: np.ndarray, recency: np.ndarray, rho: float) -> np.ndarray:
@@ -69,13 +100,17 @@ def cache_distribution(weights: np.ndarray, cand_values: np.ndarray, valid: np.n
     return p
 
 
-def mask_gate(raw_gate: np.ndarray, any_valid: np.ndarray, *, clip_when_empty: bool) -> np.ndarray:
+def mask_gate(raw_gate: np.ndarray, any_valid: np.ndarray, *, clip_when_empty: bool, per_term: bool = False
+              ) -> np.ndarray:
     """Gate λ masked by "any valid candidate" and clipped to [1e-5, 1 - 1e-5].
 
     The reference clips after masking, so an empty query keeps λ = 1e-5 (``clip_when_empty``);
-    the normative gate of an empty query is exactly 0. ``[B, Q]``.
+    the normative gate of an empty query is exactly 0. With ``per_term`` the masked gate is returned
+    unclipped: :func:`gate_log_weights` clamps each mixture term on its own side. ``[B, Q]``.
     """
     lam = raw_gate * any_valid
+    if per_term:
+        return lam
     clipped = np.clip(lam, GATE_CLIP, 1.0 - GATE_CLIP)
     return clipped if clip_when_empty else np.where(any_valid, clipped, 0.0)
 
@@ -85,17 +120,39 @@ def _log(x: np.ndarray) -> np.ndarray:
         return np.log(x)
 
 
+def gate_log_weights(gate: np.ndarray, *, per_term: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(log w_param, log w_cache)`` of the mixture, each shaped like ``gate``.
+
+    Normally ``(log(1-λ), log λ)`` of the already clipped gate. With ``per_term`` (the reference
+    PyTorch NT path) ``(log1p(-min(λ, 1-1e-5)), log(max(λ, 1e-5)))``: a query with λ = 0 keeps weight
+    exactly 1 on the parametric term while the cache term gets 1e-5, so the weights need not sum to 1.
+    """
+    if per_term:
+        return np.log1p(-np.minimum(gate, 1.0 - GATE_CLIP)), np.log(np.maximum(gate, GATE_CLIP))
+    return np.log1p(-gate), _log(gate)
+
+
 def mixture_log_probs(
-    param_log_probs: np.ndarray, p_cache: np.ndarray, gate: np.ndarray, *, nt_floor: bool
+    param_log_probs: np.ndarray, p_cache: np.ndarray, gate: np.ndarray, *, nt_floor: bool,
+    gate_per_term: bool = False,
 ) -> np.ndarray:
     """Mixture over the vocabulary in log space: ``log[(1-λ)·p_param + λ·p_cache]``, ``[B, Q, V]``.
 
     With ``nt_floor`` (reference NT) p_cache is floored at 1e-6 on every entry, so the result's mass is
-    ``1 + λ·1e-6·(#vocabulary entries with p_cache = 0)`` rather than 1.
+    ``1 + λ·1e-6·(#vocabulary entries with p_cache = 0)`` rather than 1. ``gate_per_term``: see
+    :func:`gate_log_weights`.
     """
-    lam = gate[..., None]
+    log_keep, log_gate = gate_log_weights(gate[..., None], per_term=gate_per_term)
     cache = np.maximum(p_cache, NT_CACHE_FLOOR) if nt_floor else p_cache
-    return np.logaddexp(np.log1p(-lam) + param_log_probs, _log(lam) + _log(cache))
+    return np.logaddexp(log_keep + param_log_probs, log_gate + _log(cache))
+
+
+def renormalised_target_log_prob(mixture_lp: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """``log_softmax(mixture_lp)[target]``, ``[B, Q]``: the reference PyTorch NT loss, which feeds the
+    unnormalised log-mixture ``[B, Q, V]`` to a cross-entropy."""
+    top = mixture_lp.max(-1, keepdims=True)
+    lse = (top + np.log(np.exp(mixture_lp - top).sum(-1, keepdims=True)))[..., 0]
+    return np.take_along_axis(mixture_lp, targets[..., None], -1)[..., 0] - lse
 
 
 def target_log_prob(
@@ -107,17 +164,24 @@ def target_log_prob(
     nt_floor: bool,
     ar_floor: bool,
     mode: str,
+    gate_per_term: bool = False,
+    renormalise: bool = False,
 ) -> np.ndarray:
     """log p(y) of each target, ``[B, Q]``, as the loss uses it.
 
-    NT: the target entry of :func:`mixture_log_probs`. AR with ``ar_floor`` (reference): computed in
+    NT: the target entry of :func:`mixture_log_probs`, or with ``renormalise`` (reference PyTorch) the
+    target entry of its log-softmax over the vocabulary. AR with ``ar_floor`` (reference): computed in
     probability space, ``log(max((1-λ)·exp(lp_y) + λ·p_cache(y), 1e-8))``; otherwise the exact log.
     """
+    if mode == "nt" and renormalise:
+        mix = mixture_log_probs(param_log_probs, p_cache, gate, nt_floor=nt_floor, gate_per_term=gate_per_term)
+        return renormalised_target_log_prob(mix, targets)
     lp_y = np.take_along_axis(param_log_probs, targets[..., None], -1)[..., 0]
     pc_y = np.take_along_axis(p_cache, targets[..., None], -1)[..., 0]
     if mode == "nt":
         pc = np.maximum(pc_y, NT_CACHE_FLOOR) if nt_floor else pc_y
-        return np.logaddexp(np.log1p(-gate) + lp_y, _log(gate) + _log(pc))
+        log_keep, log_gate = gate_log_weights(gate, per_term=gate_per_term)
+        return np.logaddexp(log_keep + lp_y, log_gate + _log(pc))
     if ar_floor:
         return np.log(np.maximum((1.0 - gate) * np.exp(lp_y) + gate * pc_y, AR_PROB_FLOOR))
     return np.logaddexp(np.log1p(-gate) + lp_y, _log(gate) + _log(pc_y))

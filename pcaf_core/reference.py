@@ -248,7 +248,8 @@ def memory_read(
         g = layer_norm(h[:, qpos], p["gate.norm.weight"], p["gate.norm.bias"])
         g = linear(p, "gate.out", gelu(linear(p, "gate.hidden", g), profile.gelu))[..., 0]
         raw = 1.0 / (1.0 + np.exp(-g))
-    gate = mixture.mask_gate(raw, cand.valid.any(-1), clip_when_empty=profile.gate_clip_when_empty)
+    gate = mixture.mask_gate(raw, cand.valid.any(-1), clip_when_empty=profile.gate_clip_when_empty,
+                             per_term=mixture.mixture_rule(profile, mode).gate_per_term)
     return MemoryTrace(addr, cand, scores, alpha, gate, p_cache, router_probs)
 
 
@@ -306,12 +307,13 @@ def forward(
         return ForwardOutput(h, param_lp, param_lp, tlp, np.argmax(param_lp, -1), None)
 
     mem = memory_read(params, tokens, h, model, memory, profile, mode)
-    nt_floor = profile.nt_mixture_floor and mode == "nt"
-    mix_lp = mixture.mixture_log_probs(param_lp, mem.p_cache, mem.gate, nt_floor=nt_floor)
+    rule = mixture.mixture_rule(profile, mode)
+    mix_lp = mixture.mixture_log_probs(param_lp, mem.p_cache, mem.gate, nt_floor=rule.nt_floor,
+                                       gate_per_term=rule.gate_per_term)
     tlp = None
     if tgt is not None:
-        tlp = mixture.target_log_prob(param_lp, mem.p_cache, mem.gate, tgt, nt_floor=nt_floor,
-                                      ar_floor=profile.ar_mixture_floor, mode=mode)
-    pred = mixture.predictions(mix_lp, param_lp,
-                               parametric_only=profile.ar_accuracy_parametric_only and mode == "ar")
+        tlp = mixture.target_log_prob(param_lp, mem.p_cache, mem.gate, tgt, nt_floor=rule.nt_floor,
+                                      ar_floor=rule.ar_floor, mode=mode, gate_per_term=rule.gate_per_term,
+                                      renormalise=rule.renormalise)
+    pred = mixture.predictions(mix_lp, param_lp, parametric_only=rule.parametric_accuracy)
     return ForwardOutput(h, param_lp, mix_lp, tlp, pred, mem)

@@ -143,7 +143,14 @@ def test_empty_bucket_masks_the_gate_to_zero(profile, mode):
     out, _ = _forward("pcaf", "context", profile, mode, tokens, num_buckets=64)
     empty = ~out.memory.cand.valid.any(-1)
     assert empty.all()
-    if get_profile(profile).gate_clip_when_empty:
+    prof = get_profile(profile)
+    if mixture.mixture_rule(prof, mode).gate_per_term:
+        # reference PyTorch NT: the masked gate stays 0; the parametric term keeps weight exactly 1 and
+        # the cache term gets max(0, 1e-5) times the floored p_cache 1e-6 on every entry.
+        assert (out.memory.gate == 0).all()
+        assert np.allclose(out.log_probs, np.logaddexp(out.param_log_probs, np.log(1e-5 * 1e-6)), rtol=0,
+                           atol=1e-13)
+    elif prof.gate_clip_when_empty:
         assert np.allclose(out.memory.gate, mixture.GATE_CLIP)  # reference: masked to 0, then clipped
     else:
         assert (out.memory.gate == 0).all()

@@ -49,6 +49,7 @@ from pcaf_core.config import (
     ModelConfig,
     ProfileConfig,
 )
+from pcaf_core.mixture import mixture_rule
 from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
 
 Dtype = Any
@@ -246,7 +247,10 @@ class CanonicalLM(nn.Module):
         T = tokens.shape[1]
         h = self.hidden_states(tokens, deterministic)
         h_q = h[:, T - 1:] if mode == "nt" else h  # the query positions, sliced statically
-        if tgt is not None and not (need_log_probs or need_predictions):
+        rule = mixture_rule(self.profile, mode)
+        # The re-normalised NT loss reads the whole (one-query) mixture, so it needs the full head.
+        full_mixture = need_log_probs or (rule.renormalise and tgt is not None and self.uses_cache)
+        if tgt is not None and not (full_mixture or need_predictions):
             param_lp = None
             lp_y = self.head.target_log_prob(h_q, tgt, deterministic)
         else:
@@ -259,24 +263,25 @@ class CanonicalLM(nn.Module):
             loss = None if lp_y is None else -jnp.mean(lp_y)
             return JaxForwardOutput(h, param_lp, param_lp, lp_y, pred_param, pred_param, pred_param, None, loss)
 
-        prof = self.profile
-        parametric_only = prof.ar_accuracy_parametric_only and mode == "ar"
-        nt_floor = prof.nt_mixture_floor and mode == "nt"
-        need_mix = need_log_probs or need_predictions
+        need_mix = full_mixture or need_predictions
         mem, cand_values = self.memory_read(tokens, h, mode, need_p_cache=need_mix)
         mix_lp = None
         if need_mix:
-            mix_lp = mixture.mixture_log_probs(param_lp, mem.p_cache, mem.gate, nt_floor=nt_floor)
+            mix_lp = mixture.mixture_log_probs(param_lp, mem.p_cache, mem.gate, nt_floor=rule.nt_floor,
+                                               gate_per_term=rule.gate_per_term)
         tlp = loss = None
-        if tgt is not None:
+        if tgt is not None and rule.renormalise:
+            tlp = mixture.renormalised_target_log_prob(mix_lp, tgt)
+        elif tgt is not None:
             pc_y = mixture.target_cache_prob(mem.cache_weights, cand_values, mem.cand.valid, tgt)
-            tlp = mixture.target_log_prob(lp_y, pc_y, mem.gate, nt_floor=nt_floor, ar_floor=prof.ar_mixture_floor,
-                                          mode=mode)
+            tlp = mixture.target_log_prob(lp_y, pc_y, mem.gate, nt_floor=rule.nt_floor, ar_floor=rule.ar_floor,
+                                          mode=mode, gate_per_term=rule.gate_per_term)
+        if tlp is not None:
             loss = -jnp.mean(tlp)
         pred = pred_mix = None
         if need_predictions:
             pred_mix = _argmax(mix_lp)
-            pred = mixture.predictions(mix_lp, param_lp, parametric_only=parametric_only)
+            pred = mixture.predictions(mix_lp, param_lp, parametric_only=rule.parametric_accuracy)
         return JaxForwardOutput(h, param_lp, mix_lp, tlp, pred, pred_mix, pred_param, mem, loss)
 
     def init_unused(self, h_q: jax.Array) -> None:
@@ -396,7 +401,8 @@ class PCAFModel(CanonicalLM):
                 self.gate(h_q)
         else:
             raw = self.gate(h_q)
-        gate = mixture.mask_gate(raw, jnp.any(cand.valid, axis=-1), clip_when_empty=prof.gate_clip_when_empty)
+        gate = mixture.mask_gate(raw, jnp.any(cand.valid, axis=-1), clip_when_empty=prof.gate_clip_when_empty,
+                                 per_term=mixture_rule(prof, mode).gate_per_term)
         if self.is_initializing() and not semantic and self.memory.with_router:
             self.memory.router_probs(h, mcfg.semantic_temperature)
         trace = JaxMemoryTrace(addr, cand, scores, alpha, gate, p_cache, router_probs, topk_dense)

@@ -83,26 +83,43 @@ def target_cache_prob(weights: torch.Tensor, cand_values: torch.Tensor, valid: t
     return torch.where(hit, weights, torch.zeros_like(weights)).sum(-1)
 
 
-def mask_gate(raw_gate: torch.Tensor, any_valid: torch.Tensor, *, clip_when_empty: bool) -> torch.Tensor:
+def mask_gate(raw_gate: torch.Tensor, any_valid: torch.Tensor, *, clip_when_empty: bool, per_term: bool = False
+              ) -> torch.Tensor:
     """Gate λ masked by "any valid candidate" and clipped to [1e-5, 1 - 1e-5]; ``[B, Q]``.
 
     ``clip_when_empty`` (reference) clips after masking, so an empty query keeps λ = 1e-5; otherwise the
-    gate of an empty query is exactly 0.
+    gate of an empty query is exactly 0. ``per_term``: returned unclipped (:func:`gate_log_weights`).
     """
     lam = raw_gate * any_valid.to(raw_gate.dtype)
+    if per_term:
+        return lam
     clipped = torch.clamp(lam, GATE_CLIP, 1.0 - GATE_CLIP)
     return clipped if clip_when_empty else torch.where(any_valid, clipped, torch.zeros_like(clipped))
 
 
-def mixture_log_probs(param_log_probs: torch.Tensor, p_cache: torch.Tensor, gate: torch.Tensor, *, nt_floor: bool
-                      ) -> torch.Tensor:
+def gate_log_weights(gate: torch.Tensor, *, per_term: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log w_param, log w_cache)``: ``(log(1-λ), log λ)``, or with ``per_term`` (reference PyTorch NT)
+    ``(log1p(-min(λ, 1-1e-5)), log(max(λ, 1e-5)))``, each shaped like ``gate``."""
+    if per_term:
+        return torch.log1p(-torch.clamp(gate, max=1.0 - GATE_CLIP)), torch.log(torch.clamp(gate, min=GATE_CLIP))
+    return torch.log1p(-gate), safe_log(gate)
+
+
+def mixture_log_probs(param_log_probs: torch.Tensor, p_cache: torch.Tensor, gate: torch.Tensor, *, nt_floor: bool,
+                      gate_per_term: bool = False) -> torch.Tensor:
     """``log[(1-λ)·p_param + λ·p_cache]`` over the vocabulary, ``[B, Q, V]``.
 
     With ``nt_floor`` (reference NT) p_cache is floored at 1e-6 on every entry (unnormalised result).
     """
-    lam = gate[..., None]
+    log_keep, log_gate = gate_log_weights(gate[..., None], per_term=gate_per_term)
     cache = torch.clamp(p_cache, min=NT_CACHE_FLOOR) if nt_floor else p_cache
-    return torch.logaddexp(torch.log1p(-lam) + param_log_probs, safe_log(lam) + safe_log(cache))
+    return torch.logaddexp(log_keep + param_log_probs, log_gate + safe_log(cache))
+
+
+def renormalised_target_log_prob(mixture_lp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(mixture_lp)[target]``, ``[B, Q]``: the reference PyTorch NT loss (a cross-entropy
+    over the unnormalised log-mixture ``[B, Q, V]``)."""
+    return mixture_lp.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(mixture_lp, dim=-1)
 
 
 def target_log_prob(
@@ -113,20 +130,24 @@ def target_log_prob(
     nt_floor: bool,
     ar_floor: bool,
     mode: str,
+    gate_per_term: bool = False,
 ) -> torch.Tensor:
     """log p(y) of each target as the loss uses it, ``[B, Q]``, from the target entries.
 
     Args:
         param_log_prob: ``[B, Q]`` parametric log-prob of the target; p_cache: ``[B, Q]`` p_cache(target);
         gate: ``[B, Q]`` masked λ.
-    NT: ``logaddexp(log(1-λ) + lp_y, log λ + log pc_y)`` (pc_y floored at 1e-6 under ``nt_floor``).
-    AR with ``ar_floor`` (reference): ``log(max((1-λ)·exp(lp_y) + λ·pc_y, 1e-8))``; otherwise the exact log.
+    NT: ``logaddexp(log(1-λ) + lp_y, log λ + log pc_y)`` (pc_y floored at 1e-6 under ``nt_floor``; gate
+    terms per :func:`gate_log_weights`). AR with ``ar_floor`` (reference):
+    ``log(max((1-λ)·exp(lp_y) + λ·pc_y, 1e-8))``; otherwise the exact log. (The re-normalised NT loss
+    needs the whole vocabulary: :func:`renormalised_target_log_prob`.)
     """
     if mode == "nt" and nt_floor:
         p_cache = torch.clamp(p_cache, min=NT_CACHE_FLOOR)
     if mode == "ar" and ar_floor:
         return torch.log(torch.clamp((1.0 - gate) * torch.exp(param_log_prob) + gate * p_cache, min=AR_PROB_FLOOR))
-    return torch.logaddexp(torch.log1p(-gate) + param_log_prob, safe_log(gate) + safe_log(p_cache))
+    log_keep, log_gate = gate_log_weights(gate, per_term=gate_per_term and mode == "nt")
+    return torch.logaddexp(log_keep + param_log_prob, log_gate + safe_log(p_cache))
 
 
 def predictions(mixture_lp: torch.Tensor | None, param_log_probs: torch.Tensor, *, parametric_only: bool

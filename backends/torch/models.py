@@ -41,6 +41,7 @@ from pcaf_core.config import (
     ModelConfig,
     ProfileConfig,
 )
+from pcaf_core.mixture import mixture_rule
 from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
 
 
@@ -163,7 +164,10 @@ class CanonicalLM(nn.Module, abc.ABC):
         T = tokens.shape[1]
         qpos = records.query_positions(T, mode, tokens.device)
         h = self.hidden_states(tokens)
-        if tgt is not None and not (need_log_probs or need_predictions):
+        rule = mixture_rule(self.profile, mode)
+        # The re-normalised NT loss reads the whole (one-query) mixture, so it needs the full head.
+        full_mixture = need_log_probs or (rule.renormalise and tgt is not None and self.uses_cache)
+        if tgt is not None and not (full_mixture or need_predictions):
             # Training: the head at the targets only, without the [B, Q, V] log-softmax graph.
             param_lp = None
             lp_y = self.head.target_log_prob(h[:, qpos], tgt)
@@ -175,21 +179,23 @@ class CanonicalLM(nn.Module, abc.ABC):
             loss = None if lp_y is None else -lp_y.mean()
             return TorchForwardOutput(h, param_lp, param_lp, lp_y, pred, None, loss)
 
-        prof = self.profile
-        parametric_only = prof.ar_accuracy_parametric_only and mode == "ar"
-        nt_floor = prof.nt_mixture_floor and mode == "nt"
-        need_mix = need_log_probs or (need_predictions and not parametric_only)
+        need_mix = full_mixture or (need_predictions and not rule.parametric_accuracy)
         mem, cand_values = self.memory_read(tokens, h, mode, need_p_cache=need_mix)
         mix_lp = None
         if need_mix:
-            mix_lp = mixture.mixture_log_probs(param_lp, mem.p_cache, mem.gate, nt_floor=nt_floor)
+            mix_lp = mixture.mixture_log_probs(param_lp, mem.p_cache, mem.gate, nt_floor=rule.nt_floor,
+                                               gate_per_term=rule.gate_per_term)
         tlp = loss = None
-        if tgt is not None:
+        if tgt is not None and rule.renormalise:
+            tlp = mixture.renormalised_target_log_prob(mix_lp, tgt)
+        elif tgt is not None:
             pc_y = mixture.target_cache_prob(mem.cache_weights, cand_values, mem.cand.valid, tgt)
-            tlp = mixture.target_log_prob(lp_y, pc_y, mem.gate, nt_floor=nt_floor, ar_floor=prof.ar_mixture_floor,
-                                          mode=mode)
+            tlp = mixture.target_log_prob(lp_y, pc_y, mem.gate, nt_floor=rule.nt_floor, ar_floor=rule.ar_floor,
+                                          mode=mode, gate_per_term=rule.gate_per_term)
+        if tlp is not None:
             loss = -tlp.mean()
-        pred = mixture.predictions(mix_lp, param_lp, parametric_only=parametric_only) if need_predictions else None
+        pred = (mixture.predictions(mix_lp, param_lp, parametric_only=rule.parametric_accuracy)
+                if need_predictions else None)
         return TorchForwardOutput(h, param_lp, mix_lp, tlp, pred, mem, loss)
 
 
@@ -298,7 +304,8 @@ class PCAFModel(CanonicalLM):
             raw = torch.full((B, len(qpos)), mcfg.fixed_gate, dtype=h.dtype, device=h.device)
         else:
             raw = self.gate(h_q)
-        gate = mixture.mask_gate(raw, cand.valid.any(-1), clip_when_empty=prof.gate_clip_when_empty)
+        gate = mixture.mask_gate(raw, cand.valid.any(-1), clip_when_empty=prof.gate_clip_when_empty,
+                                 per_term=mixture_rule(prof, mode).gate_per_term)
         trace = TorchMemoryTrace(addr, cand, scores, alpha, gate, p_cache, router_probs, topk_dense)
         return trace, values
 
