@@ -47,6 +47,16 @@ def referenced_tables(spec: TableSpec) -> list[str]:
     return out
 
 
+def claim_is_on_suite_rows(claim: Claim, spec: TableSpec) -> bool:
+    """True when the claim names a row the paper does not print (its paper-side verdict is n/a)."""
+    for ref in (*claim.left, *claim.right):
+        table, row = resolve_ref(ref, spec.name)
+        row_spec = TABLES[table].row(row) if table != spec.name else spec.row(row)
+        if TABLES[table].has_published and row_spec.published_key is None:
+            return True
+    return False
+
+
 def compare(op: str, left: float, right: float, factor: float = 1.0, tol: float = 0.0) -> bool:
     """``left op factor * right``; ``~=`` is ``|left - right| <= tol * |right|``. NaN never holds."""
     if math.isnan(left) or math.isnan(right):

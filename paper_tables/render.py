@@ -19,8 +19,9 @@ from typing import Any
 
 import pandas as pd
 
-from paper_tables.claims import NOT_MEASURED, Verdict
+from paper_tables.claims import NOT_MEASURED, Verdict, claim_is_on_suite_rows
 from paper_tables.collect import LEARNING_BAR_DIVISOR
+from paper_tables.headline import headline_lines
 from paper_tables.published import published_value
 from paper_tables.specs import ColumnSpec, RowSpec, TableSpec
 
@@ -348,8 +349,14 @@ def note_lines(report: Report) -> list[str]:
     return out
 
 
+def report_headlines(report: Report) -> list[str]:
+    """The headline verdict sentences of the report's table (Markdown emphasis included)."""
+    return headline_lines(report.spec, {report.spec.name: report.agg}, report.verdicts)
+
+
 def _verdict_published(report: Report, v: Verdict) -> str:
-    if not report.spec.has_published and v.published == NOT_MEASURED:
+    not_printed = not report.spec.has_published or claim_is_on_suite_rows(v.claim, report.spec)
+    if not_printed and v.published == NOT_MEASURED:
         return "n/a (not in the paper)"
     return v.published
 
@@ -373,6 +380,7 @@ def render_markdown(report: Report) -> str:
     """The full report as Markdown: caption, table, claims, deviations, notes, unattributed runs."""
     spec = report.spec
     out = [f"# {spec.name}: {spec.title}", ""]
+    out += [line + "\n" for line in report_headlines(report)]
     out += [f"- {line}" for line in caption_lines(report) + definition_lines(report)]
     out.append("")
     header, body = table_grid(report)
@@ -427,8 +435,9 @@ def render_latex(report: Report) -> str:
     n_text = 1 + int(_show_dataset(spec)) + int(_show_seq_len(spec))
     align = "l" * n_text + "r" * (len(header) - n_text - 2) + "ll"
     caption = " ".join(caption_lines(report))
-    out = [r"\begin{table}[!htbp]", r"\centering", rf"\caption{{{tex_escape(caption)}}}",
-           rf"\label{{tab:repro-{spec.name}}}", r"\resizebox{\linewidth}{!}{%"]
+    out = [tex_escape(line.replace("**", "")) + r"\par" for line in report_headlines(report)]
+    out += [r"\begin{table}[!htbp]", r"\centering", rf"\caption{{{tex_escape(caption)}}}",
+            rf"\label{{tab:repro-{spec.name}}}", r"\resizebox{\linewidth}{!}{%"]
     out += _tex_tabular(header, body, align)
     out += ["}", r"\end{table}", "", r"\begin{small}"]
     out += [tex_escape(line) + r"\par" for line in definition_lines(report)]

@@ -110,8 +110,25 @@ class Claim:
 
 
 @dataclass(frozen=True)
+class Headline:
+    """A one-sentence verdict at the top of a rendered table: one claim of the paper judged under the
+    profile that produced the paper's number (``reference_claim``) and again on rows run under
+    ``corrected`` (``corrected_claim``), with the numbers behind both verdicts.
+
+    ``label``: what the sentence is about (``"WikiText-103 T=1024"``); ``claim``: the claim in the
+    paper's words; ``corrected_means``: what changes under ``corrected``, said after its verdict.
+    """
+
+    label: str
+    claim: str
+    reference_claim: str
+    corrected_claim: str
+    corrected_means: str
+
+
+@dataclass(frozen=True)
 class TableSpec:
-    """A suite table: paper label, rows, columns, claims and the paper's setting in words."""
+    """A suite table: paper label, rows, columns, claims, headline verdicts and the paper's setting in words."""
 
     name: str
     title: str
@@ -123,6 +140,7 @@ class TableSpec:
     columns: tuple[ColumnSpec, ...]
     rows: tuple[RowSpec, ...]
     claims: tuple[Claim, ...] = field(default_factory=tuple)
+    headlines: tuple[Headline, ...] = field(default_factory=tuple)
 
     def row(self, row_id: str) -> RowSpec:
         """The row with id ``row_id``; raises ``KeyError`` listing the valid ids."""
@@ -486,12 +504,28 @@ def _303_params(model: str, seq_len: int) -> str:
     return "303.27M"
 
 
+_303_CORRECTED_NOTE = ("not in the paper: PCAF-semantic under the corrected profile, whose full-AR semantic route "
+                       "cannot select the target's own position (reference_jax lets queries t < K read it); "
+                       "compare with the PCAF-semantic row")
+
+
+def _303_rows(ds: str, dname: str, steps: int, m: str, disp: str, t: int) -> tuple[RowSpec, ...]:
+    row = _row(_M303, f"{m}_{ds}_t{t}", disp, _303_params(m, t), dname, t, "ar", f"{dname} T={t}", steps,
+               "reference_jax")
+    if m != "pcaf_semantic":
+        return (row,)
+    corrected = _row(_M303, f"pcaf_semantic_corrected_{ds}_t{t}", "PCAF-semantic (corrected: no target leak)",
+                     _303_params(m, t), dname, t, "ar", f"{dname} T={t}", steps, "corrected", published=False,
+                     note=_303_CORRECTED_NOTE)
+    return (row, corrected)
+
+
 _303M_ROWS = tuple(
-    _row(_M303, f"{m}_{ds}_t{t}", disp, _303_params(m, t), dname, t, "ar", f"{dname} T={t}", steps,
-         "reference_jax")
+    row
     for ds, dname, steps in _303_DATASETS
     for m, disp in _303_MODELS
     for t in (1024, 2048)
+    for row in _303_rows(ds, dname, steps, m, disp, t)
 )
 
 _SRC_303 = "Sec. Main Results: Full Autoregressive Pretraining at 303M Parameters"
@@ -505,6 +539,11 @@ _303M_CLAIMS = tuple(
               (f"pcaf_semantic_{ds}_t{t}",), "<",
               tuple(f"{m}_{ds}_t{t}" for m in ("transformer_dense", "transformer_local", "local_conv",
                                                "pcaf_context")), "best_ppl", source=_SRC_303),
+        Claim(f"semantic_best_corrected_{ds}_t{t}",
+              f"{dname} T={t}: PCAF-semantic under corrected (no target leak) still has the best perplexity",
+              (f"pcaf_semantic_corrected_{ds}_t{t}",), "<",
+              tuple(f"{m}_{ds}_t{t}" for m in ("transformer_dense", "transformer_local", "local_conv",
+                                               "pcaf_context")), "best_ppl", source=_SRC_303),
         Claim(f"semantic_faster_{ds}_t{t}",
               f"{dname} T={t}: PCAF-semantic is at least 1.4x faster than dense and local attention"
               + (" (the paper's rows compare batch 256 with 32)" if t == 1024 else " (both at batch 32)"),
@@ -514,6 +553,13 @@ _303M_CLAIMS = tuple(
               (f"pcaf_context_{ds}_t{t}",), "<", (f"local_conv_{ds}_t{t}",), "best_ppl",
               source="Discussion (local path plus cache beats either alone)"),
     )
+)
+_303M_HEADLINES = tuple(
+    Headline(label=f"{dname} T={t}", claim="PCAF-semantic has the best perplexity",
+             reference_claim=f"semantic_best_{ds}_t{t}", corrected_claim=f"semantic_best_corrected_{ds}_t{t}",
+             corrected_means="where the full-AR semantic route cannot read the target")
+    for ds, dname, _ in _303_DATASETS
+    for t in (1024, 2048)
 )
 
 _AUDIT = "semantic-leak-audit"
@@ -604,7 +650,7 @@ TABLES: dict[str, TableSpec] = {
                      "eval on 100 batches of 2M validation tokens; PCAF d=896/h=3584/L=24, K=32, S=256, tau=0.2, "
                      "lambda_sem=0.5; batch 256 for PCAF/local conv at T=1024, 32 otherwise; JAX on a TPU v4-32 "
                      "pod"),
-            columns=_303M_COLUMNS, rows=_303M_ROWS, claims=_303M_CLAIMS,
+            columns=_303M_COLUMNS, rows=_303M_ROWS, claims=_303M_CLAIMS, headlines=_303M_HEADLINES,
         ),
         TableSpec(
             name=_AUDIT, title="Semantic-route target-leak audit (full AR, reference_jax vs corrected)",
@@ -664,6 +710,11 @@ def check_specs() -> list[str]:
                     problems.append(f"{t.name} claim {c.id}: unknown row {ref!r}")
                 elif c.metric not in [col.key for col in TABLES[table].columns]:
                     problems.append(f"{t.name} claim {c.id}: table {table} has no column {c.metric!r}")
+        claim_ids = {c.id for c in t.claims}
+        for h in t.headlines:
+            for cid in (h.reference_claim, h.corrected_claim):
+                if cid not in claim_ids:
+                    problems.append(f"{t.name} headline {h.label!r}: unknown claim {cid!r}")
     return problems
 
 
@@ -689,4 +740,7 @@ def select_rows(spec: TableSpec, patterns: str | None) -> TableSpec:
         return all("/" in ref or ref in kept for ref in refs)
 
     claims = tuple(c for c in spec.claims if local_ok(c.left) and local_ok(c.right))
-    return dataclasses.replace(spec, rows=rows, claims=claims, title=f"{spec.title} [rows: {patterns}]")
+    kept_claims = {c.id for c in claims}
+    headlines = tuple(h for h in spec.headlines if {h.reference_claim, h.corrected_claim} <= kept_claims)
+    return dataclasses.replace(spec, rows=rows, claims=claims, headlines=headlines,
+                               title=f"{spec.title} [rows: {patterns}]")

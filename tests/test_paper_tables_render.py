@@ -213,3 +213,47 @@ def test_compare(op, left, right, factor, tol, expected):
 def test_compare_rejects_unknown_operator():
     with pytest.raises(ValueError, match="unknown claim operator"):
         compare("==", 1.0, 1.0)
+
+
+# --------------------------------------------------------------------------- headline verdicts
+
+_HEAD_ROWS = ("transformer_dense", "transformer_local", "local_conv", "pcaf_context", "pcaf_semantic",
+              "pcaf_semantic_corrected")
+
+
+def _default_table_runs(root: Path, corrected_ppl: float | None) -> None:
+    ppl = dict(transformer_dense=239.57, transformer_local=233.11, local_conv=168.74, pcaf_context=148.17,
+               pcaf_semantic=117.90, pcaf_semantic_corrected=corrected_ppl)
+    for row in _HEAD_ROWS:
+        if ppl[row] is not None:
+            make_run(root, "main-303m", f"{row}_wt103_t1024", scale="cpu", best_ppl=ppl[row])
+
+
+def test_default_table_opens_with_the_two_profile_verdict_and_both_numbers(tmp_path):
+    _default_table_runs(tmp_path, corrected_ppl=259.40)
+    report = build_report("main-303m", "cpu", "torch", tmp_path, rows="*_wt103_t1024")
+    md = render_markdown(report)
+    first = md.splitlines()[2]
+    assert first == (
+        '**Verdict, WikiText-103 T=1024:** the paper\'s claim "PCAF-semantic has the best perplexity" holds under '
+        "`reference_jax` (best PPL 117.90 against 148.17 for PCAF-context) and fails under `corrected`, where the "
+        "full-AR semantic route cannot read the target (best PPL 259.40 against 148.17 for PCAF-context).")
+    assert "PCAF-semantic (corrected: no target leak)" in md
+    assert "PCAF-semantic has the best perplexity" in render_latex(report).splitlines()[0]
+
+
+def test_headline_says_not_measured_and_names_the_missing_row(tmp_path):
+    _default_table_runs(tmp_path, corrected_ppl=None)
+    md = render_markdown(build_report("main-303m", "cpu", "torch", tmp_path, rows="*_wt103_t1024"))
+    line = md.splitlines()[2]
+    assert "holds under `reference_jax`" in line and "is not measured under `corrected`" in line
+    assert "no value for pcaf_semantic_corrected_wt103_t1024" in line
+
+
+def test_headlines_follow_the_row_selection():
+    spec = get_table("main-303m")
+    assert len(spec.headlines) == 4
+    from paper_tables.specs import select_rows
+
+    assert [h.label for h in select_rows(spec, "*_wt103_t1024").headlines] == ["WikiText-103 T=1024"]
+    assert select_rows(spec, "pcaf_semantic_wt103_t1024,pcaf_context_wt103_t1024").headlines == ()
