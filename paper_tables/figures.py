@@ -24,6 +24,16 @@ from paper_tables.specs import TableSpec
 from pcaf_core.results import read_curve
 
 CURVE_METRIC = "eval_ppl_reference"
+MARKERS = ("o", "s", "D", "^", "v", "P", "X", "<", ">", "h")
+LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)))
+
+
+def _count_text(v: float) -> str:
+    """``3.08k``, ``1.2M``: three significant digits with a k / M suffix."""
+    for div, suffix in ((1e6, "M"), (1e3, "k")):
+        if v >= div:
+            return f"{v / div:.3g}{suffix}"
+    return f"{v:.3g}"
 
 
 def save_figure(fig: Figure, stem: str | os.PathLike[str]) -> list[Path]:
@@ -108,7 +118,10 @@ def plot_learning_curves(spec: TableSpec, curves: dict[str, list[pd.Series]], ti
                 continue
             mean = _mean_curve(curves[row.id])
             n = len(curves[row.id])
-            ax.plot(mean.index, mean.values, marker="o", markersize=2.5, linewidth=1.3,
+            # A marker and dash pattern per line: rows with identical curves (same network, same
+            # init) stay visible on top of each other.
+            ax.plot(mean.index, mean.values, marker=MARKERS[drawn % len(MARKERS)], markersize=3.5,
+                    linestyle=LINESTYLES[drawn % len(LINESTYLES)], linewidth=1.3, markerfacecolor="none",
                     label=row.display + (f" (n={n})" if n > 1 else ""))
             drawn += 1
         note = (measured or {}).get(group)
@@ -117,6 +130,7 @@ def plot_learning_curves(spec: TableSpec, curves: dict[str, list[pd.Series]], ti
         ax.set_ylabel("best-so-far validation PPL")
         if drawn:
             ax.set_yscale("log")
+            _log_ticks(ax, "y")
             ax.legend(fontsize=7)
         else:
             _empty_note(ax, "no learning curves recorded")
@@ -139,7 +153,8 @@ def plot_throughput(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataF
     measured = [_measured(agg, i, "tokens_per_sec") for i in ids]
     has_tok = any(c.key == "tok_s" and c.published for c in spec.columns)
     paper = [paper_value(pubs, spec.name, i, "tok_s") if has_tok else None for i in ids]
-    fig = Figure(figsize=(max(6.0, 0.45 * len(ids) + 2), 4.2), layout="constrained")
+    longest = max((len(r.display) for r in spec.rows), default=0) if len(ids) <= 8 else max(map(len, ids))
+    fig = Figure(figsize=(max(6.0, 0.45 * len(ids) + 2), 3.4 + 0.045 * longest), layout="constrained")
     ax = fig.subplots()
     x = list(range(len(ids)))
     width = 0.4
@@ -157,6 +172,11 @@ def plot_throughput(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataF
     ax.set_ylabel("training tokens / s")
     if any(v for v in measured) or any(p for p in paper):
         ax.set_yscale("log")
+        _log_ticks(ax, "y", unit="count")
+        for i, v in zip(x, measured):
+            if v:
+                ax.annotate(_count_text(v), (i - width / 2, v), xytext=(0, 2), textcoords="offset points",
+                            ha="center", va="bottom", fontsize=6)
     else:
         _empty_note(ax, "no throughput recorded")
     ax.legend(fontsize=8)
@@ -164,35 +184,81 @@ def plot_throughput(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataF
     return fig
 
 
+def _point_names(spec: TableSpec, row_ids: list[str]) -> dict[str, str]:
+    """Model name per row, with the row's group added where two plotted rows share a name."""
+    rows = [spec.row(i) for i in row_ids]
+    shared = {r.display for r in rows if sum(o.display == r.display for o in rows) > 1}
+    return {r.id: f"{r.display} ({r.group})" if r.display in shared else r.display for r in rows}
+
+
+def _log_ticks(ax: Any, axis: str, unit: str = "") -> None:
+    """Plain numbers on a log axis (``200``, ``3k``, ``1.2M``), at 1-2-5 steps."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    def fmt(v: float, _pos: Any = None) -> str:
+        return _count_text(v) if unit == "count" else f"{v:g}"
+
+    target = ax.xaxis if axis == "x" else ax.yaxis
+    target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    target.set_major_formatter(FuncFormatter(fmt))
+    target.set_minor_formatter(NullFormatter())
+
+
 def plot_speed_quality(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataFrame], title: str = "") -> Figure:
-    """Tokens/s (x, log) vs best PPL (y, log): measured rows filled and labelled, paper rows hollow."""
-    fig = Figure(figsize=(6.4, 4.6), layout="constrained")
+    """Tokens/s (x, log) vs best PPL (y, log), one colour and marker per model: the measured point filled,
+    the paper's hollow, joined by a dashed line; every point labelled with the model's name."""
+    from matplotlib import colormaps
+
+    from paper_tables.labels import PointLabel, place_labels
+
+    fig = Figure(figsize=(7.2, 5.0), layout="constrained")
     ax = fig.subplots()
     has_tok = any(c.key == "tok_s" and c.published for c in spec.columns)
-    drawn = False
+    points: list[tuple[str, tuple[float, float] | None, tuple[float, float] | None]] = []
     for row in spec.rows:
         tok, ppl = _measured(agg, row.id, "tokens_per_sec"), _measured(agg, row.id, "best_ppl")
-        if tok and ppl:
-            ax.scatter([tok], [ppl], s=28, color="tab:blue", zorder=3)
-            ax.annotate(row.id, (tok, ppl), fontsize=6, xytext=(3, 3), textcoords="offset points")
-            drawn = True
+        mine = (tok, ppl) if tok and ppl else None
+        paper = None
         if has_tok:
-            ptok = paper_value(pubs, spec.name, row.id, "tok_s")
-            pppl = paper_value(pubs, spec.name, row.id, "best_ppl")
-            if ptok and pppl:
-                ax.scatter([ptok], [pppl], s=28, facecolors="none", edgecolors="tab:gray", zorder=2)
-                drawn = True
-    ax.scatter([], [], s=28, color="tab:blue", label="measured")
-    ax.scatter([], [], s=28, facecolors="none", edgecolors="tab:gray", label="paper")
-    if drawn:
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-    else:
-        _empty_note(ax, "no measured rows")
+            ptok, pppl = paper_value(pubs, spec.name, row.id, "tok_s"), paper_value(pubs, spec.name, row.id, "best_ppl")
+            paper = (ptok, pppl) if ptok and pppl else None
+        if mine or paper:
+            points.append((row.id, mine, paper))
+    names = _point_names(spec, [p[0] for p in points])
+    colors = colormaps["tab10"].colors
+    labels: list[PointLabel] = []
+    for k, (row_id, mine, paper) in enumerate(points):
+        color, marker = colors[k % len(colors)], MARKERS[k % len(MARKERS)]
+        if mine:
+            ax.scatter(*mine, s=36, color=color, marker=marker, zorder=3)
+            labels.append(PointLabel(*mine, names[row_id], color))
+        if paper:
+            ax.scatter(*paper, s=36, facecolors="white", edgecolors=color, marker=marker, linewidths=1.2, zorder=3)
+            labels.append(PointLabel(*paper, f"{names[row_id]} (paper)", color))
+        if mine and paper:
+            ax.plot([mine[0], paper[0]], [mine[1], paper[1]], linestyle=(0, (3, 3)), linewidth=0.7, color=color,
+                    alpha=0.6, zorder=1)
+    ax.scatter([], [], s=36, color="0.35", label="measured (filled)")
+    ax.scatter([], [], s=36, facecolors="white", edgecolors="0.35", label="paper (hollow)")
     ax.set_xlabel("training tokens / s")
     ax.set_ylabel("best validation PPL")
-    ax.legend(fontsize=8)
     ax.set_title(title or f"{spec.name}: speed vs quality", fontsize=10)
+    if points:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        xs = [p[0] for _, m, q in points for p in (m, q) if p]
+        ys = [p[1] for _, m, q in points for p in (m, q) if p]
+        # Room for labels: a factor of 3 on each side of x, 15% in y.
+        ax.set_xlim(min(xs) / 3.0, max(xs) * 3.0)
+        ax.set_ylim(min(ys) / 1.15, max(ys) * 1.15)
+        _log_ticks(ax, "x", unit="count")
+        _log_ticks(ax, "y")
+        ax.legend(fontsize=8, loc="best")
+        fig.get_layout_engine().execute(fig)  # final axes position before labels are placed in pixels
+        for text in place_labels(fig, ax, labels):
+            text.set_in_layout(False)
+    else:
+        _empty_note(ax, "no measured rows")
     return fig
 
 

@@ -175,3 +175,47 @@ def test_render_sweep_over_several_keys(tmp_path):
     assert "| 1 |" in paths[-1].read_text() and "| 2 |" in paths[-1].read_text()
     with pytest.raises(KeyError, match="unknown sweep metric"):
         render_sweep(tmp_path / "multirun", "memory.top_k", tmp_path / "out", y="loss")
+
+
+# --------------------------------------------------------------------------- speed vs quality
+
+
+def _text_boxes(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    ax = fig.axes[0]
+    # Text.get_window_extent: the text alone (an Annotation's own extent includes its leader line).
+    return {t.get_text(): Text.get_window_extent(t, renderer) for t in ax.texts}, ax
+
+
+def test_speed_quality_names_every_point_and_no_label_overlaps_a_label_or_a_marker(tmp_path):
+    from paper_tables.figures import plot_speed_quality
+    from paper_tables.published import load_published
+    from paper_tables.specs import select_rows
+
+    # The default table's cpu numbers: every measured point within 2.7k-3.3k tokens/s.
+    values = dict(transformer_dense=(239.6, 3082), transformer_local=(233.1, 3011), local_conv=(168.7, 3231),
+                  pcaf_context=(148.2, 2768), pcaf_semantic=(117.9, 2761), pcaf_semantic_corrected=(241.0, 3050))
+    for row, (ppl, tok) in values.items():
+        _run(tmp_path / row, table="main-303m", row=f"{row}_wt103_t1024", scale="cpu", best_ppl=ppl,
+             tokens_per_sec=tok, profile=get_table("main-303m").row(f"{row}_wt103_t1024").profile)
+    spec = select_rows(get_table("main-303m"), "*_wt103_t1024")
+    _, aggs = collect_tables(tmp_path, ["main-303m"], "cpu", "torch")
+    fig = plot_speed_quality(spec, aggs["main-303m"], {"main-303m": load_published("main-303m")})
+    boxes, ax = _text_boxes(fig)
+    assert {r.display for r in spec.rows} <= set(boxes)  # measured points: the model's name, never the row id
+    assert {f"{r.display} (paper)" for r in spec.rows if r.published_key} <= set(boxes)
+    assert not any(r.id in boxes for r in spec.rows)
+    items = list(boxes.items())
+    for i, (a, box_a) in enumerate(items):
+        for b, box_b in items[i + 1:]:
+            assert not box_a.overlaps(box_b), (a, b)
+    markers = [ax.transData.transform(xy) for c in ax.collections for xy in c.get_offsets()]
+    assert len(markers) == 11  # 6 measured + 5 paper points
+    for name, box in boxes.items():
+        assert not any(box.contains(x, y) for x, y in markers), name
+    # Each measured point is joined to its paper point by a line of the model's colour.
+    assert len(ax.lines) == 5
