@@ -35,6 +35,7 @@ ROUTER_FORMS = ("linear_bias", "layernorm_linear")
 POSITIONAL_FORMS = ("trainable_jax", "fixed_torch")
 INIT_FORMS = ("jax_normal", "torch_default")
 PRECISIONS = ("fp32", "bf16")
+COMPILE_MODES = ("auto", "on", "off")
 EVAL_PROTOCOLS = ("reference", "full", "both")
 DATASETS = ("wikitext2", "wikitext103", "pg19", "pg19_mini")
 DATA_LAYOUTS = ("tokens", "raw", "hf")
@@ -232,6 +233,9 @@ class TrainConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     precision: str = "fp32"
+    # Compile the training step (torch: torch.compile of the forward; JAX always jit-compiles).
+    # auto: where it pays for its compile time (backends.torch.compile.use_compile says when).
+    compile: str = "auto"
     seed: int = 1234
     train_sample_seed: int = 10001
     checkpoint_every: int = 0  # 0 = only at the end
@@ -252,6 +256,7 @@ class TrainConfig:
         _require(0 <= self.beta2 < 1, s, "beta2", self.beta2, "must lie in [0, 1)")
         _require(self.eps > 0, s, "eps", self.eps, "must be > 0")
         _one_of(s, "precision", self.precision, PRECISIONS)
+        _one_of(s, "compile", self.compile, COMPILE_MODES)
         _require(self.checkpoint_every >= 0, s, "checkpoint_every", self.checkpoint_every, "must be >= 0")
         _require(self.log_every >= 0, s, "log_every", self.log_every, "must be >= 0 (0 = evaluation steps only)")
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from backends.torch import checkpoint as ckpt
+from backends.torch.compile import COMPILED_LABEL, compile_training, use_compile
 from backends.torch.optim import build_optimizer, fill_missing_grads
 from pcaf_core.backend import EvalOutputs
 from pcaf_core.config import RunConfig
@@ -129,6 +130,10 @@ class TorchBackend:
                 device_ids=[self.torch_device.index] if self.torch_device.type == "cuda" else None,
                 static_graph=True,
             )
+        if use_compile(cfg):
+            wrapped = compile_training(module, wrapped)
+            if COMPILED_LABEL not in self.device:
+                self.device += f"; {COMPILED_LABEL}"
         optimizer = build_optimizer(module, cfg.train, cfg.profile)
         return TorchState(module=module, wrapped=wrapped, optimizer=optimizer, cfg=cfg)
 

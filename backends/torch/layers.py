@@ -40,11 +40,32 @@ def layer_norm(d: int) -> nn.LayerNorm:
     return nn.LayerNorm(d, eps=LN_EPS)
 
 
+def causal_depthwise_conv(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``out_t = b + Σ_j weight[:, 0, j]·y_{t-(k-1-j)}`` (zeros left of the window) as k shifted
+    multiply-adds in the ``[B, T, d]`` layout: y ``[B, T, d]``, weight ``[d, 1, k]`` (``nn.Conv1d``'s),
+    bias ``[d]``.
+
+    The same sum as :meth:`ConvBlock.forward`'s ``nn.Conv1d``, in another summation order. Under
+    ``torch.compile`` it fuses into one elementwise kernel with its neighbours, forward and backward:
+    4x faster than the compiled convolution at d=256, T=1024, k=5 (which inductor hands to oneDNN's
+    depthwise kernel, whose backward is slow on CPU). Eager, the convolution is faster.
+    """
+    k, T = weight.shape[-1], y.shape[1]
+    w = weight[:, 0]  # [d, k]; tap j multiplies lag k-1-j
+    padded = F.pad(y, (0, 0, k - 1, 0))
+    out = bias + padded[:, k - 1:] * w[:, k - 1]
+    for j in range(k - 1):
+        out = out + padded[:, j:j + T] * w[:, j]
+    return out
+
+
 class ConvBlock(nn.Module):
     """Pre-LN residual block ``x += drop(W2·drop(GELU(W1·conv(LN x))))`` with a causal depthwise conv.
 
     ``conv`` is an ``nn.Conv1d`` (groups = d) applied to the input left-padded with k-1 zeros, so its
     tap j multiplies lag ``k-1-j``: the canonical ``[k, d]`` weight is the taps reversed.
+    ``conv_form``: ``conv1d`` (eager default) or ``shifted`` (:func:`causal_depthwise_conv`, what a
+    compiled model uses); the two compute the same sum.
     """
 
     def __init__(self, d: int, d_hidden: int, kernel_size: int, gelu_form: str, dropout: float) -> None:
@@ -55,11 +76,15 @@ class ConvBlock(nn.Module):
         self.mlp_out = nn.Linear(d_hidden, d)
         self.drop = nn.Dropout(dropout)
         self.gelu_form = gelu_form
+        self.conv_form = "conv1d"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T, d] -> [B, T, d]``."""
-        y = self.norm(x).transpose(1, 2)  # [B, d, T]
-        y = self.conv(F.pad(y, (self.conv.kernel_size[0] - 1, 0))).transpose(1, 2)
+        if self.conv_form == "shifted":
+            y = causal_depthwise_conv(self.norm(x), self.conv.weight, self.conv.bias)
+        else:
+            y = self.norm(x).transpose(1, 2)  # [B, d, T]
+            y = self.conv(F.pad(y, (self.conv.kernel_size[0] - 1, 0))).transpose(1, 2)
         y = self.mlp_out(self.drop(gelu(self.mlp_in(y), self.gelu_form)))
         return x + self.drop(y)
 

@@ -274,10 +274,9 @@ class PCAFModel(CanonicalLM):
 
         cand: Candidates | None = None
         topk_dense = None
-        rho_value = float(rho.detach())
         if mcfg.route in ("context", "hybrid"):
             if mcfg.candidate_policy == "topk_score":
-                select = SelectionInputs(query.detach(), keys.detach(), rec, rho_value)
+                select = SelectionInputs(query.detach(), keys.detach(), rec, float(rho.detach()))
                 cand, topk_dense = routing.route_context_topk_score(
                     addr, qpos, mcfg.top_k, select, strategy=self.topk_strategy, sparse_window=self.sparse_window)
             else:
@@ -285,7 +284,9 @@ class PCAFModel(CanonicalLM):
         if semantic:
             probs = router_probs.detach()  # ranking is not differentiated; the route term below is
             if mcfg.semantic_index == "dense":
-                sem = routing.route_semantic_dense(probs, rec, rho_value, qpos, mcfg.top_k,
+                # ρ as a host number: only this route and topk_score rank by it (a device sync, and a
+                # graph break under torch.compile, that the other routes do without).
+                sem = routing.route_semantic_dense(probs, rec, float(rho.detach()), qpos, mcfg.top_k,
                                                    target_leak=prof.semantic_ar_target_leak and mode == "ar")
             else:
                 sem = routing.route_semantic_bucketed(routing.semantic_buckets(probs), qpos, mcfg.top_k)
