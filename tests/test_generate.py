@@ -106,6 +106,28 @@ def test_sampling_is_reproducible_and_top_k_one_is_greedy():
     assert torch.equal(generate(net, prompt, 8, temperature=0.7, top_p=1e-6, seed=9).new_tokens, greedy)
 
 
+def test_jax_generate_equals_torch_greedy_and_the_command_runs_on_jax(smoke_run, capsys):
+    import jax
+
+    from backends.jax import build_model as build_jax
+    from backends.jax import to_variables
+    from backends.jax.generate import generate as jax_generate
+    from backends.torch import to_canonical
+
+    net = _tiny_pcaf()
+    prompt = np.array([[3, 4, 3, 5], [7, 7, 8, 7]])
+    want = generate(net, torch.tensor(prompt), 10, temperature=0.0).new_tokens.numpy()
+    with jax.enable_x64(True):
+        module = build_jax(net.model_config, net.memory_config, net.profile, dtype=jax.numpy.float64)
+        variables = to_variables(to_canonical(net), jax.numpy.float64)
+        got = jax_generate(module, prompt, 10, temperature=0.0, variables=variables)
+    np.testing.assert_array_equal(got.new_tokens, want)
+    assert generate_cli.main([f"run_dir={smoke_run}", "prompt=The game", "max_new_tokens=5", "backend=jax",
+                              "batch=2"]) == 0
+    out = capsys.readouterr().out
+    assert "continuation 1: " in out and "tokens/s (backend=jax, dtype=fp32, batch=2, 5 new tokens" in out
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     lp = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     g = torch.Generator().manual_seed(0)
