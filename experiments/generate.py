@@ -2,9 +2,9 @@
 
 Options (``key=value``): ``max_new_tokens`` (50), ``temperature`` (1.0; 0 = greedy), ``top_k`` (0 = all),
 ``top_p`` (1.0), ``seed`` (0), ``batch`` (1: the prompt repeated, each row sampled independently),
-``backend`` (torch | jax), ``dtype`` (fp32 | fp64 | bf16), ``checkpoint`` (a checkpoints/step_<N> directory
-or weights file; default the newest complete one), ``data.data_dir`` / ``data.cache_dir`` (where the run's
-corpus and its cache live, for the vocabulary).
+``backend`` (torch | jax), ``dtype`` (fp32 | fp64 | bf16), ``threads`` (torch intra-op threads; 0 = torch's
+default), ``checkpoint`` (a checkpoints/step_<N> directory or weights file; default the newest complete
+one), ``data.data_dir`` / ``data.cache_dir`` (where the run's corpus and its cache live, for the vocabulary).
 
 Loads the run's canonical safetensors weights and its corpus vocabulary, tokenises the prompt as the run's
 corpus was (unknown words become ``<unk>``, with a warning), streams the continuation and prints it
@@ -36,6 +36,7 @@ class GenerateArgs:
     backend: str = "torch"
     dtype: str = "fp32"
     checkpoint: str | None = None
+    threads: int = 0
 
 
 def parse_args(argv: list[str]) -> tuple[GenerateArgs, dict[str, str]]:
@@ -83,7 +84,8 @@ def _generate(args: GenerateArgs, run: Any, ids: Any) -> tuple[Any, float, float
 
         from backends.torch.generate import DTYPES, generate
 
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        if args.threads:
+            torch.set_num_threads(args.threads)
         out = generate(run, torch.as_tensor(prompt), dtype=DTYPES[args.dtype], **opts)
         return out.new_tokens.cpu().numpy(), out.tokens_per_sec, out.prefill_seconds
     from backends.jax.generate import DTYPES as JAX_DTYPES

@@ -19,7 +19,6 @@ import torch
 from backends.torch import build_model
 from backends.torch.generate import generate, sample_next
 from experiments import generate as generate_cli
-from experiments.reproduce import main as reproduce_main
 from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.profiles import get_profile
 from pcaf_core.weights import load_canonical, save_canonical
@@ -27,15 +26,9 @@ from pcaf_core.weights import load_canonical, save_canonical
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory) -> Path:
-    """The run directory of wt2-nt-1024/pcaf_context trained at smoke scale by the table driver."""
-    out = tmp_path_factory.mktemp("outputs")
-    assert reproduce_main(["--table", "wt2-nt-1024", "--scale", "smoke", "--rows", "pcaf_context",
-                           "--output-root", str(out)]) == 0
-    runs = list((out / "wt2-nt-1024" / "smoke" / "torch" / "pcaf_context").iterdir())
-    assert len(runs) == 1
-    return runs[0]
+@pytest.fixture
+def smoke_run(smoke_pcaf_run) -> Path:
+    return smoke_pcaf_run
 
 
 def test_generate_command_end_to_end_from_a_smoke_table_run(smoke_run):

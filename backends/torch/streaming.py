@@ -46,6 +46,16 @@ class StepOutput(NamedTuple):
     gate: torch.Tensor | None
 
 
+class StreamQuery(NamedTuple):
+    """What position t asks the memory: bucket address ``[B]``, semantic bucket ``[B]``, unit query
+    ``[B, d]``, router probabilities ``[B, S]`` or None."""
+
+    address: torch.Tensor
+    sem_bucket: torch.Tensor
+    query: torch.Tensor
+    probs: torch.Tensor | None
+
+
 class PendingRecord(NamedTuple):
     """The record of the previous position, whose value is the next token: address ``[B]``, semantic
     bucket ``[B]``, unit key ``[B, d]``, router probabilities ``[B, S]`` or None."""
@@ -57,6 +67,15 @@ class PendingRecord(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------- the stream
+
+
+def insert_record(state: TorchStreamState, record: PendingRecord, pos: int, value: torch.Tensor) -> None:
+    """Offer a completed record (position ``pos``, value ``[B]``) to the state's context and semantic stores."""
+    if state.context is not None:
+        state.context.insert(record.address, record.key, pos, value, record.probs)
+    if state.semantic is not None:
+        state.semantic.insert(record.sem_bucket, record.key, pos, value, record.probs)
+
 
 
 @dataclass
@@ -248,7 +267,15 @@ class TorchStream:
 
     def memory_step(self, state: TorchStreamState, tokens: torch.Tensor, h: torch.Tensor, param_lp: torch.Tensor,
                     min_pos: torch.Tensor | None = None) -> StepOutput:
-        """Store the previous position's record (its value is ``x_t``), then :meth:`read_and_mix`."""
+        """:meth:`observe` position t, then :meth:`read_and_mix` its query."""
+        query, _ = self.observe(state, tokens, h)
+        return self.read_and_mix(state, state.t, *query, h, param_lp, min_pos)
+
+    def observe(self, state: TorchStreamState, tokens: torch.Tensor, h: torch.Tensor
+                ) -> tuple[StreamQuery, PendingRecord | None]:
+        """Position t's address, semantic bucket, query and router probabilities; the previous position's
+        record, completed by its value ``x_t`` (``tokens``), goes into the state's stores and is returned (None
+        at t = 0) so that other stores can take it too."""
         t, mem = state.t, self.mem
         state.last_tokens = torch.cat([state.last_tokens[:, 1:], tokens[:, None]], dim=1)
         address = hashing.addresses(state.last_tokens, mem.context_order, mem.num_buckets,
@@ -257,12 +284,9 @@ class TorchStream:
         sem_bucket = torch.argmax(probs, dim=-1) if probs is not None else torch.zeros_like(address)
         prev = state.pending
         if prev is not None:
-            if state.context is not None:
-                state.context.insert(prev.address, prev.key, t - 1, tokens, prev.probs)
-            if state.semantic is not None:
-                state.semantic.insert(prev.sem_bucket, prev.key, t - 1, tokens, prev.probs)
+            insert_record(state, prev, t - 1, tokens)
         state.pending = PendingRecord(address, sem_bucket, keys, probs)
-        return self.read_and_mix(state, t, address, sem_bucket, query, probs, h, param_lp, min_pos)
+        return StreamQuery(address, sem_bucket, query, probs), prev
 
     def read_and_mix(self, state: TorchStreamState, t: int, address: torch.Tensor, sem_bucket: torch.Tensor,
                      query: torch.Tensor, probs: torch.Tensor | None, h: torch.Tensor, param_lp: torch.Tensor,
