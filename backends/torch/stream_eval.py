@@ -22,10 +22,6 @@ def _fresh_stores(stream: TorchStream, batch: int, capacity: int) -> TorchStream
     return TorchStreamState(t=0, batch=batch, context=full.context, semantic=full.semantic)
 
 
-def _target_log_prob(log_probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return log_probs.gather(1, target[:, None])[:, 0].double()
-
-
 @torch.no_grad()
 def evaluate_stream(
     stream: TorchStream,
@@ -58,6 +54,7 @@ def evaluate_stream(
             h = stream.backbone_step(state, tok)
             param_lp = stream.net.head(h)
             query, prev = stream.observe(state, tok, h)
+            raw_gate = stream.raw_gate(h)
             if t % T == 0:
                 window_state = _fresh_stores(stream, B, min(T, L))
             elif prev is not None:
@@ -66,13 +63,14 @@ def evaluate_stream(
             for res in results:
                 cond = res.condition
                 if cond.kind == "none":
-                    lp = param_lp
+                    lp_y = param_lp.gather(1, target[:, None])[:, 0]
                 else:
                     source = window_state if cond.kind == "window" else state
                     bound = cond.min_pos(t)
                     min_pos = None if bound is None else torch.full((B,), bound, dtype=torch.int64, device=device)
-                    lp = stream.read_and_mix(source, t, *query, h, param_lp, min_pos).log_probs
-                res.nll_sum -= float(torch.where(live, _target_log_prob(lp, target), 0.0).sum())
+                    read = stream.read_memory(source, t, query, raw_gate, min_pos)
+                    lp_y = stream.target_log_prob(read, param_lp, target)
+                res.nll_sum -= float(torch.where(live, lp_y.double(), 0.0).sum())
                 res.targets += int(live.sum())
             state.t += 1
             steps += 1

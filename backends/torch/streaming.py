@@ -56,6 +56,16 @@ class StreamQuery(NamedTuple):
     probs: torch.Tensor | None
 
 
+class MemoryRead(NamedTuple):
+    """One query's read of the memory: candidates ``[B, C]``, cache weights α ``[B, C]``, slot values
+    ``[B, C]`` and the masked gate λ ``[B]``."""
+
+    cand: Candidates
+    weights: torch.Tensor
+    values: torch.Tensor
+    gate: torch.Tensor
+
+
 class PendingRecord(NamedTuple):
     """The record of the previous position, whose value is the next token: address ``[B]``, semantic
     bucket ``[B]``, unit key ``[B, d]``, router probabilities ``[B, S]`` or None."""
@@ -269,7 +279,7 @@ class TorchStream:
                     min_pos: torch.Tensor | None = None) -> StepOutput:
         """:meth:`observe` position t, then :meth:`read_and_mix` its query."""
         query, _ = self.observe(state, tokens, h)
-        return self.read_and_mix(state, state.t, *query, h, param_lp, min_pos)
+        return self.read_and_mix(state, state.t, query, h, param_lp, min_pos)
 
     def observe(self, state: TorchStreamState, tokens: torch.Tensor, h: torch.Tensor
                 ) -> tuple[StreamQuery, PendingRecord | None]:
@@ -288,23 +298,28 @@ class TorchStream:
         state.pending = PendingRecord(address, sem_bucket, keys, probs)
         return StreamQuery(address, sem_bucket, query, probs), prev
 
-    def read_and_mix(self, state: TorchStreamState, t: int, address: torch.Tensor, sem_bucket: torch.Tensor,
-                     query: torch.Tensor, probs: torch.Tensor | None, h: torch.Tensor, param_lp: torch.Tensor,
-                     min_pos: torch.Tensor | None = None) -> StepOutput:
-        """The query of position t against the stores: candidates, scores, cache weights, gate, mixture.
+    def raw_gate(self, h: torch.Tensor) -> torch.Tensor:
+        """The gate before masking, ``[B]``: the learned gate of ``h``, or the constant of ``pcaf_no_gate``."""
+        if self.cfg.variant == "pcaf_no_gate":
+            return torch.full_like(h[:, 0], self.mem.fixed_gate)
+        return self.net.gate(h)
+
+    def read_memory(self, state: TorchStreamState, t: int, query: StreamQuery, raw_gate: torch.Tensor,
+                    min_pos: torch.Tensor | None = None) -> MemoryRead:
+        """The query of position t against the state's stores: candidates, cache weights, values, gate.
 
         ``min_pos [B]`` hides records before it (with the stream's horizon); the ``stream`` evaluation
-        protocol calls this once per memory horizon on one backbone step.
+        protocol reads once per memory condition on one backbone step.
         """
         mem, prof = self.mem, self.prof
         if self.horizon is not None:
-            floor = torch.full_like(address, t - self.horizon)
+            floor = torch.full_like(query.address, t - self.horizon)
             min_pos = floor if min_pos is None else torch.maximum(min_pos, floor)
         parts = []
         if state.context is not None:
-            parts.append(state.context.read(address, min_pos))
+            parts.append(state.context.read(query.address, min_pos))
         if state.semantic is not None:
-            parts.append(state.semantic.read(sem_bucket, min_pos))
+            parts.append(state.semantic.read(query.sem_bucket, min_pos))
         if len(parts) == 2:
             (c1, k1, v1, p1), (c2, k2, v2, p2) = parts
             both = combine_hybrid(Candidates(c1.index[:, None], c1.valid[:, None]),
@@ -313,23 +328,36 @@ class TorchStream:
             slot_keys, values, slot_probs = torch.cat([k1, k2], 1), torch.cat([v1, v2], 1), torch.cat([p1, p2], 1)
         else:
             cand, slot_keys, values, slot_probs = parts[0]
-        d = slot_keys.shape[-1]
+        q = query.query
         # rho·(s - t)/D: the spec's rho·s/D shifted by a per-query constant (same softmax), exact in float32.
-        rel = (torch.where(cand.valid, cand.index, t) - t).to(query.dtype)
-        scores = (slot_keys @ query[:, :, None])[..., 0] / math.sqrt(d) \
+        rel = (torch.where(cand.valid, cand.index, t) - t).to(q.dtype)
+        scores = (slot_keys @ q[:, :, None])[..., 0] / math.sqrt(slot_keys.shape[-1]) \
             + self.net.memory.recency_scale * rel / self.denominator
-        if probs is not None:
-            overlap = (slot_probs @ probs[:, :, None])[..., 0]
+        if query.probs is not None:
+            overlap = (slot_probs @ query.probs[:, :, None])[..., 0]
             scores = scores + mem.semantic_score_scale * torch.log(torch.clamp(overlap, min=1e-6))
-        alpha = mixture.cache_weights(scores[:, None], cand.valid[:, None])
-        p_cache = mixture.cache_distribution(alpha, values[:, None], cand.valid[:, None], self.cfg.vocab_size)[:, 0]
-        if self.cfg.variant == "pcaf_no_gate":
-            raw = torch.full_like(param_lp[:, 0], mem.fixed_gate)
-        else:
-            raw = self.net.gate(h)
-        gate = mixture.mask_gate(raw, cand.valid.any(-1), clip_when_empty=prof.gate_clip_when_empty)
-        log_probs = mixture.mixture_log_probs(param_lp, p_cache, gate, nt_floor=False)
-        return StepOutput(log_probs, param_lp, cand.index, cand.valid, gate)
+        alpha = mixture.cache_weights(scores[:, None], cand.valid[:, None])[:, 0]
+        gate = mixture.mask_gate(raw_gate, cand.valid.any(-1), clip_when_empty=prof.gate_clip_when_empty)
+        return MemoryRead(cand, alpha, values, gate)
+
+    def read_and_mix(self, state: TorchStreamState, t: int, query: StreamQuery, h: torch.Tensor,
+                     param_lp: torch.Tensor, min_pos: torch.Tensor | None = None) -> StepOutput:
+        """:meth:`read_memory`, then the mixture over the vocabulary ``log[(1-λ)·p_param + λ·p_cache]``."""
+        r = self.read_memory(state, t, query, self.raw_gate(h), min_pos)
+        p_cache = mixture.cache_distribution(r.weights[:, None], r.values[:, None], r.cand.valid[:, None],
+                                             self.cfg.vocab_size)[:, 0]
+        log_probs = mixture.mixture_log_probs(param_lp, p_cache, r.gate, nt_floor=False)
+        return StepOutput(log_probs, param_lp, r.cand.index, r.cand.valid, r.gate)
+
+    @staticmethod
+    def target_log_prob(read: MemoryRead, param_lp: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """``log p(target)`` ``[B]`` of the mixture (the exact form, as ``read_and_mix``'s entry) without the
+        ``[B, V]`` distribution."""
+        lp_y = param_lp.gather(1, target[:, None])
+        pc_y = mixture.target_cache_prob(read.weights[:, None], read.values[:, None], read.cand.valid[:, None],
+                                         target[:, None])
+        return mixture.target_log_prob(lp_y, pc_y, read.gate[:, None], nt_floor=False, ar_floor=False,
+                                       mode="ar")[:, 0]
 
     # ----------------------------------------------------------------------------- prefill
 
@@ -366,8 +394,8 @@ class TorchStream:
             state.semantic.bulk_load(sem_bucket[:, :-1], keys[:, :-1], tokens[:, 1:], rec_probs)
         last_probs = None if probs is None else probs[:, -1]
         state.pending = PendingRecord(address[:, -1], sem_bucket[:, -1], keys[:, -1], last_probs)
-        out = self.read_and_mix(state, n - 1, address[:, -1], sem_bucket[:, -1], query[:, -1], last_probs, h_last,
-                                param_lp)
+        out = self.read_and_mix(state, n - 1, StreamQuery(address[:, -1], sem_bucket[:, -1], query[:, -1], last_probs),
+                                h_last, param_lp)
         return state, out
 
     def _conv_prefill(self, state: TorchStreamState, tokens: torch.Tensor) -> torch.Tensor:
