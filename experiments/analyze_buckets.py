@@ -70,8 +70,8 @@ def analyze(cfg: DictConfig) -> Path:
     tokens = corpus.split(cfg.split)
     win = bucket_stats.windows(tokens, T, int(cfg.max_windows))
     addr = bucket_stats.context_addresses(win, n, B)
-    stats = bucket_stats.query_stats(addr, win)
-    rand = bucket_stats.query_stats(bucket_stats.random_addresses(addr.shape, B, int(cfg.seed)), win)
+    stats = bucket_stats.query_stats(addr, win, ks)
+    rand = bucket_stats.query_stats(bucket_stats.random_addresses(addr.shape, B, int(cfg.seed)), win, ks)
     topk, topk_run = (None, None)
     if cfg.run_dir:
         topk, topk_run = _topk_ranks(str(cfg.run_dir), cfg.data, win, addr, T)

@@ -54,11 +54,33 @@ def _answer(records: dict[tuple, dict[str, Any]]) -> list[str]:
             f"{rec['occupancy_p99']:.0f}, largest {rec['occupancy_max']}). The address alone could recall the next "
             f"token for {_pct(r['recall_bucket'])}% of queries (some earlier record of the bucket carries it; "
             f"{_pct(r['recall_window'])}% for a cache that read the whole window); with K = {PAPER_K}, `recent` keeps "
-            f"{_pct(r['recall_recent'])}% and `first` {_pct(r['recall_first'])}%{topk}; at K = {top['K']} `recent` "
+            f"{_pct(r['recall_recent'])}% ({_pct(r['recall_recent'] / max(r['recall_bucket'], 1e-12))}% of the "
+            f"address's ceiling) and `first` {_pct(r['recall_first'])}%{topk}; at K = {top['K']} `recent` "
             f"reaches {_pct(top['recall_recent'])}%. Without the address, a random-hash route with the same B and K "
             f"recalls {_pct(r['recall_random_hash'])}% and K = {PAPER_K} random earlier records "
             f"{_pct(r['recall_random_k'])}%; a capacity-1 bucket (`recent`, K = 1) recalls "
-            f"{_pct(r['recall_capacity1'])}%.")
+            f"{_pct(r['recall_capacity1'])}%. Recall counts a query once one candidate matches; what the address "
+            f"buys shows in the fraction of read candidates that carry the target: {_pct(r['mass_recent'])}% of "
+            f"`recent`'s K = {PAPER_K} candidates against {_pct(r['mass_random_k'])}% of K random earlier records "
+            f"(the cache probability of the target under uniform weights)." + _sweep_sentence(records, data, T))
+    return out
+
+
+def _sweep_sentence(records: dict[tuple, dict[str, Any]], data: str, T: int) -> str:
+    """How B (n = 1) and n (B = 32768) move recall and occupancy at K = 16, for one corpus and T."""
+    by_b = sorted((k[3], r["rows"][PAPER_K]) for k, r in records.items()
+                  if k[0] == data and k[2] == T and k[4] == PAPER_N and PAPER_K in r["rows"])
+    by_n = sorted((k[4], r["rows"][PAPER_K]) for k, r in records.items()
+                  if k[0] == data and k[2] == T and k[3] == PAPER_B and PAPER_K in r["rows"])
+    out = ""
+    if len(by_b) > 1:
+        rec = [x["recall_recent"] for _, x in by_b]
+        out += (f" From B = {by_b[0][0]} to {by_b[-1][0]} `recent` recall moves by {_pct(max(rec) - min(rec))} points "
+                "(a window holds far fewer distinct contexts than buckets).")
+    for n, x in by_n:
+        if n > 1:
+            out += (f" With n = {n}, {_pct(x['empty'])}% of queries find their bucket empty and `recent` recalls "
+                    f"{_pct(x['recall_recent'])}%.")
     return out
 
 
@@ -76,6 +98,19 @@ def _table_vs_k(records: dict[tuple, dict[str, Any]]) -> list[str]:
             lines.append(f"| {K} | {_pct(r['overflow'])} | {_pct(r['recall_recent'])} | {_pct(r['recall_first'])} | "
                          f"{_pct(r['recall_topk_score'])} | {_pct(r.get('recall_random_hash'))} | "
                          f"{_pct(r['recall_random_k'])} | {_pct(r['recall_bucket'])} | {_pct(r['recall_window'])} |")
+    return lines
+
+
+def _table_mass(records: dict[tuple, dict[str, Any]]) -> list[str]:
+    lines = ["| data | T | K | recent | first | random-hash | random-K |", "|---|---|---|---|---|---|---|"]
+    for (data, _split, T, B, n), rec in sorted(records.items()):
+        if (B, n) != (PAPER_B, PAPER_N):
+            continue
+        for K in sorted(rec["rows"]):
+            r = rec["rows"][K]
+            lines.append(f"| {DATA_TITLES.get(data, data)} | {T} | {K} | {_pct(r.get('mass_recent'))} | "
+                         f"{_pct(r.get('mass_first'))} | {_pct(r.get('mass_random_hash'))} | "
+                         f"{_pct(r.get('mass_random_k'))} |")
     return lines
 
 
@@ -178,6 +213,7 @@ def render(out_dir: Path, report: Path) -> Path:
         "successor is the target. Definitions and the exact computation: `pcaf_core/bucket_stats.py`, checked "
         "against the spec's routes in `tests/test_bucket_stats.py`. Numbers are % of queries.", "",
         "- *overflow*: the query's bucket holds more than K earlier records; *empty*: none.",
+        "- *mass*: the fraction of the read candidates whose successor is the target (uniform weights).",
         "- *recent* / *first* / *topk_score*: the candidate policies (topk_score ranks by a trained model's "
         "q·k/√d + ρ·r and needs its run; n/a without one).",
         "- *bucket ceiling*: some earlier record of the bucket carries the target (any policy with unbounded K); "
@@ -191,6 +227,10 @@ def render(out_dir: Path, report: Path) -> Path:
     ] + (_answer(records) or ["(no run at the paper's address B = 32768, n = 1, T = 1024 yet)"]) + [
         "", "## 1. Recall and overflow against K (B = 32768, n = 1)",
     ] + _table_vs_k(records) + [""] + plots[:1] + [
+        "", f"### Fraction of the read candidates that carry the target (B = {PAPER_B}, n = {PAPER_N})", "",
+        "The mean over queries of (candidates whose successor is the target) / (candidates read), 0 without a "
+        "candidate: the cache probability of the target if the K candidates were weighted uniformly.", "",
+    ] + _table_mass(records) + [
         "", f"## 2. Against B (n = {PAPER_N}, K = {PAPER_K})", "",
     ] + _table_vs(records, "B") + [""] + plots[1:] + [
         "", f"## 3. Against the context order n (B = {PAPER_B}, K = {PAPER_K})", "",

@@ -13,6 +13,9 @@ record of that pair:
 * ``window``: the target occurs as a successor anywhere earlier in the window (any address): the
   ceiling of a cache that reads every record;
 * ``overflow(K)``: ``r_t > K`` (the bucket holds more earlier records than the route can keep);
+* ``mass``: the fraction of the query's candidates whose successor is the target (0 without a candidate):
+  the cache probability of the target under uniform weights, i.e. how much of what the route reads is
+  useful (recall counts a query once a single candidate matches);
 * ``random-K``: K records drawn uniformly from the t earlier records of the window, no address: recalls
   with probability ``1 - C(t - c_t, K) / C(t, K)``, c_t the earlier records carrying the target (exact
   expectation, no sampling).
@@ -43,7 +46,8 @@ class QueryStats:
     occupancy: ``r_t``, earlier records in the query's bucket; recent_gap: ``r_t - rank(s*)`` (NO_HIT when
     no earlier record carries the pair); first_rank: ``rank(s⁰)`` (NO_HIT likewise); in_window: the target
     occurs as an earlier successor in the window; same_value: c_t, earlier records carrying the target;
-    position: t (earlier records of the window); bucket_sizes: records per non-empty bucket per window.
+    position: t (earlier records of the window); bucket_sizes: records per non-empty bucket per window;
+    mass_recent / mass_first: K -> mean fraction of the K candidates carrying the target.
     """
 
     occupancy: np.ndarray
@@ -53,6 +57,8 @@ class QueryStats:
     same_value: np.ndarray
     position: np.ndarray
     bucket_sizes: np.ndarray
+    mass_recent: dict[int, float]
+    mass_first: dict[int, float]
 
 
 def windows(tokens: np.ndarray, seq_len: int, max_windows: int = 0) -> np.ndarray:
@@ -89,8 +95,37 @@ def _ranks(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return rank, prev, first
 
 
-def query_stats(addresses: np.ndarray, win: np.ndarray) -> QueryStats:
-    """Statistics of every query of windows ``win`` ``[W, T+1]`` under bucket ``addresses`` ``[W, T]``."""
+def _candidate_matches(rank: np.ndarray, pair: np.ndarray, ks: list[int]) -> tuple[dict, dict]:
+    """Mean fraction of matching candidates under ``recent`` and ``first`` for each K.
+
+    Records of one (address, successor) pair have increasing bucket ranks, so with every pair's members
+    laid out in one sorted array of ``group·(T+1) + bucket rank``, the matching candidates of query t are a
+    contiguous run before t's own entry: those with bucket rank ``>= r_t - K`` (recent) or ``< K`` (first).
+    """
+    W, T = rank.shape
+    groups = np.unique((np.arange(W)[:, None] * (int(pair.max()) + 1) + pair).ravel(), return_inverse=True)[1]
+    comp = groups.astype(np.int64) * (T + 1) + rank.ravel()
+    order = np.argsort(comp, kind="stable")
+    comp_sorted = comp[order]
+    own = np.empty_like(order)
+    own[order] = np.arange(order.size)  # t's index in the sorted array; its earlier pair members precede it
+    base = groups.astype(np.int64) * (T + 1)
+    start = np.searchsorted(comp_sorted, base, "left")
+    r = rank.ravel()
+    recent, first = {}, {}
+    for K in ks:
+        n_cand = np.minimum(r, K)
+        lo = np.maximum(np.searchsorted(comp_sorted, base + np.maximum(r - K, 0), "left"), start)
+        hi = np.searchsorted(comp_sorted, base + n_cand, "left")
+        with np.errstate(invalid="ignore", divide="ignore"):
+            recent[K] = float(np.mean(np.where(n_cand > 0, (own - lo) / n_cand, 0.0)))
+            first[K] = float(np.mean(np.where(n_cand > 0, (hi - start) / n_cand, 0.0)))
+    return recent, first
+
+
+def query_stats(addresses: np.ndarray, win: np.ndarray, ks: list[int] = ()) -> QueryStats:
+    """Statistics of every query of windows ``win`` ``[W, T+1]`` under bucket ``addresses`` ``[W, T]``;
+    ``ks``: the capacities whose candidate mass is computed."""
     addr = np.asarray(addresses, dtype=np.int64)
     W, T = addr.shape
     succ = win[:, 1:]  # x_{t+1}: the value of record t and the target of query t
@@ -104,8 +139,15 @@ def query_stats(addresses: np.ndarray, win: np.ndarray) -> QueryStats:
     value_rank, prev_value, _ = _ranks(succ)
     sizes = np.concatenate([np.bincount(np.unique(a, return_inverse=True)[1]) for a in addr])
     position = np.broadcast_to(np.arange(T), (W, T)).ravel()
+    mass_recent, mass_first = _candidate_matches(rank, pair, list(ks))
     return QueryStats(rank.ravel(), gap.ravel(), first_rank.ravel(), (prev_value >= 0).ravel(), value_rank.ravel(),
-                      position, sizes)
+                      position, sizes, mass_recent, mass_first)
+
+
+def random_k_mass(stats: QueryStats) -> float:
+    """Mean fraction of K uniformly drawn earlier records carrying the target: ``c_t / t`` for any K."""
+    t = stats.position.astype(np.float64)
+    return float(np.mean(np.where(t > 0, stats.same_value / np.maximum(t, 1), 0.0)))
 
 
 def random_k_recall(stats: QueryStats, K: int) -> float:
@@ -172,10 +214,14 @@ def recall_table(stats: QueryStats, k_values: list[int], topk: np.ndarray | None
             "recall_window": float(np.mean(stats.in_window)),
             "recall_capacity1": float(np.mean(stats.recent_gap <= 1)),
             "recall_random_k": random_k_recall(stats, K),
+            "mass_recent": stats.mass_recent.get(K, float("nan")),
+            "mass_first": stats.mass_first.get(K, float("nan")),
+            "mass_random_k": random_k_mass(stats),
             "empty": float(np.mean(stats.occupancy == 0)),
         }
         if random_stats is not None:
             row["recall_random_hash"] = float(np.mean(random_stats.recent_gap <= K))
+            row["mass_random_hash"] = random_stats.mass_recent.get(K, float("nan"))
         rows.append(row)
     return rows
 

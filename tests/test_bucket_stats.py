@@ -10,15 +10,18 @@ from pcaf_core import bucket_stats, routing
 from pcaf_core.mixture import selection_score
 
 
-def _brute(addr, win, K, policy, score=None):
-    """Per query: the route's candidates (spec) hold the target; and the bucket's earlier records."""
+def _brute(addr, win, K, policy, score=None, mass=False):
+    """Per query: the route's candidates (spec) hold the target (or: the fraction that do); and the
+    bucket's earlier records."""
     W, T = addr.shape
     hits, occ = [], []
     for w in range(W):
         sel = None if score is None else score[w][None]
         cand = routing.route_context(addr[w][None], np.arange(T), K, policy, sel)
         values = win[w, 1:][np.clip(cand.index[0], 0, None)]
-        hits.append(((values == win[w, 1:][:, None]) & cand.valid[0]).any(-1))
+        match = (values == win[w, 1:][:, None]) & cand.valid[0]
+        n = cand.valid[0].sum(-1)
+        hits.append(np.where(n > 0, match.sum(-1) / np.maximum(n, 1), 0.0) if mass else match.any(-1))
         occ.append([np.sum(addr[w, :t] == addr[w, t]) for t in range(T)])
     return np.concatenate(hits), np.concatenate(occ)
 
@@ -28,12 +31,14 @@ def test_recall_and_overflow_equal_the_spec_routes_for_every_k():
     win = rng.integers(0, 6, (3, 41))
     for order, buckets in ((1, 4), (2, 5)):
         addr = bucket_stats.context_addresses(win, order, buckets)
-        stats = bucket_stats.query_stats(addr, win)
+        stats = bucket_stats.query_stats(addr, win, [1, 2, 5])
         rows = bucket_stats.recall_table(stats, [1, 2, 5])
         for row in rows:
             hit_r, occ = _brute(addr, win, row["K"], "recent")
             hit_f, _ = _brute(addr, win, row["K"], "first")
             assert row["recall_recent"] == np.mean(hit_r) and row["recall_first"] == np.mean(hit_f)
+            assert abs(row["mass_recent"] - np.mean(_brute(addr, win, row["K"], "recent", mass=True)[0])) < 1e-12
+            assert abs(row["mass_first"] - np.mean(_brute(addr, win, row["K"], "first", mass=True)[0])) < 1e-12
             assert row["overflow"] == np.mean(occ > row["K"])
             assert 0 < row["recall_recent"] < row["recall_bucket"] <= row["recall_window"]
         np.testing.assert_array_equal(stats.occupancy, occ)
