@@ -71,6 +71,16 @@ class BucketStore:
             (() if self.probs is None else (self.probs,))
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def used_nbytes(self) -> int:
+        """Bytes of the ring tables plus the pool rows in use by the fullest sequence, times the batch: the
+        memory the records kept so far need (the pool's spare rows excluded)."""
+        B = self.slot.shape[0]
+        row = sum(x[0, :1].numel() * x.element_size() for x in (self.keys, self.pos, self.value))
+        if self.probs is not None:
+            row += self.probs[0, :1].numel() * self.probs.element_size()
+        tables = sum(t.numel() * t.element_size() for t in (self.slot, self.count, self.used))
+        return tables + B * int(self.used.max()) * row
+
     def _reserve(self, records: int) -> None:
         """Room for ``records`` kept records (at most buckets × K) in the pool, doubling its rows."""
         need = 1 + min(records, self.max_records)
@@ -191,6 +201,12 @@ class KVCache:
         if self.prefix_keys is not None:
             tensors += [self.prefix_keys, self.prefix_values]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def used_nbytes(self) -> int:
+        """Bytes of the entries in use (the buffer's spare entries excluded)."""
+        per = self.keys[:, :, :1].numel() * self.keys.element_size() * 2
+        prefix = 0 if self.prefix_keys is None else self.prefix_len * per
+        return self.length * per + prefix
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` appended entries (appending caches only), doubling the buffer."""

@@ -108,6 +108,14 @@ class TorchStreamState:
     kv: list[KVCache] = field(default_factory=list)
     linear: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
+    def used_nbytes(self) -> int:
+        """Bytes the state needs for what it holds (growing buffers' spare room excluded)."""
+        total = sum(x.numel() * x.element_size() for x in self.conv)
+        total += sum(s.used_nbytes() for s in (self.context, self.semantic) if s is not None)
+        total += sum(c.used_nbytes() for c in self.kv)
+        total += sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.linear)
+        return total
+
     def nbytes(self) -> int:
         """Bytes held by the state's tensors (buffers included at their allocated size)."""
         total = sum(x.numel() * x.element_size() for x in self.conv)
