@@ -19,7 +19,8 @@ def test_decode_benchmark_rows_and_report(tmp_path):
     # Growth per generated token: a record (key 128 floats + position + value) for PCAF, keys and values of
     # 2 layers for the dense Transformer, nothing for local conv.
     assert pcaf["bytes_per_token_per_seq"] == 128 * 4 + 8 + 8
-    assert dense["bytes_per_token_per_seq"] == 2 * 2 * 128 * 4 and dense["state_mb_per_seq"] == round(40 * 2048 / 2**20, 3)
+    assert dense["bytes_per_token_per_seq"] == 2 * 2 * 128 * 4
+    assert dense["state_mb_per_seq"] == round(40 * 2048 / 2**20, 3)
     assert conv["bytes_per_token_per_seq"] == 0
     md = write_results(rows + [dict(pcaf, context=80)], tmp_path, "test", "python -m benchmarks.bench_decode")
     text = md.read_text()

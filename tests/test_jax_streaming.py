@@ -1,8 +1,9 @@
 """JAX streaming state (:mod:`backends.jax.streaming`) against the spec's stream, and torch beside JAX.
 
-float64 (``jax_enable_x64``): the streamable variants of tests/test_spec_streaming.py (every code path) fed
-through ``lax.scan`` give the spec stream's candidates exactly and its log-probs within 1e-5; the torch and JAX
-streams agree on shared canonical weights in float32; the capacity and positional limits raise on the host.
+float64 (``jax_enable_x64``): the streamable variants of tests/test_spec_streaming.py (every code path, one
+through a memory horizon) fed through ``lax.scan`` give the spec stream's candidates exactly and its
+log-probs within 1e-5; ``step`` equals the spec's first step; the torch and JAX streams agree on shared
+canonical weights in float32; the capacity and positional limits raise on the host.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ def test_jax_stream_equals_the_spec_stream(x64, variant, route, index, policy, p
     model, memory, prof = configs(variant, route, index, policy, profile, order)
     params = spec_params(model, memory, prof)
     x = tokens()
-    spec = streaming.Stream(params, model, memory, prof, window=T)
+    horizon = 5 if profile == "reference_jax" else None  # one case reads through a memory horizon
+    spec = streaming.Stream(params, model, memory, prof, window=T, horizon=horizon)
     _, want = spec.feed(spec.init(2), x)
-    stream = jax_stream(model, memory, prof, params, jnp.float64)
+    stream = jax_stream(model, memory, prof, params, jnp.float64, horizon=horizon)
     state, got = stream.feed(stream.init(2, capacity=T), x)
     np.testing.assert_allclose(np.asarray(got.log_probs), want.log_probs, rtol=1e-5, atol=1e-9)
     np.testing.assert_allclose(np.asarray(got.param_log_probs), want.param_log_probs, rtol=1e-5, atol=1e-9)
@@ -57,20 +59,6 @@ def test_jax_stream_equals_the_spec_stream(x64, variant, route, index, policy, p
     np.testing.assert_array_equal(np.asarray(got.cand_index), want.cand_index)
     np.testing.assert_array_equal(np.asarray(got.cand_valid), want.cand_valid)
     np.testing.assert_allclose(np.asarray(got.gate), want.gate, rtol=1e-5, atol=1e-12)
-
-
-def test_jax_step_continues_a_fed_stream_and_the_horizon_applies(x64):
-    model, memory, prof = configs("pcaf", "context", "dense", "recent", num_buckets=3)
-    params = spec_params(model, memory, prof)
-    x = tokens(seed=5)
-    spec = streaming.Stream(params, model, memory, prof, window=T, horizon=4)
-    _, want = spec.feed(spec.init(2), x)
-    stream = jax_stream(model, memory, prof, params, jnp.float64, horizon=4)
-    state, first = stream.feed(stream.init(2, capacity=T), x[:, :-1])
-    state, last = stream.step(state, x[:, -1])
-    np.testing.assert_array_equal(np.asarray(first.cand_index), want.cand_index[:, :-1])
-    np.testing.assert_array_equal(np.asarray(last.cand_index), want.cand_index[:, -1])
-    np.testing.assert_allclose(np.asarray(last.log_probs), want.log_probs[:, -1], rtol=1e-5, atol=1e-9)
 
 
 @pytest.mark.parametrize("variant,route,index,policy", [
@@ -92,13 +80,18 @@ def test_torch_and_jax_streams_agree_on_shared_canonical_weights(variant, route,
         np.testing.assert_array_equal(np.asarray(got.cand_index), want.cand_index.numpy())
 
 
-def test_jax_stream_limits_raise_on_the_host():
+def test_jax_step_and_the_limits_raise_on_the_host():
     model, memory, prof = configs("pcaf", "context", "dense", "recent")
     params = spec_params(model, memory, prof)
     stream = jax_stream(model, memory, prof, params, jnp.float32)
-    state = stream.init(1, capacity=4)
+    x = tokens(B=1, n=4)
+    state, out = stream.step(stream.init(1, capacity=4), x[:, 0])
+    spec = streaming.Stream(params, model, memory, prof, window=T)
+    _, want = spec.step(spec.init(1), x[:, 0])
+    np.testing.assert_allclose(np.asarray(out.log_probs), want.log_probs, rtol=1e-4, atol=1e-4)
+    state, _ = stream.feed(state, x[:, 1:])  # 4 tokens: the capacity
     with pytest.raises(StreamCapacityError, match="sized for 4 tokens"):
-        stream.feed(state, np.zeros((1, 5), dtype=np.int32))
+        stream.step(state, x[:, 0])
     model, memory, prof = configs("transformer_dense")
     with pytest.raises(StreamLimitError, match="max_seq_len=32"):
         jax_stream(model, memory, prof, spec_params(model, memory, prof), jnp.float32).init(1, capacity=33)
