@@ -2,9 +2,10 @@
 cache and local conv, at the cpu-scale shapes (d=128, d_hidden=512, 2 layers, 4 heads, V=20,000, K=32,
 B=32,768 buckets), batch 1 and 8, contexts 1K, 4K, 16K, 64K.
 
-For every (model, batch, context c) the stream is brought to c tokens, then ``--steps`` greedy decode
-steps are timed one by one after ``--warmup`` untimed ones (per-token time = the median step; tokens/s =
-batch / that). How the state reaches c tokens:
+For every (model, batch) the streams of every context c are brought to c tokens first, then ``--steps``
+greedy decode steps of each are timed one by one in interleaved rounds after ``--warmup`` untimed ones
+(per-token time = the median step; tokens/s = batch / that), so machine load falls on every context alike.
+How the state reaches c tokens:
 
 * PCAF and local conv: ``TorchStream.prefill`` of c tokens of WikiText-2 train text (real bucket
   occupancy), one parallel pass.
@@ -61,8 +62,8 @@ def text_tokens(n: int, batch: int) -> tuple[np.ndarray, str]:
     return np.random.default_rng(0).integers(3, 20000, (batch, n)), "random ids"
 
 
-def build(variant: str, context: int, steps: int) -> TorchStream:
-    model = ModelConfig(variant=variant, max_seq_len=max(context + steps + 8, 16), **SHAPES)
+def build(variant: str, max_context: int) -> TorchStream:
+    model = ModelConfig(variant=variant, max_seq_len=max(max_context, 16), **SHAPES)
     memory = MemoryConfig(route="context", candidate_policy="recent", num_buckets=32768, top_k=32)
     net = build_model(model, memory, get_profile("reference_jax"), seed=0).eval()
     # Recency unit of the cpu-scale training window (T = 256); it does not change a step's cost.
@@ -82,9 +83,8 @@ def fill_kv(stream: TorchStream, batch: int, context: int, capacity: int) -> tup
     return state, torch.randint(3, 20000, (batch,), generator=g)
 
 
-def measure(label: str, variant: str, batch: int, context: int, steps: int, warmup: int) -> dict:
-    stream = build(variant, context, steps + warmup)
-    capacity = context + steps + warmup + 1
+def prepare(stream: TorchStream, variant: str, batch: int, context: int, capacity: int) -> tuple:
+    """The state at ``context`` tokens, the next token, seconds and how it was filled."""
     start = time.perf_counter()
     if variant.startswith("transformer"):
         state, token = fill_kv(stream, batch, context, capacity)
@@ -94,23 +94,42 @@ def measure(label: str, variant: str, batch: int, context: int, steps: int, warm
         state, out = stream.prefill(stream.init(batch, capacity=capacity), torch.as_tensor(tokens))
         token = torch.argmax(out.log_probs, dim=-1)
         fill = f"prefill of {source}"
-    prefill_s = time.perf_counter() - start
-    used0 = state.used_nbytes()
-    times = []
+    return state, token, time.perf_counter() - start, fill
+
+
+def measure_contexts(label: str, variant: str, batch: int, contexts: tuple[int, ...], steps: int, warmup: int
+                     ) -> list[dict]:
+    """One row per context. The states of every context are built first and their decode steps are timed in
+    interleaved rounds (one step of each context per round), so machine load falls on every context alike
+    and the flatness ratio compares like with like. A context that runs out of memory ends the list."""
+    stream = build(variant, max(contexts) + steps + warmup + 8)
+    states, rows = {}, {}
+    for c in contexts:
+        try:
+            state, token, seconds, fill = prepare(stream, variant, batch, c, c + steps + warmup + 1)
+        except (MemoryError, RuntimeError) as exc:
+            if "memory" not in str(exc).lower() and not isinstance(exc, MemoryError):
+                raise
+            rows[c] = {"model": label, "batch": batch, "context": c, "status": f"out of memory ({exc})"[:80]}
+            print(f"[decode {label} batch={batch} context={c}] out of memory; larger contexts skipped", file=sys.stderr)
+            break
+        states[c] = [state, token, state.used_nbytes(), []]
+        rows[c] = {"model": label, "batch": batch, "context": c, "status": "ok", "prefill_s": round(seconds, 2),
+                   "state_fill": fill, "steps": steps}
     with torch.no_grad():
         for i in range(warmup + steps):
-            t0 = time.perf_counter()
-            state, out = stream.step(state, token)
-            token = torch.argmax(out.log_probs, dim=-1)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-    per_token = statistics.median(times)
-    used1 = state.used_nbytes()
-    return {"model": label, "batch": batch, "context": context, "status": "ok",
-            "per_token_ms": round(1000 * per_token, 3), "tokens_per_s": round(batch / per_token, 1),
-            "state_mb_per_seq": round(used0 / batch / 2**20, 3),
-            "bytes_per_token_per_seq": round((used1 - used0) / (warmup + steps) / batch, 1),
-            "prefill_s": round(prefill_s, 2), "state_fill": fill, "steps": steps}
+            for entry in states.values():
+                t0 = time.perf_counter()
+                entry[0], out = stream.step(entry[0], entry[1])
+                entry[1] = torch.argmax(out.log_probs, dim=-1)
+                if i >= warmup:
+                    entry[3].append(time.perf_counter() - t0)
+    for c, (state, _, used0, times) in states.items():
+        per_token = statistics.median(times)
+        rows[c].update({"per_token_ms": round(1000 * per_token, 3), "tokens_per_s": round(batch / per_token, 1),
+                        "state_mb_per_seq": round(used0 / batch / 2**20, 3),
+                        "bytes_per_token_per_seq": round((state.used_nbytes() - used0) / (warmup + steps) / batch, 1)})
+    return [rows[c] for c in contexts if c in rows]
 
 
 def write_results(rows: list[dict], results_dir: Path, env: str, command: str) -> Path:
@@ -191,20 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label, variant in MODELS:
         for b in batches:
-            for c in contexts:
-                try:
-                    row = measure(label, variant, b, c, steps, args.warmup)
-                except (MemoryError, RuntimeError) as exc:
-                    if "memory" not in str(exc).lower() and not isinstance(exc, MemoryError):
-                        raise
-                    rows.append({"model": label, "batch": b, "context": c, "status": f"out of memory ({exc})"[:80]})
-                    print(f"[decode {label} batch={b} context={c}] out of memory; larger contexts skipped",
-                          file=sys.stderr)
-                    break
+            for row in measure_contexts(label, variant, b, contexts, steps, args.warmup):
                 rows.append(row)
-                print(f"[decode {label} batch={b} context={c} backend=torch fp32] {row['per_token_ms']:.2f} ms/step, "
-                      f"{row['tokens_per_s']:.0f} tokens/s, state {row['state_mb_per_seq']:.2f} MB/seq, "
-                      f"+{row['bytes_per_token_per_seq']:.0f} B/token/seq", file=sys.stderr)
+                if row["status"] == "ok":
+                    print(f"[decode {label} batch={b} context={row['context']} backend=torch fp32] "
+                          f"{row['per_token_ms']:.2f} ms/step, {row['tokens_per_s']:.0f} tokens/s, state "
+                          f"{row['state_mb_per_seq']:.2f} MB/seq, +{row['bytes_per_token_per_seq']:.0f} B/token/seq",
+                          file=sys.stderr)
     for r in rows:
         r["backend"], r["dtype"], r["threads"] = "torch", "fp32", torch.get_num_threads()
     write_csv(args.out, rows)
