@@ -1,7 +1,7 @@
 # Benchmarks: CSV under bench/ (gitignored); ratios are measured side by side in one run.
-.PHONY: bench bench-throughput bench-train-step bench-kernels bench-precision bench-backends
+.PHONY: bench bench-throughput bench-train-step bench-kernels bench-precision bench-backends bench-decode
 
-bench: bench-data bench-kernels bench-throughput bench-train-step bench-backends
+bench: bench-data bench-kernels bench-throughput bench-train-step bench-backends bench-decode
 
 bench-kernels: $(VENV)/.installed
 	$(PY) benchmarks/bench_kernels.py --out bench/kernels.csv
@@ -20,3 +20,11 @@ bench-precision: $(VENV)/.installed data
 # One training step of the cpu-scale rows on torch and on JAX, in alternating fresh processes (about 6 minutes).
 bench-backends: $(VENV)/.installed
 	$(PY) -m benchmarks.bench_backends --out bench/backends.csv
+
+# Decode cost per generated token against context (1K-64K), batch 1 and 8: PCAF-context, the dense
+# Transformer with a KV cache, local conv (about 5 minutes on the 2-core CPU). DECODE_RESULTS=docs/results
+# writes the committed copy (decode_cpu.{csv,png,md}); BENCH_ARGS=--quick checks that it runs (20 s).
+DECODE_RESULTS ?= bench
+BENCH_ARGS ?=
+bench-decode: $(VENV)/.installed
+	$(PY) -m benchmarks.bench_decode --out bench/decode.csv --results-dir $(DECODE_RESULTS) $(BENCH_ARGS)

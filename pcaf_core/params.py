@@ -138,7 +138,13 @@ def sinusoidal_table(seq_len: int, d: int, form: str) -> np.ndarray:
     ``trainable_jax``: ``half = ceil(d/2)``, ``freq_i = exp(-ln(1e4)·i/(half-1))``;
     ``fixed_torch``: ``freq_i = exp(-2i·ln(1e4)/d)``. Even columns sin, odd columns cos.
     """
-    pos = np.arange(seq_len, dtype=np.float64)[:, None]
+    return sinusoidal_rows(np.arange(seq_len), d, form)
+
+
+def sinusoidal_rows(positions: np.ndarray, d: int, form: str) -> np.ndarray:
+    """Rows ``positions`` of :func:`sinusoidal_table` (any positions, e.g. the next one of a stream):
+    ``[N, d]`` float64 from ``[N]`` integer positions."""
+    pos = np.asarray(positions, dtype=np.float64).reshape(-1)[:, None]
     if form == "trainable_jax":
         half = math.ceil(d / 2)
         freq = np.exp(-math.log(1e4) * np.arange(half) / max(half - 1, 1))
@@ -146,7 +152,7 @@ def sinusoidal_table(seq_len: int, d: int, form: str) -> np.ndarray:
         freq = np.exp(np.arange(0, d, 2) * (-math.log(1e4) / d))
     else:
         raise ValueError(f"positional form {form!r} is unknown")
-    table = np.zeros((seq_len, d))
+    table = np.zeros((pos.shape[0], d))
     table[:, 0::2] = np.sin(pos * freq)[:, : len(range(0, d, 2))]
     table[:, 1::2] = np.cos(pos * freq)[:, : d // 2]
     return table

@@ -28,3 +28,20 @@ if not _has_cuda():
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smoke_pcaf_run(tmp_path_factory) -> Path:
+    """The run directory of wt2-nt-1024/pcaf_context trained at smoke scale by the table driver (what
+    ``make reproduce-table SCALE=smoke`` runs); shared by the generation and stream-protocol tests."""
+    from experiments.reproduce import main as reproduce_main
+
+    out = tmp_path_factory.mktemp("outputs")
+    assert reproduce_main(["--table", "wt2-nt-1024", "--scale", "smoke", "--rows", "pcaf_context",
+                           "--output-root", str(out)]) == 0
+    runs = list((out / "wt2-nt-1024" / "smoke" / "torch" / "pcaf_context").iterdir())
+    assert len(runs) == 1
+    return runs[0]

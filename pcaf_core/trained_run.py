@@ -1,0 +1,161 @@
+"""A trained run on disk, for inference (generation, the ``stream`` protocol): where its weights are, its
+config and labels, its vocabulary, and prompts in its tokens.
+
+A run directory (written by ``python -m experiments.run``) holds ``config.yaml``, ``metrics.json`` and
+``checkpoints/step_<N>/model.safetensors`` (canonical weights, any backend). :func:`locate_run` accepts
+the run directory, one of its checkpoint directories or a weights file inside it, and fails with one
+line that says what to pass instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors
+
+from pcaf_core.checkpoints import latest_checkpoint, step_of
+from pcaf_core.config import DataConfig, RunConfig
+from pcaf_core.config_io import read_config
+from pcaf_core.params import param_shapes
+from pcaf_core.results import CONFIG_FILE, SchemaError, read_metrics
+from pcaf_core.weights import load_canonical
+
+WEIGHTS_FILE = "model.safetensors"  # the canonical weights of a checkpoint, written by either backend
+EOS = "<eos>"
+
+
+class RunNotFoundError(FileNotFoundError):
+    """No usable trained run at the given path; the message says what to pass."""
+
+
+class VocabularyMismatchError(ValueError):
+    """Weights and vocabulary do not belong together."""
+
+
+@dataclass
+class TrainedRun:
+    """A run's config, its chosen weights file and its labels (table, row, scale, backend, profile, seed)."""
+
+    run_dir: Path
+    config: RunConfig
+    weights: Path
+    step: int | None
+    labels: dict[str, Any]
+
+    def describe(self) -> str:
+        """One label for every line a tool prints about this run."""
+        lab = self.labels
+        step = "?" if self.step is None else self.step
+        return (f"{lab.get('table', '?')}/{lab.get('row', '?')} scale={lab.get('scale', '?')} "
+                f"trained-backend={lab.get('backend', '?')} profile={self.config.profile.name} "
+                f"seed={self.config.train.seed} step={step}")
+
+
+def _run_dir_of(path: Path) -> Path:
+    """The run directory holding ``path`` (itself, or an ancestor with a config.yaml)."""
+    for candidate in (path, *path.parents):
+        if (candidate / CONFIG_FILE).is_file():
+            return candidate
+    raise RunNotFoundError(f"{path} is not inside a run directory (no {CONFIG_FILE} found above it): pass "
+                           "run_dir=<a directory written by python -m experiments.run>")
+
+
+def locate_run(path: str | Path, checkpoint: str | Path | None = None) -> TrainedRun:
+    """The run at ``path`` (run directory, checkpoint directory or weights file) and its weights: those of
+    ``checkpoint`` when given (a checkpoint directory or a weights file), else ``path``'s own, else the
+    run's newest complete checkpoint."""
+    path = Path(path)
+    if not path.exists():
+        raise RunNotFoundError(f"no run at {path}: pass run_dir=<a directory written by python -m experiments.run>")
+    run_dir = _run_dir_of(path if path.is_dir() else path.parent)
+    chosen = Path(checkpoint) if checkpoint is not None else (path if path != run_dir else None)
+    if chosen is None:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise RunNotFoundError(f"run {run_dir} has no complete checkpoint (did it finish? see its metrics.json)")
+        chosen = ckpt
+    weights = chosen / WEIGHTS_FILE if chosen.is_dir() else chosen
+    if not weights.is_file():
+        raise RunNotFoundError(f"no weights file {weights}: pass a run directory, a checkpoints/step_<N> directory "
+                               f"or a {WEIGHTS_FILE}")
+    labels: dict[str, Any] = {}
+    try:
+        m = read_metrics(run_dir)
+        labels = {"table": m.table, "row": m.row, "scale": m.scale, "backend": m.backend, "status": m.status}
+    except (FileNotFoundError, SchemaError):
+        pass
+    return TrainedRun(run_dir, read_config(run_dir / CONFIG_FILE), weights, step_of(weights.parent), labels)
+
+
+def weights_vocab_size(weights: Path) -> int:
+    """Rows of ``embed.weight`` in a weights file (read from its header, no tensor loaded)."""
+    with safetensors.safe_open(str(weights), framework="numpy") as fh:
+        if "embed.weight" not in fh.keys():
+            raise VocabularyMismatchError(f"{weights} has no embed.weight: it is not a PCAF-suite checkpoint")
+        return int(fh.get_slice("embed.weight").get_shape()[0])
+
+
+def load_params(run: TrainedRun) -> dict[str, np.ndarray]:
+    """The canonical parameters of ``run``'s weights, checked against its config's shapes. A checkpoint with
+    another vocabulary size fails with :class:`VocabularyMismatchError` before any shape error."""
+    cfg = run.config
+    rows = weights_vocab_size(run.weights)
+    if rows != cfg.model.vocab_size:
+        raise VocabularyMismatchError(
+            f"{run.weights} was trained with a vocabulary of {rows} ids, run {run.run_dir} with model.vocab_size="
+            f"{cfg.model.vocab_size}: the checkpoint belongs to another run; pass that run's run_dir")
+    return load_canonical(run.weights, param_shapes(cfg.model, cfg.memory, cfg.profile))
+
+
+LOCATION_FIELDS = ("data_dir", "cache_dir")
+
+
+def run_data_config(run: TrainedRun, locations: dict[str, str | None] | None = None) -> DataConfig:
+    """The run's data settings, with only where the corpus and its cache live changeable (``data_dir``,
+    ``cache_dir``): any other change would give other token ids than the weights were trained on."""
+    locations = locations or {}
+    bad = sorted(set(locations) - set(LOCATION_FIELDS))
+    if bad:
+        raise VocabularyMismatchError(
+            f"data.{bad[0]} cannot be changed: the run's token ids come from its own data settings (only "
+            f"{', '.join('data.' + f for f in LOCATION_FIELDS)} may be given)")
+    return dataclasses.replace(run.config.data, **locations)
+
+
+def load_vocabulary(run: TrainedRun, data: DataConfig | None = None) -> tuple[Any, str]:
+    """The run's vocabulary (from its corpus cache, built on first use) and its tokenizer name.
+
+    Raises :class:`VocabularyMismatchError` when the vocabulary has more ids than the weights' embedding.
+    """
+    from pcaf_core.data import load_corpus, resolve_settings
+
+    data = data or run.config.data
+    corpus = load_corpus(data)
+    V = run.config.model.vocab_size
+    if len(corpus.vocab) > V:
+        raise VocabularyMismatchError(
+            f"the vocabulary of data={data.name} (max_vocab={data.max_vocab}) has {len(corpus.vocab)} ids, the "
+            f"checkpoint's embedding {V}: it was trained on another vocabulary")
+    return corpus.vocab, resolve_settings(data).tokenizer
+
+
+def encode_prompt(vocab: Any, text: str, tokenizer: str) -> tuple[np.ndarray, list[str]]:
+    """Prompt text -> ``[n]`` int64 ids in the run's tokenization, and the words it reads as ``<unk>``
+    (callers warn about them). An empty prompt raises ValueError."""
+    from pcaf_core.data.tokenizer import SPECIALS, get_tokenizer
+
+    words = get_tokenizer(tokenizer)(text)
+    if not words:
+        raise ValueError("the prompt has no tokens: give prompt=\"some words\"")
+    unknown = [w for w in words if w not in vocab.stoi and w not in SPECIALS]
+    return vocab.encode_tokens(words).astype(np.int64), unknown
+
+
+def detokenize(vocab: Any, ids: np.ndarray) -> str:
+    """Ids -> text: tokens joined by spaces, ``<eos>`` as a line break (the WikiText releases' convention)."""
+    words = vocab.decode(np.asarray(ids).reshape(-1))
+    return " ".join(words).replace(f" {EOS} ", "\n").replace(f" {EOS}", "\n").replace(f"{EOS} ", "\n")
