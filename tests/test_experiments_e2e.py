@@ -92,18 +92,23 @@ def test_multirun_sweep_ends_in_one_table_and_one_plot(tmp_path):
 
 
 @pytest.mark.parametrize("override,key", [
-    ("model=no_such_shape", "model/no_such_shape"),  # unknown group option
+    ("model=no_such_shape", "model=no_such_shape"),  # unknown group option
     ("memory.top_k=many", "memory.top_k"),  # wrong type
     ("memory.top_k=0", "memory.top_k"),  # impossible value
     ("train.seq_len=1", "train.seq_len"),
     ("memory.topk=3", "memory.topk"),  # unknown key
+    ("+memory.foo=3", "memory.foo"),  # a key Hydra adds but nothing reads
+    ("train.lr=inf", "train.lr"),  # not finite
+    ("memory.num_buckets=100000000000000000000", "memory.num_buckets"),  # overflows every integer type used
 ])
 def test_config_errors_fail_before_training_and_name_the_key(override, key, tmp_path):
+    """One line naming the key, exit 2, nothing trained (the table driver: tests/test_interrupt_and_rerun.py)."""
     res = subprocess.run([sys.executable, "-m", "experiments.run", "experiment=wt2-nt-1024/pcaf_context",
                           "scale=smoke", override, f"output_root={tmp_path}"],
                          cwd=REPO, capture_output=True, text=True, env=_env(), timeout=300)
-    assert res.returncode != 0
-    assert key in res.stderr + res.stdout
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: ") and key in lines[0], res.stderr
     assert not list(tmp_path.rglob("metrics.json"))  # nothing was trained
 
 
