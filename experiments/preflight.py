@@ -131,15 +131,19 @@ def unknown_keys(cfg: DictConfig) -> list[str]:
     return found
 
 
-def resolve_job(overrides: list[str], config_name: str = "config") -> app.ResolvedRun:
-    """Compose, scale and validate one job of a command line (raises a one-line :class:`ConfigError`)."""
+def resolve_job(overrides: list[str], config_name: str = "config",
+                user_overrides: list[str] | None = None) -> app.ResolvedRun:
+    """Compose, scale and validate one job of a command line (raises a one-line :class:`ConfigError`).
+
+    ``user_overrides`` (default: ``overrides``) are the ones the user typed: they win over the scale and
+    are recorded as deviations (a row's own seed entries are not)."""
     cfg = compose_config(overrides, config_name)
     extra = unknown_keys(cfg)
     if extra:
         raise ConfigError(f"{extra[0]} is not a setting (unknown key): drop the override that adds it "
                           f"(+{extra[0]}=...); the keys of {extra[0].rsplit('.', 1)[0]} are "
                           f"{', '.join(_schema_keys(extra[0]))}")
-    return app.resolve(cfg, list(overrides))
+    return app.resolve(cfg, list(overrides if user_overrides is None else user_overrides))
 
 
 def check_writable(path: str | os.PathLike[str], key: str) -> Path:

@@ -56,12 +56,12 @@ def compose_row(table: str, row: str, scale: str, backend: str, overrides: list[
     cfg = preflight.compose_config(base + overrides)
     seed_runs = OmegaConf.to_container(cfg.seed_runs) or [{}]
     if seed_runs == [{}]:
-        return [preflight.resolve_job(base + overrides)]
+        return [preflight.resolve_job(base + overrides, user_overrides=overrides)]
     runs = []
     for entry in seed_runs:
         seeded = [f"{k}={v}" for k, v in entry.items()]
-        resolved = preflight.resolve_job(base + seeded + overrides)
-        resolved.overrides = seeded + resolved.overrides
+        resolved = preflight.resolve_job(base + seeded + overrides, user_overrides=overrides)
+        resolved.overrides = seeded + resolved.overrides  # the resume command must compose this seed
         runs.append(resolved)
     return runs
 
