@@ -8,8 +8,10 @@ The flow for one run:
    value as a deviation from the paper's settings.
 3. :func:`to_run_config` converts to :class:`pcaf_core.config.RunConfig`, running every value check
    (impossible values fail here, before any data is read or any weight allocated).
-4. :func:`run_one` makes a collision-proof run directory, writes the resolved config and the
-   environment, and calls the backend's ``train``. A failure leaves a ``failed`` record.
+4. :func:`run_one` makes a collision-proof run directory, holds its lock (one process at a time
+   trains in a run directory), writes the resolved config and the environment, and calls the backend's
+   ``train``. A failure leaves a ``failed`` record; a refused resume (damaged checkpoints, another
+   config) leaves the directory as it was.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from __future__ import annotations
 import importlib
 import json
 import platform
+import shlex
 import subprocess
 import sys
 import traceback
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -31,10 +35,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from experiments import allocator
+from pcaf_core.checkpoints import RunRefused, newest_step
 from pcaf_core.config import ConfigError, RunConfig, validate
 from pcaf_core.fsutil import atomic_write_text
 from pcaf_core.results import CONFIG_FILE, RunMetrics, SchemaError, read_metrics
-from pcaf_core.run_record import mark_failed
+from pcaf_core.run_record import mark_failed, run_lock
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "experiments" / "conf"
@@ -53,6 +58,7 @@ class ResolvedRun:
     scale: str
     backend: str
     deviations: list[str]
+    overrides: list[str] = field(default_factory=list)  # what composes it besides experiment/scale/backend
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -110,10 +116,13 @@ def apply_scale(cfg: DictConfig, task_overrides: list[str] | None = None) -> lis
     return deviations
 
 
+_LABEL_KEYS = ("experiment=", "scale=", "backend=", "output_root=", "run_dir=", "restart_damaged=", "hydra.",
+               "hydra/")
+
+
 def command_line_deviations(task_overrides: list[str]) -> list[str]:
     """Command-line overrides that change a run's settings (group choices are labels, not deviations)."""
-    skip = ("experiment=", "scale=", "backend=", "output_root=", "run_dir=", "hydra.")
-    return [f"{o} (command line)" for o in task_overrides if not o.lstrip("+~").startswith(skip)]
+    return [f"{o} (command line)" for o in task_overrides if not o.lstrip("+~").startswith(_LABEL_KEYS)]
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
@@ -135,7 +144,17 @@ def resolve(cfg: DictConfig, task_overrides: list[str] | None = None) -> Resolve
     deviations += [f"note: {n}" for n in cfg.notes]
     deviations += command_line_deviations(task_overrides or [])
     run = to_run_config(cfg)
-    return ResolvedRun(run, cfg, str(cfg.table), str(cfg.row), str(cfg.scale.name), str(cfg.backend.name), deviations)
+    overrides = [o for o in task_overrides or [] if not o.lstrip("+~").startswith(_LABEL_KEYS)]
+    return ResolvedRun(run, cfg, str(cfg.table), str(cfg.row), str(cfg.scale.name), str(cfg.backend.name), deviations,
+                       overrides)
+
+
+def resume_command(resolved: ResolvedRun, run_dir: Path) -> str:
+    """The command line that continues the run in ``run_dir`` (same config; append a changed ``train.lr``
+    after a divergence)."""
+    parts = ["python", "-m", "experiments.run", f"experiment={resolved.table}/{resolved.row}",
+             f"scale={resolved.scale}", f"backend={resolved.backend}", *resolved.overrides, f"run_dir={run_dir}"]
+    return " ".join(shlex.quote(p) for p in parts)
 
 
 def new_run_dir(resolved: ResolvedRun, root: str | Path | None = None) -> Path:
@@ -202,15 +221,18 @@ def write_run_files(run_dir: Path, resolved: ResolvedRun) -> None:
     atomic_write_text(run_dir / "environment.json", json.dumps(env, indent=2, default=str))
 
 
-def initial_record(resolved: ResolvedRun) -> RunMetrics:
-    """The identity and provenance a backend stamps on every version of the run's record."""
+def initial_record(resolved: ResolvedRun, run_dir: Path | None = None) -> RunMetrics:
+    """The identity and provenance a backend stamps on every version of the run's record (with ``run_dir``:
+    ``extra.resume_command``, the command that continues it)."""
     record = RunMetrics(table=resolved.table, row=resolved.row, status="running")
     for key, value in labels(resolved).items():
         setattr(record, key, value)
+    if run_dir is not None:
+        record.extra["resume_command"] = resume_command(resolved, run_dir)
     return record
 
 
-def _failed(run_dir: Path, resolved: ResolvedRun, error: str) -> RunMetrics:
+def _failed(run_dir: Path, resolved: ResolvedRun, error: str, *, resumable: bool = False) -> RunMetrics:
     """The record of a run that raised: the loop's own ``failed`` record when it wrote one, else one
     written here (the run failed before the loop could start, or a worker died without recording)."""
     try:
@@ -219,7 +241,11 @@ def _failed(run_dir: Path, resolved: ResolvedRun, error: str) -> RunMetrics:
             return metrics
     except (FileNotFoundError, SchemaError):
         pass
-    return mark_failed(run_dir, initial_record(resolved), error, cfg=resolved.run)
+    try:
+        return mark_failed(run_dir, initial_record(resolved, run_dir), error, cfg=resolved.run, resumable=resumable)
+    except OSError as exc:  # e.g. the disk is still full: say so rather than hide the run's own failure
+        say(f"could not write the failed record of {run_dir}: {exc}")
+        return RunMetrics(table=resolved.table, row=resolved.row, status="failed", error=error)
 
 
 def fmt(value: float | None, spec: str = ".2f") -> str:
@@ -238,25 +264,69 @@ def summary_line(resolved: ResolvedRun, metrics: RunMetrics) -> str:
             f"{fmt(metrics.wall_time_s, '.0f')} s")
 
 
-def run_one(resolved: ResolvedRun, run_dir: Path | None = None, *, progress: bool | None = None) -> RunMetrics:
-    """Train one resolved run in ``run_dir`` (new if None). Never raises for a training failure:
-    the returned record (and ``metrics.json``) says ``failed`` with the error."""
+def say(line: str) -> None:
+    """A progress line on stderr (waiting for a lock, resuming), flushed at once."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def resume_note(run_dir: Path) -> str | None:
+    """``resuming <dir> from step N`` when ``run_dir`` holds an earlier, unfinished run, else None."""
+    try:
+        metrics = read_metrics(run_dir)
+    except (FileNotFoundError, SchemaError):
+        return None
+    if metrics.status == "completed":
+        return None
+    step = newest_step(run_dir)
+    return f"resuming {run_dir} from step {step}" + ("" if step else " (no checkpoint was written)")
+
+
+def _write_error_file(run_dir: Path, text: str) -> None:
+    """Append a failure's traceback to ``error.txt`` under a time stamp (earlier failures stay above it)."""
+    path = run_dir / "error.txt"
+    try:
+        old = path.read_text(encoding="utf-8") if path.exists() else ""
+        stamp = datetime.now(UTC).isoformat(timespec="seconds")
+        atomic_write_text(path, f"{old}=== {stamp} ===\n{text}")
+    except OSError as exc:  # the record still says why the run failed
+        say(f"could not write {path}: {exc}")
+
+
+def run_one(resolved: ResolvedRun, run_dir: Path | None = None, *, progress: bool | None = None,
+            restart_damaged: bool = False, on_wait: Callable[[str], None] | None = say) -> RunMetrics:
+    """Train one resolved run in ``run_dir`` (new if None), holding the directory's lock throughout
+    (another process running it is waited for, with ``on_wait`` told once). Never raises for a training
+    failure: the returned record (and ``metrics.json``) says ``failed`` with the error. Raises
+    :class:`~pcaf_core.checkpoints.RunRefused` (the directory untouched) when its checkpoints are all
+    damaged (``restart_damaged`` starts over instead, keeping them) or were written for another config,
+    and re-raises an interruption (Ctrl-C, SIGTERM) after it is recorded."""
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(resolved)
     run_dir.mkdir(parents=True, exist_ok=True)
+    with run_lock(run_dir, on_wait=on_wait):
+        return _run_locked(resolved, run_dir, progress, restart_damaged)
+
+
+def _run_locked(resolved: ResolvedRun, run_dir: Path, progress: bool | None, restart_damaged: bool) -> RunMetrics:
     write_run_files(run_dir, resolved)
     try:
         backend = importlib.import_module(f"backends.{resolved.backend}.train")
     except ImportError as exc:
         return _failed(run_dir, resolved, f"backend {resolved.backend!r} is not available: {exc}")
+    from pcaf_core.loop import RESTART_DAMAGED, RunInterrupted
+
     try:
         # The loop writes metrics.json (labels from the template, its own deviations added) and is its only
         # writer; nothing below rewrites a record the loop has written.
-        return backend.train(resolved.run, run_dir, progress=progress, record=initial_record(resolved),
+        return backend.train(resolved.run, run_dir, progress=progress, record=initial_record(resolved, run_dir),
+                             resume=RESTART_DAMAGED if restart_damaged else True,
                              device=resolved.cfg.backend.device, world_size=int(resolved.cfg.backend.world_size))
-    except KeyboardInterrupt:
-        _failed(run_dir, resolved, "interrupted (KeyboardInterrupt); resume with run_dir=" + str(run_dir))
+    except RunRefused:
+        raise
+    except (KeyboardInterrupt, RunInterrupted):
+        _failed(run_dir, resolved, f"interrupted before training started; run the same command again to resume "
+                                   f"{run_dir}", resumable=True)
         raise
     except Exception as exc:  # noqa: BLE001 - recorded, the table shows the row as failed
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        atomic_write_text(run_dir / "error.txt", traceback.format_exc())
+        _write_error_file(run_dir, traceback.format_exc())
         return _failed(run_dir, resolved, detail)

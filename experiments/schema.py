@@ -7,10 +7,12 @@ Profiles are registered from :data:`pcaf_core.profiles.PROFILES`, their single s
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from pcaf_core.config import RunConfig
 from pcaf_core.profiles import PROFILES
@@ -53,10 +55,18 @@ class ExperimentConfig(RunConfig):
     notes: list[str] = field(default_factory=list)  # the row's own remarks (e.g. budget not in the paper)
     output_root: str = "outputs"
     run_dir: str | None = None  # set by the app; a fixed path here resumes that run
+    restart_damaged: bool = False  # every checkpoint of run_dir damaged: start over (they are kept, set aside)
+
+
+PROCESS_TOKEN = uuid.uuid4().hex[:6]
+"""Random per process: ``${pcaf_process_token:}`` in the multirun directory name, so two sweeps started in the
+same second get different directories (every job of one sweep runs in the process that launched it)."""
 
 
 def register() -> None:
-    """Register the schema and the profiles with Hydra's ConfigStore (idempotent)."""
+    """Register the schema, the profiles and the ``pcaf_process_token`` resolver (idempotent)."""
+    if not OmegaConf.has_resolver("pcaf_process_token"):
+        OmegaConf.register_new_resolver("pcaf_process_token", lambda: PROCESS_TOKEN)
     cs = ConfigStore.instance()
     cs.store(name="experiment_schema", node=ExperimentConfig)
     for name, prof in PROFILES.items():

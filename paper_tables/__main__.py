@@ -7,12 +7,16 @@
   one plot of ``METRIC`` over the values of each ``KEY`` found in a Hydra multirun; prints the paths,
   a Markdown path last.
 - ``list [--table T]``: the tables, or one table's rows with their experiment names.
+
+``render`` and ``sweep`` exit 1 with one line when ``--runs`` holds no run record at all (a mistyped
+root), instead of rendering a table of missing rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from paper_tables.specs import BACKENDS, SCALES, TABLES, get_table
 from paper_tables.sweep import SWEEP_METRICS
@@ -67,11 +71,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row.id}\texperiment={row.experiment}\t{row.display}")
         return 0
 
+    from paper_tables.collect import find_metrics_files
     from paper_tables.pipeline import render_table
     from paper_tables.sweep import render_sweep
 
+
     if args.command == "render":
         _check_table(parser, args.table)
+    if not find_metrics_files(args.runs):
+        # A mistyped root would otherwise render a table of "missing" rows and look like a result.
+        state = "does not exist" if not Path(args.runs).exists() else "holds no run record (metrics.json)"
+        print(f"no run found: --runs {args.runs} {state}; point --runs at the output root the runs were written "
+              "to (python -m experiments.reproduce --output-root, default outputs)", file=sys.stderr)
+        return 1
+    if args.command == "render":
         paths = render_table(args.table, args.scale, args.backend, args.runs, args.out, profile=args.profile,
                              figures=not args.no_figures, rows=args.rows)
         for key, path in paths.items():

@@ -114,7 +114,8 @@ class TrainEntry(Protocol):
         cfg: the validated run config.
         run_dir: the run directory (created if needed); the loop writes ``metrics.json``, ``curve.csv``
             and ``checkpoints/`` there.
-        resume: continue from the newest complete checkpoint in ``run_dir`` (same config required).
+        resume: continue from the newest complete checkpoint in ``run_dir`` (same config required);
+            ``"restart_damaged"``: start over when every checkpoint is damaged (``pcaf_core.loop.run_training``).
         progress: tqdm bar (None: only on a TTY; ``PCAF_NO_PROGRESS=1`` disables).
         record: identity and provenance fields for ``metrics.json`` (table, row, scale, deviations, ...).
         device: ``None``/``"auto"`` (the backend's accelerator when present), ``"cpu"``, or a
@@ -129,7 +130,7 @@ class TrainEntry(Protocol):
         cfg: RunConfig,
         run_dir: str | os.PathLike[str],
         *,
-        resume: bool = True,
+        resume: bool | str = True,
         progress: bool | None = None,
         record: RunMetrics | None = None,
         device: Any = None,

@@ -4,7 +4,9 @@
 subdirectories included) and ``loop_state.json``: the loop's state plus a manifest (size and sha256)
 of every other file in the directory. A checkpoint is written under ``.tmp_step_<N>``, fsynced,
 manifested and renamed into place; only then does ``checkpoints/latest`` move. A directory whose
-manifest does not match its files is never used.
+manifest does not match its files is never used, and never deleted either: the loop moves checkpoints it
+cannot use to ``<run_dir>/checkpoints_set_aside/<UTC time>/`` (:func:`set_aside`) and says so in the run
+record. A checkpoint write that fails (a full disk, a signal) removes its ``.tmp_step_<N>`` directory.
 """
 
 from __future__ import annotations
@@ -17,17 +19,19 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pcaf_core import results
-from pcaf_core.fsutil import atomic_write_text, fsync_path
+from pcaf_core.fsutil import atomic_write_text, disk_full_error, fsync_path
 
 log = logging.getLogger("pcaf.checkpoints")
 
 CHECKPOINT_DIR = "checkpoints"
+SET_ASIDE_DIR = "checkpoints_set_aside"
 LATEST_FILE = "latest"
 LOOP_STATE_FILE = "loop_state.json"
 LOOP_STATE_VERSION = 1
@@ -35,6 +39,11 @@ LOOP_STATE_VERSION = 1
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used (wrong config, unreadable, incomplete). The message says what to do."""
+
+
+class RunRefused(CheckpointError):
+    """The run directory cannot be continued as asked (its checkpoints are all damaged, or were written for
+    another config). Raised before anything in the directory is changed: its record keeps what it said."""
 
 
 @dataclass
@@ -54,6 +63,8 @@ class LoopState:
     train_seconds: float = 0.0  # every train step, warm-up included
     elapsed_seconds: float = 0.0  # wall time of the previous process segments
     segments: int = 0  # process segments that ran this training (1 + resumes)
+    deviations: list[str] = field(default_factory=list)  # settings changed on resume (e.g. a lower train.lr)
+    incidents: list[dict[str, Any]] = field(default_factory=list)  # checkpoints set aside, restarts: what, when
     config_hash: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     version: int = LOOP_STATE_VERSION
@@ -174,6 +185,39 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def partial_checkpoints(run_dir: Path) -> list[Path]:
+    """Leftovers of checkpoint writes that never finished (``.tmp_step_<N>``, ``.old_step_<N>``)."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith((".tmp_step_", ".old_step_")))
+
+
+def set_aside(run_dir: Path, paths: list[Path]) -> Path:
+    """Move ``paths`` (checkpoint directories, a curve) into ``<run_dir>/checkpoints_set_aside/<UTC time>/``
+    and return that folder: what the loop cannot use is kept for inspection, never deleted."""
+    dest = Path(run_dir) / SET_ASIDE_DIR / datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    dest.mkdir(parents=True, exist_ok=False)
+    for p in paths:
+        os.replace(p, dest / p.name)
+    fsync_path(dest)
+    return dest
+
+
+def newest_step(run_dir: Path) -> int:
+    """The step the newest checkpoint of ``run_dir`` claims (``latest``, else the highest ``step_<N>``), 0
+    when there is none. Cheap (nothing is hashed): for messages; the loop verifies before it resumes."""
+    pointer = checkpoint_root(run_dir) / LATEST_FILE
+    try:
+        step = step_of(Path(pointer.read_text(encoding="utf-8").strip()))
+    except OSError:
+        step = None
+    if step is None:
+        found = list_checkpoints(run_dir)
+        step = step_of(found[0]) if found else 0
+    return int(step or 0)
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint of ``run_dir``: the one ``checkpoints/latest`` names when it is
     complete, otherwise the highest-step complete one (a crash can leave the pointer behind or a
@@ -200,7 +244,7 @@ def read_loop_state(path: Path) -> LoopState:
     if data.get("version") != LOOP_STATE_VERSION:
         raise CheckpointError(
             f"{path / LOOP_STATE_FILE} has loop-state version {data.get('version')!r}, this code reads "
-            f"{LOOP_STATE_VERSION}; start a new run directory (or pass resume=False)"
+            f"{LOOP_STATE_VERSION}; run it with the code version that wrote it, or start a new run directory"
         )
     data.pop("files", None)
     data["train_sampler"] = from_jsonable(data.get("train_sampler", {}))
@@ -227,22 +271,35 @@ def write_checkpoint(
     Every rank calls this: ``save_backend(tmp_dir)`` writes the backend's files (each rank its share);
     the main rank then manifests them, writes ``loop_payload()`` as the loop state, renames the directory
     into place, moves the pointer and prunes all but the ``keep`` newest checkpoints.
+
+    Any failure before the rename (a full disk, a signal) removes the partial ``.tmp_step_<step>`` and
+    re-raises; a full disk is raised as :class:`pcaf_core.fsutil.DiskFullError` naming the file.
     """
     root = checkpoint_root(run_dir)
     final = root / f"step_{step}"
     tmp = root / f".tmp_step_{step}"
+    try:
+        if is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        barrier()
+        save_backend(tmp)
+        barrier()
+        if is_main:
+            payload = loop_payload()
+            payload["files"] = manifest(tmp)
+            atomic_write_text(tmp / LOOP_STATE_FILE, dump_json(payload))
+    except BaseException as exc:
+        # What was written so far cannot be used: remove it (it may be what filled the disk).
+        full = disk_full_error(_newest_file(tmp) or tmp, exc)
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None and full is not exc:
+            raise full from exc
+        raise
     if is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    barrier()
-    save_backend(tmp)
-    barrier()
-    if is_main:
-        payload = loop_payload()
-        payload["files"] = manifest(tmp)
-        atomic_write_text(tmp / LOOP_STATE_FILE, dump_json(payload))
         if final.exists():  # a resumed run passes the same step again
             trash = root / f".old_step_{step}"
             shutil.rmtree(trash, ignore_errors=True)
@@ -259,6 +316,15 @@ def write_checkpoint(
                 shutil.rmtree(path, ignore_errors=True)
     barrier()
     return final
+
+
+def _newest_file(directory: Path) -> Path | None:
+    """The most recently modified file under ``directory`` (the one a failed write was writing)."""
+    try:
+        files = [p for p in directory.rglob("*") if p.is_file()]
+    except OSError:
+        return None
+    return max(files, key=lambda p: p.stat().st_mtime_ns, default=None)
 
 
 def loop_state_payload(ls: LoopState, **updates: Any) -> dict[str, Any]:

@@ -54,6 +54,24 @@ def _one_of(section: str, name: str, value: Any, allowed: tuple) -> None:
     _require(value in allowed, section, name, value, f"expected one of {list(allowed)}")
 
 
+INT_LIMIT = 2**63
+"""Every integer setting must lie in (-2^63, 2^63): NumPy, torch and JAX hold them in int64 at most."""
+MAX_BUCKETS = 2**31
+"""B: both backends hold bucket ids in int32 arithmetic (JAX: at most 2^31; below it with int32 wrap-around)."""
+
+
+def _check_numbers(section: str, obj: Any) -> None:
+    """Every ``float`` field finite, every ``int`` field an integer within :data:`INT_LIMIT` (an infinite
+    learning rate or a 10^20-bucket memory would otherwise fail far from the key that caused it)."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if f.type == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            _require(math.isfinite(value), section, f.name, value, "must be a finite number")
+        elif f.type == "int" and isinstance(value, int) and not isinstance(value, bool):
+            _require(-INT_LIMIT < value < INT_LIMIT, section, f.name, value,
+                     "is out of range: integer settings must lie within +-2^63")
+
+
 @dataclass
 class ModelConfig:
     """Network shape. ``vocab_size`` V, ``d_model`` d, ``d_hidden`` (MLP and head width)."""
@@ -72,6 +90,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         s = "model"
+        _check_numbers(s, self)
         _one_of(s, "variant", self.variant, MODEL_VARIANTS)
         for name in ("vocab_size", "d_model", "d_hidden", "n_layers", "kernel_size", "n_heads",
                      "window", "linear_chunk", "max_seq_len"):
@@ -107,10 +126,12 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         s = "memory"
+        _require(1 <= self.num_buckets <= MAX_BUCKETS, s, "num_buckets", self.num_buckets,
+                 "B must lie in [1, 2^31] (bucket ids are 32-bit in both backends)")
+        _check_numbers(s, self)
         _one_of(s, "route", self.route, ROUTES)
         _one_of(s, "semantic_index", self.semantic_index, SEMANTIC_INDEXES)
         _one_of(s, "candidate_policy", self.candidate_policy, CANDIDATE_POLICIES)
-        _require(self.num_buckets >= 1, s, "num_buckets", self.num_buckets, "B must be >= 1")
         _require(self.top_k >= 1, s, "top_k", self.top_k, "K must be >= 1")
         _require(self.context_order >= 1, s, "context_order", self.context_order, "n must be >= 1")
         _require(self.semantic_buckets >= 1, s, "semantic_buckets", self.semantic_buckets, "S must be >= 1")
@@ -164,6 +185,7 @@ class ProfileConfig:
 
     def __post_init__(self) -> None:
         s = "profile"
+        _check_numbers(s, self)
         _one_of(s, "gelu", self.gelu, GELU_FORMS)
         _one_of(s, "l2norm", self.l2norm, L2NORM_FORMS)
         _one_of(s, "router", self.router, ROUTER_FORMS)
@@ -202,6 +224,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         s = "data"
+        _check_numbers(s, self)
         _one_of(s, "name", self.name, DATASETS)
         _one_of(s, "layout", self.layout, DATA_LAYOUTS)
         _one_of(s, "tokenizer", self.tokenizer, ("auto", "regex", "whitespace"))
@@ -243,6 +266,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         s = "train"
+        _check_numbers(s, self)
         _one_of(s, "mode", self.mode, MODES)
         _require(self.seq_len >= 2, s, "seq_len", self.seq_len, "T must be >= 2")
         _require(self.batch_size >= 1, s, "batch_size", self.batch_size, "must be >= 1")
@@ -276,6 +300,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         s = "eval"
+        _check_numbers(s, self)
         _one_of(s, "protocol", self.protocol, EVAL_PROTOCOLS)
         _require(self.every >= 1, s, "every", self.every, "must be >= 1")
         _require(self.batches >= 1, s, "batches", self.batches, "must be >= 1")
@@ -296,6 +321,9 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        if self.profile.hash_int32_wraparound:
+            _require(self.memory.num_buckets < MAX_BUCKETS, "memory", "num_buckets", self.memory.num_buckets,
+                     "must be below 2^31 under profile.hash_int32_wraparound (int32 hash arithmetic)")
         if self.model.variant in TRANSFORMER_VARIANTS and self.profile.positional == "trainable_jax":
             _require(self.train.seq_len <= self.model.max_seq_len, "train", "seq_len", self.train.seq_len,
                      f"exceeds model.max_seq_len={self.model.max_seq_len} (the positional table's rows)")

@@ -15,6 +15,10 @@ identically for every backend:
   (:mod:`pcaf_core.run_record`, the only writer of ``metrics.json``), which says ``failed`` with the
   reason when a run fails;
 * resume: bit-exact from the newest complete checkpoint, config hash checked; divergence detection.
+  Checkpoints that cannot be used are moved aside, never deleted; when every checkpoint is damaged
+  the run is refused (:class:`RunRefused`) unless ``resume="restart_damaged"``; a diverged run may be
+  resumed with a lower ``train.lr`` (recorded as a deviation) from its newest checkpoint whose
+  evaluation was finite.
 
 NumPy/stdlib only: this module never imports torch or jax. The names other modules and tests import
 from here (``run_training``, ``latest_checkpoint``, ``config_to_dict``, ...) are re-exported.
@@ -46,10 +50,12 @@ from pcaf_core.checkpoints import (
     LOOP_STATE_VERSION,
     CheckpointError,
     LoopState,
+    RunRefused,
     checkpoint_root,
     latest_checkpoint,
     list_checkpoints,
     loop_state_payload,
+    partial_checkpoints,
     read_loop_state,
     step_of,
     write_checkpoint,
@@ -57,7 +63,6 @@ from pcaf_core.checkpoints import (
 from pcaf_core.config import RunConfig, validate
 from pcaf_core.config_io import (
     RUN_SECTIONS,
-    config_diff,
     config_from_dict,
     config_hash,
     config_to_dict,
@@ -71,7 +76,18 @@ from pcaf_core.evaluation import (
     exact_ppl,
     unigram_ppl,
 )
+from pcaf_core.fsutil import DiskFullError, is_disk_full
 from pcaf_core.results import RunMetrics
+from pcaf_core.resume import (
+    RESTART_DAMAGED,
+    accept_config,
+    divergence_message,
+    previous_divergence,
+    refuse_if_all_damaged,
+    resume_hint,
+    scan_checkpoints,
+    set_aside_unusable,
+)
 from pcaf_core.run_record import (
     THROUGHPUT_DEFINITION,
     THROUGHPUT_WARMUP_STEPS,
@@ -85,22 +101,33 @@ from pcaf_core.schedule import lr_for
 __all__ = [
     "CHECKPOINT_DIR", "LATEST_FILE", "LOOP_STATE_FILE", "LOOP_STATE_VERSION", "RUN_SECTIONS",
     "THROUGHPUT_DEFINITION", "THROUGHPUT_WARMUP_STEPS", "Backend", "CheckpointError", "EvalOutputs",
-    "EvalResult", "LoopState", "RunInterrupted", "SingleProcess", "TrainEntry", "TrainingDiverged",
+    "EvalResult", "LoopState", "RESTART_DAMAGED", "RunInterrupted", "RunRefused", "SingleProcess", "TrainEntry",
+    "TrainingDiverged",
     "TrainingLoop", "capped_ppl", "checkpoint_root", "config_from_dict", "config_hash", "config_to_dict",
     "exact_ppl", "latest_checkpoint", "list_checkpoints", "read_loop_state", "run_training", "unigram_ppl",
 ]
 
 log = logging.getLogger("pcaf.loop")
 
-
 class TrainingDiverged(RuntimeError):
-    """The training loss became NaN or infinite. The message names the step and the last good
-    checkpoint."""
+    """The training loss became NaN or infinite. The message names the step, the last good checkpoint
+    and the command that continues the run at a lower learning rate; ``details`` = ``{step, loss, lr}``."""
+
+    def __init__(self, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.details = dict(details or {})
+
+    def __reduce__(self):  # picklable across processes with its details
+        return (type(self), (str(self), self.details))
 
 
 class RunInterrupted(BaseException):
     """The process was asked to stop (SIGTERM). Derives from BaseException like KeyboardInterrupt,
     so ``except Exception`` blocks in backends do not swallow it."""
+
+    def __init__(self, message: str = "", signum: int = signal.SIGTERM) -> None:
+        super().__init__(message)
+        self.signum = signum
 
 
 # --------------------------------------------------------------------------- helpers
@@ -151,7 +178,7 @@ class _SigtermGuard:
 
     @staticmethod
     def _handler(signum: int, frame: Any) -> None:
-        raise RunInterrupted(f"received signal {signal.Signals(signum).name}")
+        raise RunInterrupted(f"received signal {signal.Signals(signum).name}", signum)
 
     def __exit__(self, *exc: object) -> None:
         if self._installed:
@@ -171,11 +198,13 @@ class TrainingLoop:
         run_dir: str | os.PathLike[str],
         *,
         corpus: Any = None,
-        resume: bool = True,
+        resume: bool | str = True,
         progress: bool | None = None,
         record: RunMetrics | None = None,
         keep_checkpoints: int = 2,
     ) -> None:
+        if resume not in (True, False, RESTART_DAMAGED):
+            raise ValueError(f"resume={resume!r}: expected True, False or {RESTART_DAMAGED!r}")
         self.cfg = cfg  # validated in run(), so that an invalid config also leaves a failed record
         self.backend = backend
         self.run_dir = Path(run_dir)
@@ -195,6 +224,7 @@ class TrainingLoop:
         self._params: int | None = None
         self._unigram: float | None = None
         self._segment_start = time.perf_counter()
+        self._diverged: dict[str, Any] | None = None  # what the previous record says about a divergence
 
     # ----------------------------------------------------------------- setup
 
@@ -268,14 +298,7 @@ class TrainingLoop:
 
     def _restore(self, path: Path) -> None:
         ls = read_loop_state(path)
-        want = config_hash(self.cfg)
-        if ls.config_hash != want:
-            diff = config_diff(ls.config, hashable_config(self.cfg))
-            raise CheckpointError(
-                f"cannot resume from {path}: it was written for a different config (hash {ls.config_hash}, "
-                f"this run's config hashes to {want}); differing fields: {'; '.join(diff) or 'unknown'}. "
-                "Use a new run directory, restore the original config, or pass resume=False to start over."
-            )
+        accept_config(ls, self.cfg, path, self.run_dir, self._diverged)
         self.state = self.backend.load(path, self.cfg)
         self.ls = ls
         self.train_sampler.load_state_dict(ls.train_sampler)
@@ -298,14 +321,16 @@ class TrainingLoop:
             elif target.exists():
                 target.unlink()
 
-    def _fresh_start(self) -> None:
+    def _fresh_start(self, incidents: list[dict[str, Any]] | None = None) -> None:
         if self.is_main:
-            # Old checkpoints of an abandoned run must not be mistaken for this run's.
+            # Old checkpoints of an abandoned run must not be mistaken for this run's (resume=False asks
+            # for this; every checkpoint that could be evidence was moved aside before).
             shutil.rmtree(checkpoint_root(self.run_dir), ignore_errors=True)
             results.curve_path(self.run_dir).unlink(missing_ok=True)
         self.backend.barrier()
         self.state = self.backend.init(self.cfg)
-        self.ls = LoopState(config_hash=config_hash(self.cfg), config=hashable_config(self.cfg))
+        self.ls = LoopState(config_hash=config_hash(self.cfg), config=hashable_config(self.cfg),
+                            incidents=list(incidents or []))
 
     # ----------------------------------------------------------------- records
 
@@ -318,33 +343,45 @@ class TrainingLoop:
             return None
         return self.global_batch * self.cfg.train.seq_len * steps / secs
 
-    def _record(self, status: str, error: str | None = None) -> RunMetrics:
+    def _record(self, status: str, error: str | None = None, extra: dict[str, Any] | None = None) -> RunMetrics:
+        template = identity(self.run_dir, self._template)
+        template.extra.update(extra or {})
         return build_record(
-            identity(self.run_dir, self._template), self.cfg, self.ls, status=status, error=error,
+            template, self.cfg, self.ls, status=status, error=error,
             backend_name=self.backend.name, device=self.backend.device, backend_versions=self.backend.versions(),
             peak_mem_mb=self.backend.peak_memory_mb(), world_size=self.world, corpus=self._corpus,
             full=self.full, full_total_windows=self.full_total_windows, params=self._params,
             unigram=self._unigram, last_checkpoint=self.last_good_checkpoint, elapsed=self._elapsed(),
             tokens_per_sec=self.tokens_per_sec())
 
-    def _write_record(self, status: str, error: str | None = None) -> RunMetrics:
-        rec = self._record(status, error)
+    def _write_record(self, status: str, error: str | None = None,
+                      extra: dict[str, Any] | None = None) -> RunMetrics:
+        rec = self._record(status, error, extra)
         if self.is_main:
             write_record(self.run_dir, rec)
         return rec
 
-    def _write_failure(self, error: str) -> None:
-        """Best effort: a failure while recording the failure must not hide the original error."""
+    def _write_failure(self, error: str, **extra: Any) -> None:
+        """Best effort: a failure while recording the failure must not hide the original error.
+
+        ``extra`` goes into the record's ``extra``: ``resumable=True`` tells the entry points that
+        running the same command again continues this run (an interruption, a full disk);
+        ``diverged={step, loss, lr}`` lets a resume with a lower ``train.lr`` through."""
         if not self.is_main:
             return
         try:
-            self._write_record("failed", error)
+            self._write_record("failed", error, extra)
         except Exception as exc:  # noqa: BLE001 - the original exception is re-raised by the caller
             log.error("could not write the failed run record: %s", exc)
             try:
-                write_failed_record(self.run_dir, self._template, error, cfg=self.cfg, steps_done=self.ls.step)
+                rec = write_failed_record(self.run_dir, self._template, error, cfg=self.cfg, steps_done=self.ls.step)
+                rec.extra.update(extra)
+                write_record(self.run_dir, rec)
             except Exception as exc2:  # noqa: BLE001
                 log.error("could not write a minimal failed record either: %s", exc2)
+
+    def _resume_hint(self) -> str:
+        return resume_hint(self.run_dir, self.last_good_checkpoint, self._template)
 
     # ----------------------------------------------------------------- main
 
@@ -354,20 +391,43 @@ class TrainingLoop:
         try:
             with _SigtermGuard():
                 return self._run()
+        except RunRefused:
+            raise  # nothing was started: the directory's record keeps what it said
         except TrainingDiverged as exc:
-            self._write_failure(str(exc))
+            self._write_failure(str(exc), diverged=exc.details)
             raise
         except (KeyboardInterrupt, RunInterrupted) as exc:
-            where = self.last_good_checkpoint or "none written yet"
-            self._write_failure(f"interrupted ({type(exc).__name__}: {exc}) after step {self.ls.step}; "
-                                f"resume from the last checkpoint: {where}")
+            how = ("Ctrl-C (SIGINT)" if isinstance(exc, KeyboardInterrupt)
+                   else signal.Signals(getattr(exc, "signum", signal.SIGTERM)).name)
+            self._write_failure(f"interrupted by {how} after step {self.ls.step}; {self._resume_hint()}",
+                                resumable=True)
+            raise
+        except DiskFullError as exc:
+            self._write_failure(f"{type(exc).__name__}: {exc}; then {self._resume_hint()}", resumable=True)
+            raise
+        except OSError as exc:  # a file-system failure: fix the cause and resume
+            what = f"no space left on device ({exc})" if is_disk_full(exc) else f"{type(exc).__name__}: {exc}"
+            self._write_failure(f"{what}; {self._resume_hint()}", resumable=True)
             raise
         except Exception as exc:
             self._write_failure(f"{type(exc).__name__}: {exc}")
             raise
 
-    def _choose_checkpoint(self) -> Path | None:
-        ckpt = latest_checkpoint(self.run_dir) if self.resume else None
+    def _choose_checkpoint(self) -> tuple[Path | None, list[dict[str, Any]]]:
+        """The checkpoint to resume from (None: start from step 0) and the incidents to record
+        (:mod:`pcaf_core.resume`): unusable newer checkpoints are moved aside; every checkpoint damaged
+        is refused unless ``resume="restart_damaged"``."""
+        if not self.resume:
+            return None, []
+        self._diverged = previous_divergence(self.run_dir)
+        ckpt, skipped = scan_checkpoints(self.run_dir, self._diverged is not None)
+        refuse_if_all_damaged(self.run_dir, ckpt, skipped, self.resume)
+        self._check_ranks_agree(ckpt)
+        incidents = set_aside_unusable(self.run_dir, ckpt, skipped) if self.is_main else []
+        self.backend.barrier()
+        return ckpt, incidents
+
+    def _check_ranks_agree(self, ckpt: Path | None) -> None:
         if self.world > 1:
             # Every rank picks the checkpoint itself; a disagreement (a file system that does not show
             # all ranks the same files) would silently desynchronise them.
@@ -378,7 +438,6 @@ class TrainingLoop:
                     f"data-parallel ranks found different checkpoints in {checkpoint_root(self.run_dir)} "
                     f"(rank {self.rank}: {ckpt}); the run directory must be on a file system all ranks share"
                 )
-        return ckpt
 
     def _run(self) -> RunMetrics:
         cfg = validate(self.cfg)
@@ -389,11 +448,16 @@ class TrainingLoop:
                                            cfg.train.train_sample_seed, "train")
         self.eval_sampler = _make_sampler(_eval_tokens(corpus), cfg.train.seq_len, self.eval_batch_size,
                                           cfg.train.mode, cfg.eval.eval_sample_seed, cfg.data.eval_split)
-        ckpt = self._choose_checkpoint()
+        if self.is_main:
+            for partial in partial_checkpoints(self.run_dir):  # writes a killed process never finished
+                shutil.rmtree(partial, ignore_errors=True)
+        self.backend.barrier()
+        ckpt, incidents = self._choose_checkpoint()
         if ckpt is not None:
             self._restore(ckpt)
+            self.ls.incidents += incidents
         else:
-            self._fresh_start()
+            self._fresh_start(incidents)
         self.ls.segments += 1
         self._params = int(self.backend.param_count(self.state))
         self._train_iter = iter(self.train_sampler)
@@ -425,12 +489,9 @@ class TrainingLoop:
                 dt = time.perf_counter() - t0
                 loss = float(loss)
                 if not math.isfinite(loss):
-                    where = self.last_good_checkpoint or "none (no checkpoint was written before the failure)"
                     raise TrainingDiverged(
-                        f"training diverged: non-finite loss {loss} at step {step} (lr={lr:.6g}). "
-                        f"Last good checkpoint: {where}. Lower train.lr, add warm-up or gradient clipping "
-                        "(profile.grad_clip_norm), then resume or restart."
-                    )
+                        divergence_message(loss, step, lr, self.cfg, self.last_good_checkpoint, self.run_dir,
+                                           self._template), {"step": step, "loss": loss, "lr": lr})
                 self.ls.step = step
                 segment_steps += 1
                 self.ls.train_seconds += dt
@@ -495,7 +556,7 @@ def run_training(
     run_dir: str | os.PathLike[str],
     *,
     corpus: Any = None,
-    resume: bool = True,
+    resume: bool | str = True,
     progress: bool | None = None,
     record: RunMetrics | None = None,
     keep_checkpoints: int = 2,
@@ -504,14 +565,18 @@ def run_training(
 
     corpus: an object with ``train``/``valid`` token arrays and ``vocab_size`` (default:
     ``pcaf_core.data.load_corpus(cfg.data)``). resume: continue from the newest complete checkpoint
-    in ``run_dir`` when there is one (its config must hash like ``cfg``); False starts over and
-    deletes the directory's old checkpoints. progress: tqdm bar (None: only on a TTY;
+    in ``run_dir`` when there is one (its config must hash like ``cfg``, except a lower ``train.lr``
+    after a divergence); newer damaged checkpoints are moved to ``checkpoints_set_aside/``; when every
+    checkpoint is damaged :class:`RunRefused` is raised, unless ``resume="restart_damaged"`` (start
+    over, the damaged ones kept and the restart recorded). False starts over and deletes the
+    directory's old checkpoints. progress: tqdm bar (None: only on a TTY;
     ``PCAF_NO_PROGRESS=1`` always disables it). record: identity/provenance fields (table, row,
     scale, deviations, ...) for ``metrics.json``. keep_checkpoints: how many recent checkpoints stay
     on disk.
 
-    Raises :class:`TrainingDiverged` on a non-finite training loss, :class:`CheckpointError` when the
-    checkpoint does not fit ``cfg``; any failure leaves ``metrics.json`` with ``status="failed"``.
+    Raises :class:`TrainingDiverged` on a non-finite training loss, :class:`RunRefused` when the
+    directory cannot be continued as asked (nothing in it is changed then); any other failure leaves
+    ``metrics.json`` with ``status="failed"`` (``extra.resumable`` when the same call can continue it).
     """
     return TrainingLoop(cfg, backend, run_dir, corpus=corpus, resume=resume, progress=progress,
                         record=record, keep_checkpoints=keep_checkpoints).run()

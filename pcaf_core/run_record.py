@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import platform
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +25,13 @@ from pcaf_core.checkpoints import LoopState, to_jsonable
 from pcaf_core.config import RunConfig
 from pcaf_core.config_io import config_hash
 from pcaf_core.evaluation import EvalResult
+from pcaf_core.fsutil import file_lock
 from pcaf_core.results import RunMetrics
 
 log = logging.getLogger("pcaf.run_record")
+
+RUN_LOCK_FILE = ".lock"
+"""The run directory's lock file: held (``flock``) by the process that trains the run, for its whole life."""
 
 THROUGHPUT_WARMUP_STEPS = 3
 """Optimiser steps at the start of every process segment left out of the throughput measurement
@@ -99,8 +105,10 @@ def build_record(
 ) -> RunMetrics:
     """The record of a run in its current state (``template`` supplies identity and provenance)."""
     best, final = ls.best, ls.final
-    deviations = list(template.deviations)
+    deviations = list(template.deviations) + [d for d in ls.deviations if d not in template.deviations]
     extra = dict(template.extra)
+    if ls.incidents:
+        extra["incidents"] = list(ls.incidents)
     extra.update({
         "segments": ls.segments,
         "world_size": world_size,
@@ -185,12 +193,29 @@ def write_failed_record(run_dir: Path, template: RunMetrics | None, error: str, 
 
 
 def mark_failed(run_dir: Path, template: RunMetrics | None, error: str, *,
-                cfg: RunConfig | None = None) -> RunMetrics:
+                cfg: RunConfig | None = None, resumable: bool = False) -> RunMetrics:
     """Mark the run in ``run_dir`` as failed with ``error``, keeping everything an earlier record already
     holds (a worker that died mid-run leaves a ``running`` record with its curve); with no readable record,
-    write a minimal one from ``template``."""
+    write a minimal one from ``template``. ``resumable``: running the same command again continues it."""
     try:
         old = results.read_metrics(run_dir)
     except (FileNotFoundError, results.SchemaError):
-        return write_failed_record(run_dir, template, error, cfg=cfg)
-    return write_record(run_dir, dataclasses.replace(old, status="failed", error=error))
+        old = write_failed_record(run_dir, template, error, cfg=cfg)
+    extra = {**old.extra, "resumable": True} if resumable else old.extra
+    return write_record(run_dir, dataclasses.replace(old, status="failed", error=error, extra=extra))
+
+
+def run_lock(run_dir: Path, on_wait: Callable[[str], None] | None = None) -> AbstractContextManager[None]:
+    """Hold the lock of ``run_dir`` for the ``with`` block: one process at a time trains in a run directory.
+
+    When another process holds it, ``on_wait`` is called once with a line saying which process, and the
+    call waits until that process ends (the kernel releases the lock however it ends, SIGKILL included).
+    Re-entrant within a process."""
+    run_dir = Path(run_dir)
+
+    def waiting(holder: str) -> None:
+        if on_wait is not None:
+            on_wait(f"waiting for {run_dir}: it is being run by {holder}; this command goes on when that one "
+                    "ends (Ctrl-C stops waiting)")
+
+    return file_lock(run_dir / RUN_LOCK_FILE, on_wait=waiting)

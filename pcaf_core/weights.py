@@ -40,7 +40,7 @@ def save_canonical(
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {str(k): np.array(v, order="C", copy=True) for k, v in params.items()}
     meta = {**{str(k): str(v) for k, v in (metadata or {}).items()}, **FORMAT_TAG}
-    with atomic_path(path) as tmp:
+    with atomic_path(path, size_hint=sum(int(t.nbytes) for t in tensors.values())) as tmp:
         safetensors.numpy.save_file(tensors, str(tmp), metadata=meta)
     return path
 

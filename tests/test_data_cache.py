@@ -228,6 +228,11 @@ def test_out_of_range_ids_in_a_cache_give_a_clear_error(tmp_path):
     arr[2] = c.vocab_size + 5
     arr.flush()
     del arr
+    # The manifest's digest catches it first; with the digest forged too, the id range check still does.
+    manifest_path = c.cache_dir / "manifest.json"
+    m = json.loads(manifest_path.read_text())
+    m["splits"]["validation"]["sha256"] = cache_mod.file_digest(c.cache_dir / "validation.npy")
+    manifest_path.write_text(json.dumps(m))
     with pytest.raises(DataError, match=rf"token id {c.vocab_size + 5} at flat position 2 .*delete .* to rebuild"):
         load_corpus(cfg(FIXTURES, tmp_path))
     # And the trainer-side check: a model vocabulary smaller than the corpus's.

@@ -77,33 +77,38 @@ def test_make_reproduce_table_smoke_on_the_jax_backend(tmp_path):
 @pytest.mark.slow
 def test_multirun_sweep_ends_in_one_table_and_one_plot(tmp_path):
     res = subprocess.run([sys.executable, "-m", "experiments.run", "-m", "experiment=wt2-nt-1024/pcaf_context",
-                          "scale=smoke", "memory.top_k=4,8,16,32", f"output_root={tmp_path}"],
+                          "scale=smoke", "memory.top_k=4,16", f"output_root={tmp_path}"],
                          cwd=REPO, capture_output=True, text=True, env=_env(), timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     sweep_dirs = list((tmp_path / "multirun").iterdir())
     assert len(sweep_dirs) == 1
     sweep = sweep_dirs[0]
-    assert len([p for p in sweep.glob("*/metrics.json")]) == 4
+    assert len([p for p in sweep.glob("*/metrics.json")]) == 2  # failing jobs: tests/test_interrupt_and_rerun.py
     table = sweep / "sweep_memory.top_k.csv"
     assert table.exists() and (sweep / "sweep_memory.top_k.png").stat().st_size > 0
     df = pd.read_csv(table)
-    assert sorted(df["memory.top_k"].tolist()) == [4, 8, 16, 32]
+    assert sorted(df["memory.top_k"].tolist()) == [4, 16]
     assert df["best_ppl"].notna().all()
 
 
 @pytest.mark.parametrize("override,key", [
-    ("model=no_such_shape", "model/no_such_shape"),  # unknown group option
+    ("model=no_such_shape", "model=no_such_shape"),  # unknown group option
     ("memory.top_k=many", "memory.top_k"),  # wrong type
     ("memory.top_k=0", "memory.top_k"),  # impossible value
     ("train.seq_len=1", "train.seq_len"),
     ("memory.topk=3", "memory.topk"),  # unknown key
+    ("+memory.foo=3", "memory.foo"),  # a key Hydra adds but nothing reads
+    ("train.lr=inf", "train.lr"),  # not finite
+    ("memory.num_buckets=100000000000000000000", "memory.num_buckets"),  # overflows every integer type used
 ])
 def test_config_errors_fail_before_training_and_name_the_key(override, key, tmp_path):
+    """One line naming the key, exit 2, nothing trained (the table driver: tests/test_interrupt_and_rerun.py)."""
     res = subprocess.run([sys.executable, "-m", "experiments.run", "experiment=wt2-nt-1024/pcaf_context",
                           "scale=smoke", override, f"output_root={tmp_path}"],
                          cwd=REPO, capture_output=True, text=True, env=_env(), timeout=300)
-    assert res.returncode != 0
-    assert key in res.stderr + res.stdout
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: ") and key in lines[0], res.stderr
     assert not list(tmp_path.rglob("metrics.json"))  # nothing was trained
 
 

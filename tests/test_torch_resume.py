@@ -141,8 +141,8 @@ def test_sigterm_leaves_an_interrupted_record_and_resumes(tmp_path, run_cfg):
     out, _ = victim.communicate(timeout=30)
     assert victim.returncode != 0, out
     rec = read_metrics(run_dir)
-    assert rec.status == "failed" and "interrupted (RunInterrupted: received signal SIGTERM)" in rec.error
-    assert "resume from the last checkpoint" in rec.error and "step_" in rec.error
+    assert rec.status == "failed" and rec.error.startswith("interrupted by SIGTERM after step")
+    assert f"resume {run_dir} from {run_dir / 'checkpoints'}/step_" in rec.error and rec.extra["resumable"]
     _finish(_start(tmp_path, run_cfg, run_dir, 0.0))
     done = read_metrics(run_dir)
     assert done.status == "completed" and done.error is None and done.steps_done == 30

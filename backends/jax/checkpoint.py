@@ -98,7 +98,7 @@ def save_train_state(directory: Path, params: Any, opt_state: Any, step: Any, rn
 def _mismatch(path: Path, what: str) -> OptimizerStateError:
     return OptimizerStateError(
         f"{path}: {what}; the optimiser state was written by a different optimiser configuration or code "
-        "version: resume with the config that wrote it, or start over (resume=False / a new run directory)"
+        "version: resume with the config that wrote it, or start over in a new run directory"
     )
 
 

@@ -25,7 +25,7 @@ def train(
     cfg: RunConfig,
     run_dir: Path,
     *,
-    resume: bool = True,
+    resume: bool | str = True,
     progress: bool | None = None,
     record: RunMetrics | None = None,
     device: str | torch.device | None = None,
@@ -34,7 +34,8 @@ def train(
 ) -> RunMetrics:
     """Train ``cfg`` and write the run into ``run_dir``; returns the run record.
 
-    resume: continue from the newest complete checkpoint in ``run_dir`` (same config required).
+    resume: continue from the newest complete checkpoint in ``run_dir`` (same config required);
+    ``"restart_damaged"``: start over when every checkpoint is damaged (see ``pcaf_core.loop.run_training``).
     progress: tqdm bar (None: only on a TTY; ``PCAF_NO_PROGRESS=1`` disables). record: identity and
     provenance fields for ``metrics.json`` (table, row, scale, deviations, overrides, git commit).
     device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, a ``torch.device``, or None / ``"auto"`` (CUDA when

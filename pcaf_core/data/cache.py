@@ -6,7 +6,12 @@ A cache is one folder ``<cache root>/<name>-<layout>-v<max_vocab>-<key>/`` holdi
   (rows joined with ``<eos>`` after each), loaded memory-mapped;
 * ``vocab.json`` — the vocabulary (JSON list, id order);
 * ``manifest.json`` — settings, source fingerprint (with sha256), vocabulary hash and size,
-  per-split documents / token counts / ``<unk>`` counts, and how long the build took.
+  per-split documents / token counts / ``<unk>`` counts, the sha256 of each split's ``.npy`` file,
+  and how long the build took.
+
+Every load verifies the arrays against those digests (docs/DATA.md gives the cost), so a flipped
+byte is never trained on: a cache whose arrays do not match, or whose manifest predates the
+digests, is rebuilt with a warning that says why (or refused when the source is not there).
 
 ``key`` hashes everything that changes the token ids (corpus, layout, tokenizer, rows,
 max_vocab, min_freq, format version). Budgets do not: a cache stores each split whole, or
@@ -43,6 +48,7 @@ from .corpora import (
     SPLITS,
     Source,
     cache_root,
+    file_digest,
     fingerprints_match,
     get_spec,
     locate_source,
@@ -262,6 +268,13 @@ def _check_cache(cache_dir: Path, settings: CorpusSettings, budgets: Budgets,
             return f"{p.name} unreadable ({e})", None
         if arr.dtype != np.int32 or arr.ndim != 1 or arr.shape[0] != info["stored_tokens"]:
             return f"{p.name} has shape {arr.shape} {arr.dtype}, manifest says {info['stored_tokens']} int32", None
+        del arr
+        if "sha256" not in info:
+            return ("its manifest has no checksums of the token arrays (built by an earlier version of the suite); "
+                    "rebuilt once so that every load can verify them"), None
+        if file_digest(p) != info["sha256"]:
+            return (f"{p} does not match the sha256 in its manifest: the array was changed or damaged after the "
+                    "build (a flipped byte would change the results)"), None
     try:
         vocab_sha = hashlib.sha256((cache_dir / m["vocab"]["file"]).read_bytes()).hexdigest()
     except OSError:
@@ -389,6 +402,7 @@ def _build_into(tmp: Path, settings: CorpusSettings, source: Source, root: Path,
     del prov
     prov_path.unlink()
     splits: dict[str, Any] = {"train": {"file": "train.npy", "stored_tokens": tr["stored"], "max_id": max_id,
+                                        "sha256": file_digest(tmp / "train.npy"),
                                         **_split_counts(tr["counts"], table, tr["documents"], tr["total"])}}
     train_types = int(np.count_nonzero(tr["counts"][len(SPECIALS):]))
     log.info("  train: %s documents, %s tokens, %s types -> vocabulary %s",
@@ -410,6 +424,7 @@ def _build_into(tmp: Path, settings: CorpusSettings, source: Source, root: Path,
         stored = prov.shape[0] if budgets.eval == 0 else min(budgets.eval, prov.shape[0])
         max_id = _map_to_npy(prov[:stored], full_table, tmp / f"{split}.npy")
         splits[split] = {"file": f"{split}.npy", "stored_tokens": int(stored), "max_id": max_id,
+                         "sha256": file_digest(tmp / f"{split}.npy"),
                          **_split_counts(counts, full_table, documents, int(prov.shape[0]))}
         log.info("  %s: %s documents, %s tokens", split, f"{documents:,}", f"{prov.shape[0]:,}")
 
@@ -523,10 +538,13 @@ def load_corpus(cfg: DataConfig, *, rebuild: bool = False,
     final = root / settings.dir_name
     try:
         source = locate_source(settings.name, settings.layout, cfg.data_dir)
-    except DataNotFoundError:
+    except DataNotFoundError as e:
         if rebuild:
             raise
         reason, m = _stale_reason(final, settings, budgets, None)
+        if reason is not None and final.exists():
+            raise DataError(f"the cache {final} cannot be used ({reason}) and its source, needed to rebuild it, is "
+                            f"not found: {e}") from e
         if reason is not None or m is None:
             raise
         log.warning("%s: source not found; using the cache %s built from %s (its freshness cannot be checked)",
@@ -535,7 +553,8 @@ def load_corpus(cfg: DataConfig, *, rebuild: bool = False,
     reason, m = ("rebuild requested", None) if rebuild else _stale_reason(final, settings, budgets, source)
     if reason is not None or m is None:
         msg = f"building the {settings.name} cache ({reason}) from {source.describe()} into {final}"
-        log.info(msg)
+        # Rebuilding a cache that exists (damaged, out of date) is worth a warning; a first build is routine.
+        log.log(logging.WARNING if final.exists() and not rebuild else logging.INFO, msg)
         if on_build is not None:
             on_build(msg)
         final, m = build_cache(settings, source, root, budgets, force=rebuild)

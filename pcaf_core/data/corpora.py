@@ -26,17 +26,19 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import lzma
 import os
 import shutil
 import tarfile
 import uuid
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pcaf_core.fsutil import file_lock
+from pcaf_core.fsutil import DiskFullError, file_lock, free_bytes, is_disk_full
 
 from .errors import DataError, DataNotFoundError
 
@@ -240,8 +242,23 @@ def _archive_stem(name: str) -> str:
     return name
 
 
+def unpacked_size(archive: Path) -> int | None:
+    """Bytes the members of ``archive`` take unpacked (reads the whole archive); None if it cannot tell."""
+    try:
+        if archive.name.endswith(".zip"):
+            with zipfile.ZipFile(archive) as zf:
+                return sum(i.file_size for i in zf.infolist())
+        with tarfile.open(archive, "r:*") as tf:
+            return sum(m.size for m in tf.getmembers())
+    except Exception:  # noqa: BLE001 - only for a message
+        return None
+
+
 def _safe_extract(archive: Path, dest: Path) -> None:
-    """Unpack ``archive`` into ``dest``, refusing members that would land outside it."""
+    """Unpack ``archive`` into ``dest``, refusing members that would land outside it.
+
+    A full disk is reported as such (with the unpacked size and the free space), another file-system
+    error as that error; only a read or format error of the archive itself blames the archive."""
     try:
         if archive.name.endswith(".zip"):
             with zipfile.ZipFile(archive) as zf:
@@ -254,7 +271,15 @@ def _safe_extract(archive: Path, dest: Path) -> None:
                 tf.extractall(dest, filter="data")
     except DataError:
         raise
-    except (OSError, EOFError, tarfile.TarError, zipfile.BadZipFile, ValueError) as e:
+    except OSError as e:
+        if is_disk_full(e):
+            full = DiskFullError(dest.parent, unpacked_size(archive), free_bytes(dest.parent),
+                                 doing=f"unpacking {archive.name} into")
+            raise DataError(f"{full} (or set {ENV_CACHE_DIR} / data.cache_dir to a larger disk); the partial "
+                            f"unpack was removed") from e
+        raise DataError(f"cannot unpack {archive} into {dest.parent}: {e.strerror or e} ({e.filename or dest}); "
+                        f"this is a file-system error, not a damaged archive: fix it and run `make data` again") from e
+    except (EOFError, tarfile.TarError, zipfile.BadZipFile, ValueError, lzma.LZMAError, zlib.error) as e:
         raise DataError(f"cannot unpack {archive}: {e}. The archive is damaged: replace it with a fresh "
                         f"copy and run `make data`") from e
 
@@ -263,7 +288,8 @@ def extract_archive(archive: Path, root: Path) -> tuple[Path, str]:
     """Verify ``archive`` and unpack it once into ``<root>/sources/<stem>-<sha12>``.
 
     Returns ``(folder, sha256)``. The folder is written under a temporary name and renamed
-    into place only when complete, so an interrupted unpack is never mistaken for a good one.
+    into place only when complete, so an interrupted unpack is never mistaken for a good one; the
+    temporary folders a killed unpack left behind are removed (under the lock, nobody else writes them).
     """
     digest = verify_archive(archive)
     dest = root / "sources" / f"{_archive_stem(archive.name)}-{digest[:12]}"
@@ -274,6 +300,8 @@ def extract_archive(archive: Path, root: Path) -> tuple[Path, str]:
         if marker.is_file() and marker.read_text().strip() == digest:  # unpacked by another process
             return dest, digest
         dest.parent.mkdir(parents=True, exist_ok=True)
+        for orphan in dest.parent.glob(f".{dest.name}.tmp-*"):
+            shutil.rmtree(orphan, ignore_errors=True)
         tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             _safe_extract(archive, tmp)

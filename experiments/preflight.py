@@ -1,0 +1,220 @@
+"""Compose and check runs before anything trains: the one place every entry point validates a command.
+
+``python -m experiments.run`` (one run or a ``-m`` sweep) and ``python -m experiments.reproduce`` both
+come here first. Every job of a sweep is composed, scaled and validated, and its output directory is
+checked to be writable, before the first one starts; every problem is one line, ``config error: ...``,
+naming the key and the fix, and the command exits with :data:`CONFIG_ERROR_EXIT` (2).
+
+Hydra's and OmegaConf's own errors (unknown key, wrong type, missing option, unparsable override) are
+several lines with a hint to set ``HYDRA_FULL_ERROR``; :func:`one_line` turns them into one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from experiments import app
+from experiments.schema import BackendConfig, ExperimentConfig, register
+from pcaf_core.config import ConfigError
+from pcaf_core.config_io import SECTIONS
+
+CONFIG_ERROR_EXIT = 2
+"""Exit status of every entry point for a command line that cannot run (bad key, value, type, directory)."""
+
+_NOT_A_RUN = ("help", "hydra_help", "cfg", "info", "shell_completion", "experimental_rerun")
+
+
+def ensure_hydra() -> None:
+    """Initialise Hydra's compose API on the suite's config directory once per process."""
+    register()
+    if not GlobalHydra.instance().is_initialized():
+        initialize_config_dir(config_dir=str(app.CONF_DIR), version_base="1.3", job_name="pcaf")
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+
+def _omegaconf_cause(exc: BaseException) -> OmegaConfBaseException | None:
+    node: BaseException | None = exc
+    while node is not None:
+        if isinstance(node, OmegaConfBaseException) and getattr(node, "full_key", None):
+            return node
+        node = node.__cause__ or node.__context__
+    return None
+
+
+def _schema_keys(full_key: str) -> list[str]:
+    section = full_key.split(".")[0]
+    cls = SECTIONS.get(section) or {"backend": BackendConfig}.get(section)
+    if cls is None:
+        return [f.name for f in dataclasses.fields(ExperimentConfig)]
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def one_line(exc: BaseException, override: str = "") -> str:
+    """One line naming the key (or the override) at fault and what to do, for a composition error."""
+    cause = _omegaconf_cause(exc)
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        key = cause.full_key
+        parent = key.rsplit(".", 1)[0] if "." in key else "the config"
+        return (f"{key} is not a setting (unknown key); the keys of {parent} are {', '.join(_schema_keys(key))}: "
+                "fix the spelling or drop the override")
+    if isinstance(cause, ValidationError):
+        return f"{cause.full_key}: {_first_line(cause.msg)}; give it a value of that type"
+    text = str(exc)
+    if isinstance(exc, MissingConfigException):
+        lines = [line.strip() for line in text.splitlines()]
+        options = []
+        if any(line.startswith("Available options") for line in lines):
+            start = next(i for i, line in enumerate(lines) if line.startswith("Available options")) + 1
+            options = [line for line in lines[start:] if line and not line.startswith(("Config search", "provider="))]
+        missing = re.search(r"Could not find '([^']+)'", text)
+        if missing and "/" in missing.group(1):
+            group, option = missing.group(1).split("/", 1)
+            head = f"{group}={option}: no such option in the config group {group}"
+        else:
+            head = _first_line(text).replace("In 'config': ", "")
+        return head + (f"; available: {', '.join(options)}" if options else "; check the group and option name")
+    if isinstance(exc, OverrideParseException):
+        return (f"cannot parse the override {override or '(one of them)'} ({_first_line(text)}): write key=value, "
+                "see https://hydra.cc/docs/advanced/override_grammar/basic")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("See https")]
+    return ("; ".join(lines) or type(exc).__name__) + (f" (override {override})" if override else "")
+
+
+def _failing_override(overrides: list[str]) -> str:
+    """The first override Hydra's grammar rejects (its parse error does not say which)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for item in overrides:
+        try:
+            parser.parse_overrides([item])
+        except HydraException:
+            return item
+    return ""
+
+
+def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
+    """Compose ``config_name`` with ``overrides``; a composition error is a one-line :class:`ConfigError`."""
+    ensure_hydra()
+    try:
+        return compose(config_name=config_name, overrides=list(overrides))
+    except OverrideParseException as exc:
+        raise ConfigError(one_line(exc, _failing_override(list(overrides)))) from None
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(one_line(exc)) from None
+
+
+def unknown_keys(cfg: DictConfig) -> list[str]:
+    """Keys the schema does not have (``+memory.foo=3`` adds one Hydra accepts and nothing would read)."""
+    found = []
+    top = {f.name for f in dataclasses.fields(ExperimentConfig)}
+    found += [k for k in cfg if k not in top and k != "hydra"]
+    for section, cls in {**SECTIONS, "backend": BackendConfig}.items():
+        node = cfg.get(section)
+        if isinstance(node, DictConfig):
+            names = {f.name for f in dataclasses.fields(cls)}
+            found += [f"{section}.{k}" for k in node if k not in names]
+    return found
+
+
+def resolve_job(overrides: list[str], config_name: str = "config",
+                user_overrides: list[str] | None = None) -> app.ResolvedRun:
+    """Compose, scale and validate one job of a command line (raises a one-line :class:`ConfigError`).
+
+    ``user_overrides`` (default: ``overrides``) are the ones the user typed: they win over the scale and
+    are recorded as deviations (a row's own seed entries are not)."""
+    cfg = compose_config(overrides, config_name)
+    extra = unknown_keys(cfg)
+    if extra:
+        raise ConfigError(f"{extra[0]} is not a setting (unknown key): drop the override that adds it "
+                          f"(+{extra[0]}=...); the keys of {extra[0].rsplit('.', 1)[0]} are "
+                          f"{', '.join(_schema_keys(extra[0]))}")
+    return app.resolve(cfg, list(overrides if user_overrides is None else user_overrides))
+
+
+def check_writable(path: str | os.PathLike[str], key: str) -> Path:
+    """Create ``path`` if needed and check a file can be written in it; else a one-line ConfigError naming
+    ``key`` (``output_root``, ``run_dir``, ``--output-root``)."""
+    path = Path(path)
+    if not path.is_absolute():
+        path = Path.cwd() / path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{key}={path} is not a writable directory ({exc.strerror or exc}): "
+                          f"point {key} at a directory you can write to") from None
+    return path
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The override list of every job of a ``-m`` command line, in Hydra's (basic sweeper's) order."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as exc:
+        raise ConfigError(one_line(exc, _failing_override(list(overrides)))) from None
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def _swept(job: list[str], jobs: list[list[str]]) -> str:
+    varying = [o for o in job if any(o not in other for other in jobs)]
+    return " ".join(varying)
+
+
+def check_command_line(argv: list[str]) -> int | None:
+    """Validate the jobs of an ``experiments.run`` command line before Hydra starts any.
+
+    Returns None when every job is valid (or the command line only asks Hydra for help or a config
+    dump), else prints one ``config error`` line per bad job to stderr and returns :data:`CONFIG_ERROR_EXIT`.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if any(getattr(args, name, None) for name in _NOT_A_RUN) or args.config_path or args.config_dir:
+        return None
+    try:
+        return _check_jobs(args.overrides, args.multirun, args.config_name or "config")
+    finally:
+        GlobalHydra.instance().clear()  # Hydra's own main initialises it again
+
+
+def _check_jobs(overrides: list[str], multirun: bool, config_name: str) -> int | None:
+    try:
+        jobs = sweep_jobs(overrides) if multirun else [list(overrides)]
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    errors = []
+    for num, job in enumerate(jobs):
+        try:
+            resolved = resolve_job(job, config_name)
+            if resolved.cfg.run_dir:
+                check_writable(resolved.cfg.run_dir, "run_dir")
+            else:
+                check_writable(resolved.cfg.output_root, "output_root")
+        except ConfigError as exc:
+            where = f" (job {num}: {_swept(job, jobs)})" if len(jobs) > 1 else ""
+            errors.append(f"config error: {exc}{where}")
+    for line in errors:
+        print(line, file=sys.stderr)
+    if errors and len(jobs) > 1:
+        print(f"config error: {len(errors)} of {len(jobs)} jobs are invalid; no job was started", file=sys.stderr)
+    return CONFIG_ERROR_EXIT if errors else None
