@@ -79,6 +79,20 @@ def _overridden_keys(task_overrides: list[str]) -> set[str]:
     return {o.lstrip("+~").split("=", 1)[0] for o in task_overrides if "=" in o}
 
 
+def resolve_auto_precision(cfg: DictConfig) -> str:
+    """Replace ``train.precision=auto`` by what the run's backend trains fastest in on this machine (its
+    ``auto_precision``), so the saved config and the record say ``fp32`` or ``bf16``; returns why ('' when
+    the precision was not ``auto``). Runs resolved differently on two machines are different configs."""
+    if cfg.train.precision != "auto":
+        return ""
+    import importlib
+
+    module = importlib.import_module(f"backends.{cfg.backend.name}.backend")
+    device = cfg.backend.device if cfg.backend.device != "auto" else None
+    cfg.train.precision, why = module.auto_precision(device)
+    return why
+
+
 def apply_scale(cfg: DictConfig, task_overrides: list[str] | None = None) -> list[str]:
     """Apply ``cfg.scale`` in place; return one line per changed setting (and the scale's notes).
 
@@ -102,12 +116,14 @@ def apply_scale(cfg: DictConfig, task_overrides: list[str] | None = None) -> lis
             OmegaConf.update(cfg, key, value, merge=True)
         except OmegaConfBaseException as exc:
             raise ConfigError(f"scale.{scale.name}: cannot set {key}={value!r}: {exc}") from exc
+    why = resolve_auto_precision(cfg)
     after = _section_values(cfg)
     deviations = [
         f"{k}: {before.get(k)!r} -> {after[k]!r} (scale={scale.name})"
         for k in sorted(after)
         if before.get(k) != after[k]
     ]
+    deviations = [f"{d[:-1]}; auto: {why})" if why and d.startswith("train.precision:") else d for d in deviations]
     notes = OmegaConf.to_container(scale.notes, resolve=True) or {}
     for note_key in ("*", cfg.table):
         note = notes.get(note_key)

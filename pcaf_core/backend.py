@@ -87,6 +87,9 @@ class Backend(Protocol):
     def versions(self) -> dict[str, str]:
         """Framework package versions for the run record."""
 
+    def auto_precision(self) -> tuple[str, str]:
+        """What ``train.precision=auto`` means on this backend's device: ``("bf16" | "fp32", why)``."""
+
 
 class SingleProcess:
     """Defaults for the distributed members of :class:`Backend` in a one-process backend."""

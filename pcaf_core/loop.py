@@ -26,6 +26,7 @@ from here (``run_training``, ``latest_checkpoint``, ``config_to_dict``, ...) are
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -205,6 +206,8 @@ class TrainingLoop:
     ) -> None:
         if resume not in (True, False, RESTART_DAMAGED):
             raise ValueError(f"resume={resume!r}: expected True, False or {RESTART_DAMAGED!r}")
+        if cfg.train.precision == "auto":  # the record and the resume check see what actually runs
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=backend.auto_precision()[0]))
         self.cfg = cfg  # validated in run(), so that an invalid config also leaves a failed record
         self.backend = backend
         self.run_dir = Path(run_dir)

@@ -11,3 +11,25 @@ def peak_rss_mb() -> float:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # ru_maxrss is KiB on Linux and bytes on macOS.
     return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")
+"""CPU flags of a bf16 matrix unit (Intel AMX, AVX-512 BF16). Without one, bf16 matrix products run in a
+scalar fallback: 2 GFLOP/s against 114 for float32 on a 2-core AMD EPYC (Zen 3)."""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where that file does not exist)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (see :data:`BF16_MATMUL_FLAGS`)."""
+    return bool(cpu_flags() & set(BF16_MATMUL_FLAGS))

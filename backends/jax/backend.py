@@ -85,6 +85,16 @@ def compute_dtype(cfg: RunConfig) -> Any:
     return jnp.bfloat16 if cfg.train.precision == "bf16" else jnp.float32
 
 
+def auto_precision(device: str | None = None) -> tuple[str, str]:
+    """What ``train.precision=auto`` trains in on JAX's ``device`` platform (None: the default one):
+    ``(precision, why)``. bf16 on TPU and GPU; float32 on CPU, where XLA's bf16 dots bought no speed even
+    with a bf16 matrix unit (a cpu-scale step: 282 ms bf16 against 266 ms float32, docs/results/README.md)."""
+    platform = jax.default_backend() if device in (None, "auto") else str(device)
+    if platform in ("tpu", "gpu", "cuda", "rocm"):
+        return "bf16", f"XLA on {platform} multiplies bf16 in hardware"
+    return "fp32", "XLA:CPU's bf16 matrix products are no faster than float32"
+
+
 class JaxBackend:
     """The JAX implementation of :class:`pcaf_core.backend.Backend`.
 
@@ -127,6 +137,10 @@ class JaxBackend:
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         """Sum ``values`` over processes in float64 (identity alone)."""
         return sharding.all_reduce_sum(values)
+
+    def auto_precision(self) -> tuple[str, str]:
+        """``train.precision=auto`` on this backend's devices (:func:`auto_precision`)."""
+        return auto_precision(self.devices[0].platform)
 
     def versions(self) -> dict[str, str]:
         """jax, jaxlib, flax, optax and safetensors versions."""
