@@ -56,7 +56,7 @@ def compose_row(table: str, row: str, scale: str, backend: str, overrides: list[
     cfg = preflight.compose_config(base + overrides)
     seed_runs = OmegaConf.to_container(cfg.seed_runs) or [{}]
     if seed_runs == [{}]:
-        return [preflight.resolve_job(base + overrides, user_overrides=overrides)]
+        return [preflight.resolve_job(base + overrides, user_overrides=overrides, composed=cfg)]
     runs = []
     for entry in seed_runs:
         seeded = [f"{k}={v}" for k, v in entry.items()]
