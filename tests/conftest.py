@@ -12,6 +12,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist (`make test` runs two workers on a 2-core machine) each worker, and every process it
+# starts, takes one intra-op thread: two workers of two threads each would fight over the cores.
+# Set before torch is first imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 
 def _has_cuda() -> bool:
     try:
