@@ -112,6 +112,16 @@ def test_auto_compiles_long_runs_only_and_the_record_says_so() -> None:
     short, long_ = _cfg(case, "nt", "auto"), _cfg(case, "nt", "auto")
     long_.train.steps = COMPILE_MIN_STEPS
     assert not use_compile(short) and use_compile(long_)
+    # Where compiling measured slower: full AR, and routes that rank with a host-side ρ.
+    for other, mode in ((case, "ar"), (("pcaf", "context", "dense", "topk_score"), "nt"),
+                        (("pcaf", "semantic", "dense", "recent"), "nt"), (("transformer_dense", "context", "dense",
+                                                                            "first"), "nt")):
+        cfg = _cfg(other, mode, "auto")
+        cfg.train.steps = COMPILE_MIN_STEPS
+        assert not use_compile(cfg), (other, mode)
+    topk_no_cache = _cfg(("pcaf_no_cache", "context", "dense", "topk_score"), "nt", "auto")
+    topk_no_cache.train.steps = COMPILE_MIN_STEPS
+    assert use_compile(topk_no_cache)  # no cache: its policy ranks nothing
     assert use_compile(_cfg(case, "nt", "on")) and not use_compile(_cfg(case, "nt", "off"))
     backend = TorchBackend("cpu")
     backend.init(_cfg(case, "nt", "on"))  # torch.compile is lazy: building compiles nothing yet
