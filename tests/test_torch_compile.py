@@ -73,7 +73,7 @@ def _compare_steps(cfg: RunConfig, compiler: str):
         loss_c = compiled(x, y, cfg.train.mode)
         loss_c.backward()
         grads_c = _grads(state.module)
-        np.testing.assert_allclose(float(loss_c), float(loss_e), rtol=1e-5, err_msg=f"step {step + 1}")
+        np.testing.assert_allclose(loss_c.item(), loss_e.item(), rtol=1e-5, err_msg=f"step {step + 1}")
         assert grads_e.keys() == grads_c.keys()
         # Relative to the largest gradient: a parameter whose gradient is rounding noise around 0 (ρ in
         # some routes) differs by more than rtol of itself.

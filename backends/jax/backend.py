@@ -168,7 +168,10 @@ class JaxBackend:
             return self._compiled
         from backends.jax.models import build_model
 
-        module = build_model(cfg.model, cfg.memory, cfg.profile, dtype=compute_dtype(cfg))
+        # Next-token runs compute each prediction from the receptive fields it reads (PCAFModel.
+        # nt_receptive_read): the same loss and gradients at a fraction of the full window's work.
+        module = build_model(cfg.model, cfg.memory, cfg.profile, dtype=compute_dtype(cfg),
+                             nt_receptive_field=cfg.train.mode == "nt")
         tx = build_optimizer(cfg.train, cfg.profile, params)
         mode = cfg.train.mode
 

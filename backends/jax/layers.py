@@ -175,8 +175,14 @@ class ConvBlock(nn.Module):
         self.mlp_out = Dense(self.d_model, dtype=self.dtype)
         self.drop = nn.Dropout(self.dropout)
 
-    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
-        y = self.conv(self.norm(x))
+    def __call__(self, x: jax.Array, deterministic: bool = True, valid: jax.Array | None = None) -> jax.Array:
+        """``valid`` ``[B, T]`` bool: positions before the window's start (receptive-field sub-windows,
+        :meth:`backends.jax.models.PCAFModel.states_at`) give the conv a zero input, as the full window's
+        left padding does."""
+        y = self.norm(x)
+        if valid is not None:
+            y = y * valid[..., None].astype(y.dtype)
+        y = self.conv(y)
         y = self.mlp_out(self.drop(gelu(self.mlp_in(y), self.gelu_form), deterministic=deterministic))
         return x + self.drop(y, deterministic=deterministic).astype(x.dtype)
 

@@ -41,6 +41,7 @@ from backends.jax.layers import (
     l2_normalize,
     wide,
 )
+from backends.jax.ops import batch_gather
 from backends.jax.routing import Candidates, SelectionInputs
 from pcaf_core.config import (
     PCAF_VARIANTS,
@@ -211,6 +212,8 @@ class CanonicalLM(nn.Module):
     memory_config: MemoryConfig
     profile: ProfileConfig
     dtype: Dtype = jnp.float32
+    # Next-token forwards from receptive fields only (PCAFModel.nt_receptive_read); the backend sets it.
+    nt_receptive_field: bool = False
 
     @property
     def uses_cache(self) -> bool:
@@ -245,11 +248,17 @@ class CanonicalLM(nn.Module):
         """
         tokens, tgt = check_inputs(self.model_config, self.profile, tokens, targets, mode)
         T = tokens.shape[1]
-        h = self.hidden_states(tokens, deterministic)
-        h_q = h[:, T - 1:] if mode == "nt" else h  # the query positions, sliced statically
         rule = mixture_rule(self.profile, mode)
         # The re-normalised NT loss reads the whole (one-query) mixture, so it needs the full head.
         full_mixture = need_log_probs or (rule.renormalise and tgt is not None and self.uses_cache)
+        need_mix = full_mixture or need_predictions
+        read = None
+        if mode == "nt" and self.nt_receptive_field and not self.is_initializing():
+            h, read = self.nt_receptive_read(tokens, deterministic, need_p_cache=need_mix)
+            h_q = h[:, :1]
+        else:
+            h = self.hidden_states(tokens, deterministic)
+            h_q = h[:, T - 1:] if mode == "nt" else h  # the query positions, sliced statically
         if tgt is not None and not (full_mixture or need_predictions):
             param_lp = None
             lp_y = self.head.target_log_prob(h_q, tgt, deterministic)
@@ -263,8 +272,7 @@ class CanonicalLM(nn.Module):
             loss = None if lp_y is None else -jnp.mean(lp_y)
             return JaxForwardOutput(h, param_lp, param_lp, lp_y, pred_param, pred_param, pred_param, None, loss)
 
-        need_mix = full_mixture or need_predictions
-        mem, cand_values = self.memory_read(tokens, h, mode, need_p_cache=need_mix)
+        mem, cand_values = read if read is not None else self.memory_read(tokens, h, mode, need_p_cache=need_mix)
         mix_lp = None
         if need_mix:
             mix_lp = mixture.mixture_log_probs(param_lp, mem.p_cache, mem.gate, nt_floor=rule.nt_floor,
@@ -368,33 +376,56 @@ class PCAFModel(CanonicalLM):
         Selection (integer candidates) is not differentiated; gradients reach W_q, W_k, ρ and the router
         through the scores of the selected slots.
         """
-        mcfg, prof = self.memory_config, self.profile
-        B, T = tokens.shape
+        mcfg = self.memory_config
+        T = tokens.shape[1]
         work = wide(self.dtype)
         rec = records.recency(T, mode, work)
-        rho = self.memory.recency_scale.astype(work)
         h_q = h[:, T - 1:] if mode == "nt" else h
-        keys, query = self.memory.project(h, h_q, prof.l2norm)
+        keys, query = self.memory.project(h, h_q, self.profile.l2norm)
         semantic = mcfg.route in ("semantic", "hybrid")
         router_probs = self.memory.router_probs(h, mcfg.semantic_temperature) if semantic else None
-        addr, cand, topk_dense = select_candidates(
+        addr, cand, topk_dense = self._select(tokens, query, keys, router_probs, rec, mode)
+        query_router = None
+        if router_probs is not None:
+            query_router = router_probs[:, T - 1:] if mode == "nt" else router_probs
+        if self.is_initializing() and not semantic and self.memory.with_router:
+            self.memory.router_probs(h, mcfg.semantic_temperature)
+        return self._read(tokens, addr, cand, topk_dense, query, keys, rec, router_probs, query_router, h_q, mode,
+                          need_p_cache)
+
+    def _select(self, tokens: jax.Array, query: jax.Array | None, keys: jax.Array | None,
+                router_probs: jax.Array | None, rec: jax.Array, mode: str) -> tuple[jax.Array, Candidates, Any]:
+        """:func:`select_candidates` with this model's configuration."""
+        mcfg, prof = self.memory_config, self.profile
+        rho = self.memory.recency_scale.astype(wide(self.dtype))
+        return select_candidates(
             tokens, query, keys, router_probs, rec, rho,
             context_order=mcfg.context_order, num_buckets=mcfg.num_buckets,
             int32_wraparound=prof.hash_int32_wraparound, route=mcfg.route, semantic_index=mcfg.semantic_index,
             policy=mcfg.candidate_policy, top_k=mcfg.top_k,
             target_leak=prof.semantic_ar_target_leak and mode == "ar", dedup=prof.hybrid_dedup, mode=mode)
 
-        query_router = None
-        if router_probs is not None:
-            query_router = router_probs[:, T - 1:] if mode == "nt" else router_probs
-        scores = mixture.candidate_scores(query, keys, rec, rho, cand, router_probs, query_router,
+    def _read(
+        self, tokens: jax.Array, addr: jax.Array, cand: Candidates, topk_dense: jax.Array | None,
+        query: jax.Array, keys: jax.Array, rec: jax.Array, router_probs: jax.Array | None,
+        query_router_probs: jax.Array | None, h_q: jax.Array, mode: str, need_p_cache: bool,
+        slots: Candidates | None = None, trace_router_probs: jax.Array | None = None,
+    ) -> tuple[JaxMemoryTrace, jax.Array]:
+        """Scores, cache weights, p_cache and gate of the selected candidates ``cand`` (window positions).
+
+        ``keys`` / ``rec`` / ``router_probs`` are indexed by ``slots`` (default ``cand``): the window's own
+        arrays, or those of a receptive-field sub-sequence whose positions ``slots`` names."""
+        mcfg, prof = self.memory_config, self.profile
+        work = wide(self.dtype)
+        rho = self.memory.recency_scale.astype(work)
+        slots = cand if slots is None else slots
+        scores = mixture.candidate_scores(query, keys, rec, rho, slots, router_probs, query_router_probs,
                                           mcfg.semantic_score_scale)
         alpha = mixture.cache_weights(scores, cand.valid)
         values = routing.gather_records(records.successor_values(tokens), cand)
         p_cache = None
         if need_p_cache:
             p_cache = mixture.cache_distribution(alpha, values, cand.valid, self.model_config.vocab_size)
-
         if self.model_config.variant == "pcaf_no_gate":
             raw = jnp.full(h_q.shape[:2], mcfg.fixed_gate, dtype=work)
             if self.is_initializing():
@@ -403,10 +434,65 @@ class PCAFModel(CanonicalLM):
             raw = self.gate(h_q)
         gate = mixture.mask_gate(raw, jnp.any(cand.valid, axis=-1), clip_when_empty=prof.gate_clip_when_empty,
                                  per_term=mixture_rule(prof, mode).gate_per_term)
-        if self.is_initializing() and not semantic and self.memory.with_router:
-            self.memory.router_probs(h, mcfg.semantic_temperature)
-        trace = JaxMemoryTrace(addr, cand, scores, alpha, gate, p_cache, router_probs, topk_dense)
-        return trace, values
+        traced = router_probs if trace_router_probs is None else trace_router_probs
+        return JaxMemoryTrace(addr, cand, scores, alpha, gate, p_cache, traced, topk_dense), values
+
+    # ------------------------------------------------------------------ next-token receptive fields
+
+    @property
+    def receptive_field(self) -> int:
+        """Positions a final hidden state depends on: ``n_layers·(kernel_size - 1) + 1``."""
+        return self.model_config.n_layers * (self.model_config.kernel_size - 1) + 1
+
+    def states_at(self, tokens: jax.Array, positions: jax.Array, deterministic: bool = True) -> jax.Array:
+        """Final hidden states at ``positions`` ``[B, P]`` of windows ``tokens`` ``[B, T]``: ``[B, P, d]``,
+        equal to ``hidden_states(tokens)`` there, from each position's receptive field of R tokens (static
+        shapes: ``B·P·R`` positions instead of ``B·T``). Sub-window positions before the window's start feed
+        zeros to every conv, as the full window's left padding does."""
+        B, P = positions.shape
+        R = self.receptive_field
+        idx = positions[..., None] + jnp.arange(1 - R, 1)  # [B, P, R]
+        valid = (idx >= 0).reshape(B * P, R)
+        x = self.embed(batch_gather(tokens, jnp.maximum(idx, 0)).reshape(B * P, R))
+        for block in self.blocks:
+            x = block(x, deterministic, valid)
+        return x[:, -1].reshape(B, P, -1)
+
+    def nt_receptive_read(
+        self, tokens: jax.Array, deterministic: bool = True, *, need_p_cache: bool = True
+    ) -> tuple[jax.Array, tuple[JaxMemoryTrace, jax.Array] | None]:
+        """The next-token forward's states and memory read from receptive fields only (mirrors
+        :meth:`backends.torch.models.PCAFModel.nt_receptive_read`): ``[B, 1 + C, d]`` states (the query,
+        then the C candidate slots) and the (trace, slot values) of :meth:`memory_read` (None without a
+        cache). Routes that rank by states select on a full forward under ``stop_gradient`` first."""
+        mcfg, prof = self.memory_config, self.profile
+        B, T = tokens.shape
+        work = wide(self.dtype)
+        qpos = jnp.full((B, 1), T - 1, dtype=jnp.int32)
+        if not self.uses_cache:
+            return self.states_at(tokens, qpos, deterministic), None
+        semantic = mcfg.route in ("semantic", "hybrid")
+        ranks_by_states = semantic or (mcfg.route in ("context", "hybrid") and mcfg.candidate_policy == "topk_score")
+        rec_full = records.recency(T, "nt", work)
+        query_full = keys_full = router_full = None
+        if ranks_by_states:
+            h_full = jax.lax.stop_gradient(self.hidden_states(tokens, deterministic))
+            keys_full, query_full = self.memory.project(h_full, h_full[:, T - 1:], prof.l2norm)
+            if semantic:
+                router_full = self.memory.router_probs(h_full, mcfg.semantic_temperature)
+        addr, cand, topk_dense = self._select(tokens, query_full, keys_full, router_full, rec_full, "nt")
+        C = cand.index.shape[-1]
+        positions = jnp.concatenate([qpos, jnp.maximum(cand.index[:, 0], 0).astype(jnp.int32)], axis=1)
+        h = self.states_at(tokens, positions, deterministic)  # [B, 1 + C, d]
+        keys, query = self.memory.project(h, h[:, :1], prof.l2norm)
+        rec = rec_full[positions]  # [B, 1 + C]
+        slot = jnp.arange(1, C + 1, dtype=cand.index.dtype)
+        slots = Candidates(jnp.where(cand.valid, slot, -1), cand.valid)  # slot c is sub-position 1 + c
+        router = self.memory.router_probs(h, mcfg.semantic_temperature) if semantic else None
+        read = self._read(tokens, addr, cand, topk_dense, query, keys, rec, router,
+                          None if router is None else router[:, :1], h[:, :1], "nt", need_p_cache, slots=slots,
+                          trace_router_probs=router_full)
+        return h, read
 
 
 class TransformerLM(CanonicalLM):
@@ -447,7 +533,7 @@ def _config_hash(self: CanonicalLM) -> int:
     """Hash of a model by its configuration values: the config dataclasses are mutable (unhashable), and
     a module must be hashable to serve as a static argument of ``jax.jit``."""
     return hash((type(self).__name__, repr(self.model_config), repr(self.memory_config), repr(self.profile),
-                 str(jnp.dtype(self.dtype)), self.name))
+                 str(jnp.dtype(self.dtype)), self.nt_receptive_field, self.name))
 
 
 # Assigned after class creation: linen's dataclass transform would replace a __hash__ defined in the body.
@@ -456,10 +542,14 @@ TransformerLM.__hash__ = _config_hash  # type: ignore[method-assign]
 
 
 def build_model(
-    model: ModelConfig, memory: MemoryConfig, profile: ProfileConfig, *, dtype: Dtype = jnp.float32
+    model: ModelConfig, memory: MemoryConfig, profile: ProfileConfig, *, dtype: Dtype = jnp.float32,
+    nt_receptive_field: bool = False,
 ) -> PCAFModel | TransformerLM:
     """The Module of ``model.variant``; ``dtype`` is the compute dtype of matmuls (float32, bfloat16 for
     the bf16 precision, float64 under x64). Parameters come from :func:`backends.jax.params.init_params`
-    through :func:`backends.jax.weights.to_variables` (they stay float32 under bf16 compute)."""
-    cls = TransformerLM if model.variant in TRANSFORMER_VARIANTS else PCAFModel
-    return cls(model, memory, profile, dtype=dtype)
+    through :func:`backends.jax.weights.to_variables` (they stay float32 under bf16 compute).
+    ``nt_receptive_field``: next-token forwards of the conv-backbone models from receptive fields only
+    (:meth:`PCAFModel.nt_receptive_read`; ignored by the Transformers)."""
+    if model.variant in TRANSFORMER_VARIANTS:
+        return TransformerLM(model, memory, profile, dtype=dtype)
+    return PCAFModel(model, memory, profile, dtype=dtype, nt_receptive_field=nt_receptive_field)

@@ -136,6 +136,10 @@ class TorchBackend:
         torch.utils.deterministic.fill_uninitialized_memory = False
         # build_model draws the initial weights from its own generator seeded with train.seed.
         module = build_model(cfg.model, cfg.memory, cfg.profile, seed=cfg.train.seed, device=self.torch_device)
+        if hasattr(module, "nt_receptive_field"):
+            # Next-token runs compute each prediction from the receptive fields it reads (PCAFModel.
+            # nt_receptive_read): the same loss and gradients at a fraction of the full window's work.
+            module.nt_receptive_field = cfg.train.mode == "nt"
         # The global generator drives dropout. Each rank gets its own stream, so the ranks' batch slices
         # do not share dropout masks; one process uses train.seed itself.
         torch.manual_seed(cfg.train.seed + self.rank)

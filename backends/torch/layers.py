@@ -78,12 +78,17 @@ class ConvBlock(nn.Module):
         self.gelu_form = gelu_form
         self.conv_form = "conv1d"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, T, d] -> [B, T, d]``."""
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, T, d] -> [B, T, d]``. ``valid`` ``[B, T]`` bool: positions that lie before the window's start
+        (receptive-field sub-windows, :meth:`backends.torch.models.PCAFModel.states_at`) give the conv a zero
+        input, which is what the full window's left padding gives it."""
+        y = self.norm(x)
+        if valid is not None:
+            y = y * valid[..., None].to(y.dtype)
         if self.conv_form == "shifted":
-            y = causal_depthwise_conv(self.norm(x), self.conv.weight, self.conv.bias)
+            y = causal_depthwise_conv(y, self.conv.weight, self.conv.bias)
         else:
-            y = self.norm(x).transpose(1, 2)  # [B, d, T]
+            y = y.transpose(1, 2)  # [B, d, T]
             y = self.conv(F.pad(y, (self.conv.kernel_size[0] - 1, 0))).transpose(1, 2)
         y = self.mlp_out(self.drop(gelu(self.mlp_in(y), self.gelu_form)))
         return x + self.drop(y)

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from backends.torch.ops import gather_dot
+from backends.torch.ops import batch_gather, gather_dot
 from backends.torch.routing import Candidates
 from pcaf_core.mixture import AR_PROB_FLOOR, GATE_CLIP, MASKED_SCORE, NT_CACHE_FLOOR, SEMANTIC_OVERLAP_FLOOR
 
@@ -45,12 +45,14 @@ def candidate_scores(
 ) -> torch.Tensor:
     """Score of each slot: ``q·k_s/√d + ρ·r_s [+ λ_sem·log(max(m_s, 1e-6))]``, ``[B, Q, C]``.
 
-    query ``[B, Q, d]``, keys ``[B, T, d]``, recency ``[T]``. The route term (semantic and hybrid routes)
-    needs ``router_probs`` ``[B, T, S]`` and the queries' ``query_router_probs`` ``[B, Q, S]``; the overlap
-    ``m_s = r̃_q·r̃_s`` is computed for the selected slots only. Empty slots hold junk; mask them.
+    query ``[B, Q, d]``, keys ``[B, T, d]``, recency ``[T]`` (or ``[B, T]`` when the records of each sequence
+    sit at their own positions, as in a receptive-field sub-sequence). The route term (semantic and hybrid
+    routes) needs ``router_probs`` ``[B, T, S]`` and the queries' ``query_router_probs`` ``[B, Q, S]``; the
+    overlap ``m_s = r̃_q·r̃_s`` is computed for the selected slots only. Empty slots hold junk; mask them.
     """
     idx = cand.index.clamp(min=0)
-    s = gather_dot(query, keys, idx) / math.sqrt(query.shape[-1]) + rho * recency[idx]
+    rec = recency[idx] if recency.dim() == 1 else batch_gather(recency, idx)
+    s = gather_dot(query, keys, idx) / math.sqrt(query.shape[-1]) + rho * rec
     if router_probs is not None:
         if query_router_probs is None:
             raise ValueError("the semantic route term needs query_router_probs [B, Q, S] with router_probs")

@@ -31,6 +31,7 @@ from backends.torch.layers import (
     l2_normalize,
     layer_norm,
 )
+from backends.torch.ops import batch_gather
 from backends.torch.params import init_params
 from backends.torch.routing import Candidates, SelectionInputs
 from backends.torch.weights import load_canonical
@@ -71,7 +72,8 @@ class TorchMemoryTrace:
 class TorchForwardOutput:
     """Model outputs at the Q query positions (Q = 1 in NT mode, T in AR mode).
 
-    hidden: ``[B, T, d]`` final states;
+    hidden: ``[B, T, d]`` final states (next-token with ``nt_receptive_field``: ``[B, 1 + C, d]``, the
+        query's state and its C candidate slots' states, :meth:`PCAFModel.nt_receptive_read`);
     param_log_probs: ``[B, Q, V]`` parametric head; None when neither log-probs nor predictions were
         requested (a training step reads the head at the targets only);
     log_probs: ``[B, Q, V]`` the predictive distribution in log space (unnormalised under the NT floor),
@@ -163,24 +165,30 @@ class CanonicalLM(nn.Module, abc.ABC):
         tokens, tgt = self.check_inputs(tokens, targets, mode)
         T = tokens.shape[1]
         qpos = records.query_positions(T, mode, tokens.device)
-        h = self.hidden_states(tokens)
         rule = mixture_rule(self.profile, mode)
         # The re-normalised NT loss reads the whole (one-query) mixture, so it needs the full head.
         full_mixture = need_log_probs or (rule.renormalise and tgt is not None and self.uses_cache)
+        need_mix = full_mixture or (need_predictions and not rule.parametric_accuracy)
+        read = None
+        if mode == "nt" and getattr(self, "nt_receptive_field", False):
+            h, read = self.nt_receptive_read(tokens, need_p_cache=need_mix)
+            h_q = h[:, :1]
+        else:
+            h = self.hidden_states(tokens)
+            h_q = h[:, qpos]
         if tgt is not None and not (full_mixture or need_predictions):
             # Training: the head at the targets only, without the [B, Q, V] log-softmax graph.
             param_lp = None
-            lp_y = self.head.target_log_prob(h[:, qpos], tgt)
+            lp_y = self.head.target_log_prob(h_q, tgt)
         else:
-            param_lp = self.head(h[:, qpos])  # [B, Q, V]
+            param_lp = self.head(h_q)  # [B, Q, V]
             lp_y = None if tgt is None else param_lp.gather(-1, tgt[..., None])[..., 0]
         if not self.uses_cache:
             pred = torch.argmax(param_lp, dim=-1) if need_predictions else None
             loss = None if lp_y is None else -lp_y.mean()
             return TorchForwardOutput(h, param_lp, param_lp, lp_y, pred, None, loss)
 
-        need_mix = full_mixture or (need_predictions and not rule.parametric_accuracy)
-        mem, cand_values = self.memory_read(tokens, h, mode, need_p_cache=need_mix)
+        mem, cand_values = read if read is not None else self.memory_read(tokens, h, mode, need_p_cache=need_mix)
         mix_lp = None
         if need_mix:
             mix_lp = mixture.mixture_log_probs(param_lp, mem.p_cache, mem.gate, nt_floor=rule.nt_floor,
@@ -245,6 +253,8 @@ class PCAFModel(CanonicalLM):
             self.gate = Gate(d, profile.gelu)
         self.topk_strategy = "auto"
         self.sparse_window: int | None = None
+        # Next-token forwards from receptive fields only (nt_receptive_read); the backends turn it on.
+        self.nt_receptive_field = False
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -260,55 +270,147 @@ class PCAFModel(CanonicalLM):
         Returns the trace and the slot values ``[B, Q, C]`` (the successor token of each slot's record).
         """
         mcfg, prof = self.memory_config, self.profile
-        B, T = tokens.shape
+        T = tokens.shape[1]
         qpos = records.query_positions(T, mode, tokens.device)
         rec = records.recency(T, mode, h.dtype, h.device)
-        rho = self.memory.recency_scale
-        addr = hashing.addresses(tokens, mcfg.context_order, mcfg.num_buckets,
-                                 int32_wraparound=prof.hash_int32_wraparound)
         keys = l2_normalize(self.memory.key(h), prof.l2norm)  # [B, T, d]
-        h_q = h[:, qpos]
-        query = l2_normalize(self.memory.query(h_q), prof.l2norm)  # [B, Q, d]
+        query = l2_normalize(self.memory.query(h[:, qpos]), prof.l2norm)  # [B, Q, d]
         semantic = mcfg.route in ("semantic", "hybrid")
         router_probs = self.memory.router_probs(h, mcfg.semantic_temperature) if semantic else None
+        addr, cand, topk_dense = self.select_candidates(tokens, mode, query, keys, router_probs)
+        return self._read(tokens, addr, cand, topk_dense, query, keys, rec, router_probs,
+                          None if router_probs is None else router_probs[:, qpos], h[:, qpos], mode, need_p_cache)
 
+    def select_candidates(
+        self, tokens: torch.Tensor, mode: str, query: torch.Tensor | None, keys: torch.Tensor | None,
+        router_probs: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, Candidates, torch.Tensor | None]:
+        """Addresses ``[B, T]``, the candidates of every query and (``topk_score``) which queries went dense.
+
+        query ``[B, Q, d]`` / keys ``[B, T, d]`` are read (detached) by ``topk_score`` only, router_probs
+        ``[B, T, S]`` by the semantic routes only; selection is never differentiated."""
+        mcfg, prof = self.memory_config, self.profile
+        T = tokens.shape[1]
+        qpos = records.query_positions(T, mode, tokens.device)
+        dtype = keys.dtype if keys is not None else torch.float32
+        rec = records.recency(T, mode, dtype, tokens.device)
+        addr = hashing.addresses(tokens, mcfg.context_order, mcfg.num_buckets,
+                                 int32_wraparound=prof.hash_int32_wraparound)
         cand: Candidates | None = None
         topk_dense = None
         if mcfg.route in ("context", "hybrid"):
             if mcfg.candidate_policy == "topk_score":
-                select = SelectionInputs(query.detach(), keys.detach(), rec, float(rho.detach()))
+                select = SelectionInputs(query.detach(), keys.detach(), rec, float(self.memory.recency_scale.detach()))
                 cand, topk_dense = routing.route_context_topk_score(
                     addr, qpos, mcfg.top_k, select, strategy=self.topk_strategy, sparse_window=self.sparse_window)
             else:
                 cand = routing.route_context(addr, qpos, mcfg.top_k, mcfg.candidate_policy)
-        if semantic:
-            probs = router_probs.detach()  # ranking is not differentiated; the route term below is
+        if mcfg.route in ("semantic", "hybrid"):
+            probs = router_probs.detach()  # ranking is not differentiated; the route term of the score is
             if mcfg.semantic_index == "dense":
                 # ρ as a host number: only this route and topk_score rank by it (a device sync, and a
                 # graph break under torch.compile, that the other routes do without).
-                sem = routing.route_semantic_dense(probs, rec, float(rho.detach()), qpos, mcfg.top_k,
+                sem = routing.route_semantic_dense(probs, rec, float(self.memory.recency_scale.detach()), qpos,
+                                                   mcfg.top_k,
                                                    target_leak=prof.semantic_ar_target_leak and mode == "ar")
             else:
                 sem = routing.route_semantic_bucketed(routing.semantic_buckets(probs), qpos, mcfg.top_k)
             cand = sem if cand is None else routing.combine_hybrid(cand, sem, dedup=prof.hybrid_dedup)
+        return addr, cand, topk_dense
 
-        scores = mixture.candidate_scores(
-            query, keys, rec, rho, cand, router_probs, None if router_probs is None else router_probs[:, qpos],
-            mcfg.semantic_score_scale)
+    def _read(
+        self, tokens: torch.Tensor, addr: torch.Tensor, cand: Candidates, topk_dense: torch.Tensor | None,
+        query: torch.Tensor, keys: torch.Tensor, rec: torch.Tensor, router_probs: torch.Tensor | None,
+        query_router_probs: torch.Tensor | None, h_q: torch.Tensor, mode: str, need_p_cache: bool,
+        slots: Candidates | None = None, trace_router_probs: torch.Tensor | None = None,
+    ) -> tuple[TorchMemoryTrace, torch.Tensor]:
+        """Scores, cache weights, p_cache and gate of the selected candidates ``cand`` (window positions).
+
+        ``keys`` / ``rec`` / ``router_probs`` are indexed by ``slots`` (default ``cand``): the window's own
+        arrays, or those of a receptive-field sub-sequence whose positions ``slots`` names."""
+        mcfg, prof = self.memory_config, self.profile
+        slots = cand if slots is None else slots
+        scores = mixture.candidate_scores(query, keys, rec, self.memory.recency_scale, slots, router_probs,
+                                          query_router_probs, mcfg.semantic_score_scale)
         alpha = mixture.cache_weights(scores, cand.valid)
         values = routing.gather_records(records.successor_values(tokens), cand)
         p_cache = None
         if need_p_cache:
             p_cache = mixture.cache_distribution(alpha, values, cand.valid, self.model_config.vocab_size)
-
         if self.model_config.variant == "pcaf_no_gate":
-            raw = torch.full((B, len(qpos)), mcfg.fixed_gate, dtype=h.dtype, device=h.device)
+            raw = torch.full(h_q.shape[:2], mcfg.fixed_gate, dtype=h_q.dtype, device=h_q.device)
         else:
             raw = self.gate(h_q)
         gate = mixture.mask_gate(raw, cand.valid.any(-1), clip_when_empty=prof.gate_clip_when_empty,
                                  per_term=mixture_rule(prof, mode).gate_per_term)
-        trace = TorchMemoryTrace(addr, cand, scores, alpha, gate, p_cache, router_probs, topk_dense)
-        return trace, values
+        traced = router_probs if trace_router_probs is None else trace_router_probs
+        return TorchMemoryTrace(addr, cand, scores, alpha, gate, p_cache, traced, topk_dense), values
+
+    # ------------------------------------------------------------------ next-token receptive fields
+
+    @property
+    def receptive_field(self) -> int:
+        """Positions a final hidden state depends on: ``n_layers·(kernel_size - 1) + 1``."""
+        return self.model_config.n_layers * (self.model_config.kernel_size - 1) + 1
+
+    def states_at(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Final hidden states at ``positions`` ``[B, P]`` (in ``[0, T)``) of windows ``tokens`` ``[B, T]``:
+        ``[B, P, d]``, equal to ``hidden_states(tokens)`` there, computed from each position's receptive
+        field of R tokens only (``B·P·R`` positions instead of ``B·T``). Positions of a sub-window before the
+        window's start feed zeros to every conv, as the full window's left padding does."""
+        B, P = positions.shape
+        R = self.receptive_field
+        idx = positions[..., None] + torch.arange(1 - R, 1, device=tokens.device)  # [B, P, R]
+        valid = (idx >= 0).reshape(B * P, R)
+        x = self.embed(batch_gather(tokens, idx.clamp(min=0)).reshape(B * P, R))
+        for block in self.blocks:
+            x = block(x, valid)
+        return x[:, -1].reshape(B, P, -1)
+
+    def nt_receptive_read(
+        self, tokens: torch.Tensor, *, need_p_cache: bool = True
+    ) -> tuple[torch.Tensor, tuple[TorchMemoryTrace, torch.Tensor] | None]:
+        """The next-token forward's hidden states and memory read from receptive fields only.
+
+        A next-token prediction reads the query's final state and the keys of its K candidates (2K for the
+        hybrid route), and each depends on the last R tokens before it. Routes that select from the tokens
+        alone (``recent`` / ``first`` context routes) compute B·(1+C)·R positions instead of B·T; routes
+        that rank by states (``topk_score``, the semantic routes) first select on a full forward without
+        gradients, then recompute the selected states with gradients. Same outputs as the full forward up
+        to float rounding (dropout draws its masks for the computed positions only).
+
+        Returns ``[B, 1 + C, d]`` states (the query first, then the candidate slots; C = 0 without a cache)
+        and the (trace, slot values) of :meth:`memory_read` (None without a cache).
+        """
+        mcfg, prof = self.memory_config, self.profile
+        B, T = tokens.shape
+        qpos = records.query_positions(T, "nt", tokens.device)
+        if not self.uses_cache:
+            return self.states_at(tokens, qpos.expand(B, 1)), None
+        semantic = mcfg.route in ("semantic", "hybrid")
+        ranks_by_states = semantic or (mcfg.route in ("context", "hybrid") and mcfg.candidate_policy == "topk_score")
+        query_full = keys_full = router_full = None
+        if ranks_by_states:
+            with torch.no_grad():
+                h_full = self.hidden_states(tokens)
+                keys_full = l2_normalize(self.memory.key(h_full), prof.l2norm)
+                query_full = l2_normalize(self.memory.query(h_full[:, qpos]), prof.l2norm)
+                if semantic:
+                    router_full = self.memory.router_probs(h_full, mcfg.semantic_temperature)
+        addr, cand, topk_dense = self.select_candidates(tokens, "nt", query_full, keys_full, router_full)
+        C = cand.index.shape[-1]
+        positions = torch.cat([qpos.expand(B, 1), cand.index[:, 0].clamp(min=0)], dim=1)  # [B, 1 + C]
+        h = self.states_at(tokens, positions)
+        keys = l2_normalize(self.memory.key(h), prof.l2norm)  # [B, 1 + C, d]
+        query = l2_normalize(self.memory.query(h[:, :1]), prof.l2norm)
+        rec = records.recency(T, "nt", h.dtype, h.device)[positions]  # [B, 1 + C]
+        slot = torch.arange(1, C + 1, device=tokens.device)
+        slots = Candidates(torch.where(cand.valid, slot, -1), cand.valid)  # slot c is sub-position 1 + c
+        router = self.memory.router_probs(h, mcfg.semantic_temperature) if semantic else None
+        read = self._read(tokens, addr, cand, topk_dense, query, keys, rec, router,
+                          None if router is None else router[:, :1], h[:, :1], "nt", need_p_cache, slots=slots,
+                          trace_router_probs=router_full)
+        return h, read
 
 
 class TransformerLM(CanonicalLM):

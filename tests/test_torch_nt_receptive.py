@@ -1,0 +1,105 @@
+"""Next-token forwards from receptive fields only (``PCAFModel.nt_receptive_field``) equal the full forward.
+
+A next-token prediction of the conv-backbone models reads the query's final state and its candidates'
+keys; each depends on the last R = n_layers·(k-1)+1 tokens. Computed from those sub-windows, every output,
+memory trace and gradient equals the full window's, in float64, for every route and policy, windows
+shorter than R, buckets that overflow K and empty buckets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backends.torch.models import build_model
+from pcaf_core.config import MemoryConfig, ModelConfig
+from pcaf_core.profiles import get_profile
+
+CASES = [  # (variant, route, semantic index, policy)
+    ("pcaf", "context", "dense", "first"),
+    ("pcaf", "context", "dense", "recent"),
+    ("pcaf", "context", "dense", "topk_score"),
+    ("pcaf", "semantic", "dense", "topk_score"),
+    ("pcaf", "semantic", "bucketed", "recent"),
+    ("pcaf", "hybrid", "bucketed", "topk_score"),
+    ("pcaf", "hybrid", "dense", "first"),
+    ("pcaf_no_gate", "context", "dense", "first"),
+    ("pcaf_no_cache", "context", "dense", "first"),
+    ("local_conv", "context", "dense", "first"),
+]
+
+
+def _model(case, profile: str, seed: int = 0):
+    variant, route, index, policy = case
+    model = ModelConfig(variant=variant, vocab_size=40, d_model=12, d_hidden=16, n_layers=2, kernel_size=3)
+    memory = MemoryConfig(route=route, semantic_index=index, candidate_policy=policy, num_buckets=5, top_k=3,
+                          semantic_buckets=4, semantic_temperature=0.5, semantic_score_scale=0.7)
+    net = build_model(model, memory, get_profile(profile), seed=seed, dtype=torch.float64)
+    with torch.no_grad():  # move every parameter off its init so each one's wiring shows
+        g = torch.Generator().manual_seed(seed + 1)
+        for p in net.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return net.eval()
+
+
+def _run(net, tokens, targets, receptive: bool):
+    net.nt_receptive_field = receptive
+    net.zero_grad()
+    out = net(tokens, targets, "nt")
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+@pytest.mark.parametrize("profile", ["reference_jax", "reference_torch", "corrected"])
+@pytest.mark.parametrize("T", [4, 37])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
+def test_receptive_field_forward_equals_the_full_window(case, T: int, profile: str) -> None:
+    rng = np.random.default_rng(T)
+    tokens = torch.as_tensor(rng.integers(3, 9, (3, T)))  # few distinct tokens: buckets overflow K
+    tokens[2] = torch.arange(3, 3 + T) % 40  # all distinct: the query's bucket may be empty
+    targets = torch.as_tensor(rng.integers(3, 40, 3))
+    net = _model(case, profile)
+    full, g_full = _run(net, tokens, targets, False)
+    part, g_part = _run(net, tokens, targets, True)
+    for name in ("param_log_probs", "log_probs", "target_log_prob"):
+        torch.testing.assert_close(getattr(part, name), getattr(full, name), rtol=1e-10, atol=1e-12, msg=name)
+    torch.testing.assert_close(part.loss, full.loss, rtol=1e-10, atol=1e-12)
+    assert torch.equal(part.prediction, full.prediction)
+    torch.testing.assert_close(part.hidden[:, 0], full.hidden[:, -1], rtol=1e-10, atol=1e-12)
+    if full.memory is not None:
+        assert torch.equal(part.memory.cand.index, full.memory.cand.index)
+        assert torch.equal(part.memory.cand.valid, full.memory.cand.valid)
+        for name in ("scores", "cache_weights", "gate", "p_cache"):
+            got, want = getattr(part.memory, name), getattr(full.memory, name)
+            valid = full.memory.cand.valid if name == "scores" else torch.ones_like(want, dtype=torch.bool)
+            torch.testing.assert_close(got[valid], want[valid], rtol=1e-10, atol=1e-12, msg=name)
+        slots = full.memory.cand.index.clamp(min=0)[:, 0]
+        torch.testing.assert_close(part.hidden[:, 1:], full.hidden[torch.arange(3)[:, None], slots], rtol=1e-10,
+                                   atol=1e-12)
+    assert g_part.keys() == g_full.keys()
+    for name in g_full:
+        torch.testing.assert_close(g_part[name], g_full[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_receptive_field_is_what_the_states_depend_on() -> None:
+    net = _model(("pcaf", "context", "dense", "first"), "corrected")
+    assert net.receptive_field == 2 * (3 - 1) + 1
+    tokens = torch.as_tensor(np.random.default_rng(0).integers(3, 40, (2, 20)))
+    changed = tokens.clone()
+    changed[:, 20 - net.receptive_field - 1] += 1  # just outside the last position's receptive field
+    with torch.no_grad():
+        last = net.states_at(tokens, torch.tensor([[19], [19]]))
+        assert torch.equal(net.states_at(changed, torch.tensor([[19], [19]])), last)
+        changed[:, 20 - net.receptive_field] += 1  # inside it
+        assert not torch.equal(net.states_at(changed, torch.tensor([[19], [19]])), last)
+
+
+def test_dropout_runs_on_the_computed_positions_in_training() -> None:
+    net = _model(("pcaf", "context", "dense", "first"), "reference_torch").train()
+    net.nt_receptive_field = True
+    tokens = torch.as_tensor(np.random.default_rng(1).integers(3, 9, (4, 30)))
+    a = net(tokens, torch.full((4,), 5), "nt", need_log_probs=False, need_predictions=False).loss
+    b = net(tokens, torch.full((4,), 5), "nt", need_log_probs=False, need_predictions=False).loss
+    assert torch.isfinite(a) and not torch.equal(a, b)  # fresh masks each call
