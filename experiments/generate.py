@@ -15,10 +15,11 @@ stderr and exit status 2.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from experiments.allocator import ensure_tunables
+from experiments.key_value_args import parse_key_values
 
 USAGE = 'usage: python -m experiments.generate run_dir=<run directory> prompt="<text>" [key=value ...]'
 
@@ -42,27 +43,7 @@ class GenerateArgs:
 def parse_args(argv: list[str]) -> tuple[GenerateArgs, dict[str, str]]:
     """``key=value`` items -> the options and the ``data.*`` location overrides. Values are taken verbatim
     (a prompt may hold spaces, ``=`` or ``:``)."""
-    types = {f.name: f.type for f in fields(GenerateArgs)}
-    values: dict[str, Any] = {}
-    data: dict[str, str] = {}
-    for item in argv:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"cannot parse {item!r}: options look like key=value ({USAGE})")
-        if key.startswith("data."):
-            data[key[5:]] = raw
-            continue
-        if key not in types:
-            raise ValueError(f"unknown option {key!r}: expected one of {sorted(types)}, data.data_dir or "
-                             "data.cache_dir")
-        kind = types[key]
-        try:
-            values[key] = int(raw) if kind == "int" else float(raw) if kind == "float" else raw
-        except ValueError:
-            raise ValueError(f"{key} must be {'an integer' if kind == 'int' else 'a number'}, got {raw!r}") from None
-    args = GenerateArgs(**values)
-    if not args.run_dir:
-        raise ValueError(f"run_dir is required ({USAGE})")
+    args, data = parse_key_values(argv, GenerateArgs, USAGE)
     if args.backend not in ("torch", "jax"):
         raise ValueError(f"backend={args.backend!r} is unknown: expected torch or jax")
     if args.dtype not in ("fp32", "fp64", "bf16"):

@@ -18,11 +18,12 @@ import csv
 import dataclasses
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from experiments.allocator import ensure_tunables
+from experiments.key_value_args import parse_key_values
 
 USAGE = "usage: python -m experiments.stream_eval run_dir=<run directory> [key=value ...]"
 
@@ -42,28 +43,7 @@ class StreamEvalArgs:
 
 
 def parse_args(argv: list[str]) -> tuple[StreamEvalArgs, dict[str, str]]:
-    types = {f.name: f.type for f in fields(StreamEvalArgs)}
-    values: dict[str, Any] = {}
-    data: dict[str, str] = {}
-    for item in argv:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"cannot parse {item!r}: options look like key=value ({USAGE})")
-        if key.startswith("data."):
-            data[key[5:]] = raw
-        elif key not in types:
-            raise ValueError(f"unknown option {key!r}: expected one of {sorted(types)}, data.data_dir or "
-                             "data.cache_dir")
-        elif types[key] == "int":
-            try:
-                values[key] = int(raw)
-            except ValueError:
-                raise ValueError(f"{key} must be an integer, got {raw!r}") from None
-        else:
-            values[key] = raw
-    args = StreamEvalArgs(**values)
-    if not args.run_dir:
-        raise ValueError(f"run_dir is required ({USAGE})")
+    args, data = parse_key_values(argv, StreamEvalArgs, USAGE)
     if args.dtype not in ("fp32", "fp64"):
         raise ValueError(f"dtype={args.dtype!r} is unknown: expected fp32 or fp64")
     if args.policy not in ("", "recent", "first"):
