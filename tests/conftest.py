@@ -52,3 +52,15 @@ def smoke_pcaf_run(tmp_path_factory) -> Path:
     runs = list((out / "wt2-nt-1024" / "smoke" / "torch" / "pcaf_context").iterdir())
     assert len(runs) == 1
     return runs[0]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch intra-op thread for a module of tiny-tensor tests: more threads only add synchronisation
+    on a shared 2-core machine. Modules opt in with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
 from backends.jax import weights as jax_weights
 from backends.jax.backend import JaxBackend
@@ -27,12 +26,7 @@ STEPS = 20
 TOL = 1e-3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from pcaf_core import hashing, reference
 from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.params import init_params
 from pcaf_core.profiles import get_profile
+from tests.spec_helpers import spec_params
 
 PROFILES = ("reference_jax", "reference_torch", "corrected")
 MODES = ("nt", "ar")
@@ -60,22 +61,6 @@ def configs(variant: str, route: str = "context", index: str = "dense", policy: 
                           **memory_overrides)
     return model, memory, get_profile(profile)
 
-
-def spec_params(model, memory, profile, *, seed: int = 0, rho: float = 0.7) -> dict[str, np.ndarray]:
-    """The spec's init, perturbed so that every parameter matters (random biases and LayerNorm parameters,
-    a unit-variance embedding, a peaky router through the small temperature, the given ρ)."""
-    params = init_params(model, memory, profile, seed=seed)
-    rng = np.random.default_rng(seed + 1000)
-    for name, value in params.items():
-        if name == "memory.recency_scale":
-            params[name] = np.array(rho)
-        elif name == "embed.weight":
-            params[name] = rng.normal(size=value.shape)
-        elif name == "pos.table":
-            params[name] = value + 0.1 * rng.normal(size=value.shape)
-        elif value.ndim == 1:
-            params[name] = value + 0.2 * rng.normal(size=value.shape)
-    return params
 
 
 def window(T: int, mode: str, *, B: int = 2, seed: int = 0, distinct: int = 10, vocab: int = 40):

@@ -13,8 +13,8 @@ import pytest
 
 from pcaf_core import reference, streaming
 from pcaf_core.config import MemoryConfig, ModelConfig
-from pcaf_core.params import init_params
 from pcaf_core.profiles import get_profile
+from tests.spec_helpers import spec_params
 
 SMALL = dict(vocab_size=40, d_model=12, d_hidden=24, n_layers=2, kernel_size=3, n_heads=3, window=5, n_global=2,
              linear_chunk=5, max_seq_len=32)
@@ -46,21 +46,6 @@ def configs(variant, route="context", index="dense", policy="recent", profile="c
                           **{**base, **mem})
     return model, memory, get_profile(profile)
 
-
-def spec_params(model, memory, profile, seed=0, rho=0.7):
-    """The spec's init, perturbed so that every parameter matters (as tests/test_torch_vs_spec.py)."""
-    params = init_params(model, memory, profile, seed=seed)
-    rng = np.random.default_rng(seed + 1000)
-    for name, value in params.items():
-        if name == "memory.recency_scale":
-            params[name] = np.array(rho)
-        elif name == "embed.weight":
-            params[name] = rng.normal(size=value.shape)
-        elif name == "pos.table":
-            params[name] = value + 0.1 * rng.normal(size=value.shape)
-        elif value.ndim == 1:
-            params[name] = value + 0.2 * rng.normal(size=value.shape)
-    return params
 
 
 def tokens(B=2, n=T, distinct=9, seed=0):

@@ -37,13 +37,7 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The machine is shared: keep this test to one intra-op thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _measure(route: str, policy: str, index: str = "bucketed", *, rho: float = 1.0, backward: bool = False):

@@ -16,14 +16,7 @@ from pcaf_core.config import MODEL_VARIANTS, TRANSFORMER_VARIANTS, MemoryConfig,
 from pcaf_core.params import count_params, init_params, param_shapes, sinusoidal_table
 from pcaf_core.profiles import PROFILES, get_profile
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation cost on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TINY = dict(vocab_size=16, d_model=6, d_hidden=8, n_layers=1, kernel_size=3, n_heads=2, window=3, n_global=1,
             linear_chunk=4, max_seq_len=12)

@@ -19,14 +19,7 @@ from backends.torch import routing as troute
 from backends.torch.ops import gather_dot
 from pcaf_core import hashing, mixture, records, routing
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation cost on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # ----------------------------------------------------------------------------- helpers
 

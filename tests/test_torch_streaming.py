@@ -16,13 +16,7 @@ from backends.torch.streaming import NotStreamableError, StreamLimitError, Torch
 from pcaf_core import reference, streaming
 from tests.test_spec_streaming import STREAM_CASES, T, configs, spec_params, tokens
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def torch_model(model, memory, prof, params, dtype=torch.float64):

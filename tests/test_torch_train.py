@@ -74,13 +74,7 @@ def weights_of(run_dir: Path, step: int | None = None) -> dict[str, np.ndarray]:
     return safetensors.numpy.load_file(str(path / ckpt.WEIGHTS_FILE))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models run fastest on one thread, and the machine is shared.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------- end to end

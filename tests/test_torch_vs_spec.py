@@ -21,15 +21,9 @@ from pcaf_core import hashing, reference
 from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.params import init_params
 from pcaf_core.profiles import get_profile
+from tests.spec_helpers import spec_params
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation cost on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROFILES = ("reference_jax", "reference_torch", "corrected")
 MODES = ("nt", "ar")
@@ -64,21 +58,6 @@ def configs(variant: str, route: str = "context", index: str = "dense", policy: 
                           **memory_overrides)
     return model, memory, get_profile(profile)
 
-
-def spec_params(model, memory, profile, *, seed: int = 0, rho: float = 0.7) -> dict[str, np.ndarray]:
-    """The spec's init, perturbed so that every parameter matters (see the module docstring)."""
-    params = init_params(model, memory, profile, seed=seed)
-    rng = np.random.default_rng(seed + 1000)
-    for name, value in params.items():
-        if name == "memory.recency_scale":
-            params[name] = np.array(rho)
-        elif name == "embed.weight":
-            params[name] = rng.normal(size=value.shape)
-        elif name == "pos.table":
-            params[name] = value + 0.1 * rng.normal(size=value.shape)
-        elif value.ndim == 1:  # biases and LayerNorm parameters
-            params[name] = value + 0.2 * rng.normal(size=value.shape)
-    return params
 
 
 def window(T: int, mode: str, *, B: int = 2, seed: int = 0, distinct: int = 10, vocab: int = 40):
