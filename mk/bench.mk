@@ -18,8 +18,10 @@ bench-precision: $(VENV)/.installed data
 	$(PY) benchmarks/precision_check.py --steps 120 --every 30 --out bench/bf16-vs-fp32.md --csv bench/bf16-vs-fp32.csv
 
 # One training step of the cpu-scale rows on torch and on JAX, in alternating fresh processes (about 6 minutes).
+# BACKENDS_RESULTS=docs/results writes the committed copy (bench_backends_cpu.{csv,md}).
+BACKENDS_RESULTS ?= bench
 bench-backends: $(VENV)/.installed
-	$(PY) -m benchmarks.bench_backends --out bench/backends.csv
+	$(PY) -m benchmarks.bench_backends --out bench/backends.csv --results-dir $(BACKENDS_RESULTS)
 
 # Decode cost per generated token against context (1K-64K), batch 1 and 8: PCAF-context, the dense
 # Transformer with a KV cache, local conv (about 5 minutes on the 2-core CPU). DECODE_RESULTS=docs/results

@@ -33,3 +33,26 @@ def cpu_flags() -> set[str]:
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (see :data:`BF16_MATMUL_FLAGS`)."""
     return bool(cpu_flags() & set(BF16_MATMUL_FLAGS))
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def machine_label() -> str:
+    """One line naming the machine for benchmark reports: CPU model, cores, and whether bf16 matrix
+    products run in hardware (which decides every bf16 number on a CPU)."""
+    import os
+
+    bf16 = "bf16 matrix unit" if cpu_has_bf16_matmul() else "no bf16 matrix unit"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {bf16}"
