@@ -192,14 +192,18 @@ def _point_names(spec: TableSpec, row_ids: list[str]) -> dict[str, str]:
 
 
 def _log_ticks(ax: Any, axis: str, unit: str = "") -> None:
-    """Plain numbers on a log axis (``200``, ``3k``, ``1.2M``), at 1-2-5 steps."""
+    """Plain numbers on a log axis (``200``, ``3k``, ``1.2M``), at 1-2-5 steps; at finer steps (30, 40, 60 …)
+    when the axis spans less than a factor of 20, so a reader can read values between 50 and 100. Call it
+    after the axis limits are set."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     def fmt(v: float, _pos: Any = None) -> str:
         return _count_text(v) if unit == "count" else f"{v:g}"
 
     target = ax.xaxis if axis == "x" else ax.yaxis
-    target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    lo, hi = ax.get_xlim() if axis == "x" else ax.get_ylim()
+    subs = (1.0, 2.0, 5.0) if hi / max(lo, 1e-300) >= 20 else (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+    target.set_major_locator(LogLocator(base=10, subs=subs))
     target.set_major_formatter(FuncFormatter(fmt))
     target.set_minor_formatter(NullFormatter())
 
