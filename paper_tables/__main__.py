@@ -1,14 +1,16 @@
-"""Command line: ``python -m paper_tables {render,sweep,list} ...``.
+"""Command line: ``python -m paper_tables {render,backends,sweep,list} ...``.
 
 - ``render --table T --scale S --backend B --runs DIR --out DIR [--profile P] [--no-figures]``:
   writes ``<T>_<S>_<B>.{md,tex,csv}``, ``<T>_<S>_<B>_claims.csv`` and the figures; prints every
   path, the Markdown path last.
+- ``backends --table T --scale S --runs DIR --out DIR [--rows GLOBS]``: the table's rows measured on torch
+  and on JAX side by side, with the JAX − torch differences: ``<T>_<S>_torch_vs_jax.{md,csv}``.
 - ``sweep --runs DIR --param KEY [--param KEY2] --out DIR [--y METRIC] [--name NAME]``: one table and
   one plot of ``METRIC`` over the values of each ``KEY`` found in a Hydra multirun; prints the paths,
   a Markdown path last.
 - ``list [--table T]``: the tables, or one table's rows with their experiment names.
 
-``render`` and ``sweep`` exit 1 with one line when ``--runs`` holds no run record at all (a mistyped
+``render``, ``backends`` and ``sweep`` exit 1 with one line when ``--runs`` holds no run record at all (a mistyped
 root), instead of rendering a table of missing rows.
 """
 
@@ -45,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--y", default="best_ppl", choices=SWEEP_METRICS, help="metric to plot")
     s.add_argument("--name", default=None, help="file stem suffix (default: the param)")
 
+    b = sub.add_parser("backends", help="one table measured on torch and on JAX, side by side with the difference")
+    b.add_argument("--table", required=True, help=f"suite table: {', '.join(TABLES)}")
+    b.add_argument("--scale", required=True, choices=SCALES)
+    b.add_argument("--runs", default="outputs", help="root searched for run directories (metrics.json)")
+    b.add_argument("--out", default="outputs/tables", help="output directory")
+    b.add_argument("--rows", default=None, help="comma-separated globs over row ids (default: every row)")
+
     ls = sub.add_parser("list", help="list tables, or the rows and experiment names of one table")
     ls.add_argument("--table", default=None)
     return p
@@ -76,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from paper_tables.sweep import render_sweep
 
 
-    if args.command == "render":
+    if args.command in ("render", "backends"):
         _check_table(parser, args.table)
     if not find_metrics_files(args.runs):
         # A mistyped root would otherwise render a table of "missing" rows and look like a result.
@@ -90,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         for key, path in paths.items():
             if key != "md":
                 print(path)
+        print(paths["md"])
+        return 0
+    if args.command == "backends":
+        from paper_tables.backend_diff import render_backend_comparison
+
+        paths = render_backend_comparison(args.table, args.scale, args.runs, args.out, rows=args.rows)
+        print(paths["csv"])
         print(paths["md"])
         return 0
     for path in render_sweep(args.runs, args.param, args.out, y=args.y, name=args.name):

@@ -257,3 +257,24 @@ def test_headlines_follow_the_row_selection():
 
     assert [h.label for h in select_rows(spec, "*_wt103_t1024").headlines] == ["WikiText-103 T=1024"]
     assert select_rows(spec, "pcaf_semantic_wt103_t1024,pcaf_context_wt103_t1024").headlines == ()
+
+
+def test_backend_comparison_puts_both_backends_side_by_side_with_the_difference(tmp_path):
+    from paper_tables.__main__ import main
+
+    for row, (torch_ppl, jax_ppl) in {"pcaf_context": (300.0, 306.0), "local_conv": (250.0, 245.0)}.items():
+        make_run(tmp_path / "runs", TABLE, row, best_ppl=torch_ppl, full_ppl=torch_ppl - 10, tokens_per_sec=20000.0)
+        make_run(tmp_path / "runs", TABLE, row, backend="jax", best_ppl=jax_ppl, full_ppl=jax_ppl - 10,
+                 tokens_per_sec=16000.0)
+    make_run(tmp_path / "runs", TABLE, "pcaf_no_cache", best_ppl=350.0)  # torch only
+    assert main(["backends", "--table", TABLE, "--scale", "smoke", "--runs", str(tmp_path / "runs"),
+                 "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / f"{TABLE}_smoke_torch_vs_jax.md").read_text()
+    context = _line(md, "PCAF-context")
+    assert "| 300.00 | 306.00 | +6.00 (+2.0%) | 290.00 | 296.00 | +6.00 (+2.1%) | 20,000 | 16,000 | 0.80 |" in context
+    assert "| 250.00 | 245.00 | -5.00 (-2.0%) |" in _line(md, "Local conv only")
+    assert _line(md, "Dense Transformer").count("not measured") == 9
+    assert "| 350.00 | not measured | not measured |" in _line(md, "PCAF no cache")
+    frame = pd.read_csv(tmp_path / "out" / f"{TABLE}_smoke_torch_vs_jax.csv").set_index("row")
+    assert frame.at["pcaf_context", "best_ppl_diff"] == pytest.approx(6.0)
+    assert "## Claims on each backend" in md
