@@ -35,26 +35,41 @@ def _k_values(k: Any) -> list[int]:
     return sorted(set(values))
 
 
-def _topk_ranks(run_dir: str, data: str, win: np.ndarray, addr: np.ndarray, T: int) -> tuple[np.ndarray, str]:
+def run_ids(analysis_vocab: Any, run_vocab: Any) -> np.ndarray:
+    """``[V_analysis] int64``: the run's id of every analysis token (``<unk>`` where the run's vocabulary
+    lacks it), so a run trained on a smaller vocabulary of the same corpus reads the text as it was trained
+    to, while addresses and recall stay on the analysis tokenization."""
+    unk = run_vocab.stoi["<unk>"]
+    return np.array([run_vocab.stoi.get(t, unk) for t in analysis_vocab.itos], dtype=np.int64)
+
+
+def _topk_ranks(run_dir: str, data: str, win: np.ndarray, addr: np.ndarray, T: int,
+                analysis_vocab: Any) -> tuple[np.ndarray, str]:
     """The topk_score statistic from a trained run's keys and queries (the spec's forward, its profile)."""
     from pcaf_core.reference import hidden_states, l2_normalize
-    from pcaf_core.trained_run import load_params, locate_run
+    from pcaf_core.trained_run import load_params, load_vocabulary, locate_run
 
     run = locate_run(run_dir)
     cfg = run.config
     if cfg.data.name != data:
         raise ValueError(f"run {run.run_dir} was trained on data={cfg.data.name}; its keys cannot rank {data} "
                          "(give run_dir only with its own corpus)")
+    run_vocab, _ = load_vocabulary(run)
+    model_win = run_ids(analysis_vocab, run_vocab)[win]
     params = {k: v.astype(np.float64) for k, v in load_params(run).items()}
     W = win.shape[0]
     q = np.empty((W, T, cfg.model.d_model))
     k = np.empty_like(q)
     for w0 in range(0, W, 8):
-        h = hidden_states(params, win[w0:w0 + 8, :T], cfg.model, cfg.profile)
+        h = hidden_states(params, model_win[w0:w0 + 8, :T], cfg.model, cfg.profile)
         k[w0:w0 + 8] = l2_normalize(h @ params["memory.key.weight"], cfg.profile.l2norm)
         q[w0:w0 + 8] = l2_normalize(h @ params["memory.query.weight"], cfg.profile.l2norm)
     rho = float(params["memory.recency_scale"])
-    return bucket_stats.topk_gap(addr, win, q, k, rho, max(T - 1, 1)), run.describe()
+    described = run.describe()
+    if len(run_vocab) != len(analysis_vocab):
+        described += (f"; its vocabulary of {len(run_vocab):,} reads the words outside it (of the analysis's "
+                      f"{len(analysis_vocab):,}) as <unk>")
+    return bucket_stats.topk_gap(addr, win, q, k, rho, max(T - 1, 1)), described
 
 
 def analyze(cfg: DictConfig) -> Path:
@@ -74,7 +89,7 @@ def analyze(cfg: DictConfig) -> Path:
     rand = bucket_stats.query_stats(bucket_stats.random_addresses(addr.shape, B, int(cfg.seed)), win, ks)
     topk, topk_run = (None, None)
     if cfg.run_dir:
-        topk, topk_run = _topk_ranks(str(cfg.run_dir), cfg.data, win, addr, T)
+        topk, topk_run = _topk_ranks(str(cfg.run_dir), cfg.data, win, addr, T, corpus.vocab)
     rows = bucket_stats.recall_table(stats, ks, topk, rand)
     labels, frac = bucket_stats.occupancy_histogram(stats.occupancy)
     size_labels, size_frac = bucket_stats.occupancy_histogram(stats.bucket_sizes)

@@ -42,3 +42,14 @@ def test_topk_score_column_from_a_trained_run(smoke_pcaf_run, tmp_path):
         assert 0 < row["recall_topk_score"] <= row["recall_bucket"]
     assert rec["rows"][0]["recall_topk_score"] <= rec["rows"][1]["recall_topk_score"]
     assert "topk_score keys: wt2-nt-1024/pcaf_context" in (tmp_path / "b.md").read_text()
+
+
+def test_a_run_of_a_smaller_vocabulary_reads_the_other_words_as_unk():
+    from experiments.analyze_buckets import run_ids
+    from pcaf_core.data.tokenizer import SPECIALS, Vocabulary
+
+    analysis = Vocabulary([*SPECIALS, "the", "cat", "sat", "mat"])
+    run = Vocabulary([*SPECIALS, "the", "sat"])
+    unk = run.stoi["<unk>"]
+    mapped = run_ids(analysis, run)
+    assert mapped.tolist() == [*range(len(SPECIALS)), run.stoi["the"], unk, run.stoi["sat"], unk]
