@@ -173,9 +173,21 @@ def _profiled(case: Case, profile_T: int) -> bool:
         PROFILED_MODEL, profile_T, 0.1, "eager", "fp32")
 
 
+def step_budget(case: Case, warmup: int, steps: int) -> tuple[int, int]:
+    """(warm-up, timed) steps of ``case``: next-token steps of the conv-backbone models cost a fraction of a second
+    and take the full budget; full-AR and Transformer steps cost seconds and take one warm-up step (plus the
+    memory step) and at most 3 timed steps; bf16 without a bf16 matrix unit takes one timed step."""
+    if case.precision == "bf16" and not cpu_has_bf16_matmul():
+        return 1, 1
+    if case.mode == "nt" and not MODELS[case.model][1].startswith("transformer"):
+        return warmup, steps
+    return 1, min(steps, 3)
+
+
 def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path | None, profile_T: int
                   ) -> list[dict]:
-    """Build every case of ``group`` (one mode and T), warm each up, then time their steps interleaved."""
+    """Build every case of ``group`` (one mode and T), warm each up, then time their steps interleaved
+    (:func:`step_budget` says how many)."""
     from backends.torch.backend import TorchBackend
     from backends.torch.compile import compile_pays_off
     from benchmarks.torch_memory import PeakLiveBytes
@@ -196,7 +208,8 @@ def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path 
         state, loss = backend.train_step(state, x, y, 1e-4)
         row["first_step_s"] = round(time.perf_counter() - t0, 2)
         row["first_loss"] = round(loss, 4)
-        for _ in range(max(0, warmup - 1)):
+        case_warmup, case_steps = step_budget(case, warmup, steps)
+        for _ in range(max(0, case_warmup - 1)):
             state, _ = backend.train_step(state, x, y, 1e-4)
         if case.compile == "eager" and case.precision == "fp32":
             with PeakLiveBytes() as probe:
@@ -207,19 +220,18 @@ def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path 
             path = profile_dir / f"profile_{_slug(case)}.txt"
             row["profile_top"] = _profile_step(backend, state, x, y, path)
             row["profile_file"] = str(path)
-        entries.append([case, cfg, backend, state, x, y, row, []])
+        entries.append([case, cfg, backend, state, x, y, row, [], case_steps])
         print(f"[models {case.model} {case.mode} T={case.T} batch={case.batch} p={case.dropout} {case.compile} "
               f"{case.precision}] ready (first step {row['first_step_s']} s)", file=sys.stderr, flush=True)
-    for _ in range(steps):
+    for _ in range(max(e[8] for e in entries)):
         for entry in entries:
-            case, cfg, backend, state, x, y, row, times = entry
-            n = steps if case.precision == "fp32" or cpu_has_bf16_matmul() else 1
+            case, cfg, backend, state, x, y, row, times, n = entry
             if len(times) >= n:
                 continue
             t0 = time.perf_counter()
             entry[3], _ = backend.train_step(state, x, y, 1e-4)
             times.append(time.perf_counter() - t0)
-    return [finish(case, cfg, row, times) for case, cfg, _, _, _, _, row, times in entries]
+    return [finish(case, cfg, row, times) for case, cfg, _, _, _, _, row, times, _ in entries]
 
 
 def _policy(cfg) -> str:
@@ -257,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemm-out", default="", help="GEMM peaks CSV (default: <out dir>/gemm.csv)")
     parser.add_argument("--profile-dir", default="bench", help="where the profiled steps' op tables go")
     parser.add_argument("--quick", action="store_true", help="T=256 stand-ins, no compile, no bf16")
-    parser.add_argument("--steps", type=int, default=0, help="timed steps per case (default 5; quick 2)")
-    parser.add_argument("--warmup", type=int, default=0, help="warm-up steps per case (default 2; quick 1)")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="timed steps of a cheap case (default 5; quick 2; see step_budget)")
+    parser.add_argument("--warmup", type=int, default=0, help="warm-up steps of a cheap case (default 2; quick 1)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     bf16_unit = cpu_has_bf16_matmul()
@@ -272,11 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases(args.quick, bf16_unit):
         groups.setdefault((case.mode, case.T), []).append(case)
     rows = []
-    for (mode, T), group in groups.items():
-        # Full-AR steps at T >= 2048 cost seconds each: fewer of them, still interleaved.
-        n = min(steps, 3) if mode == "ar" and T >= 2048 else steps
-        rows += measure_group(group, warmup if mode == "nt" else 1, n,
-                              Path(args.profile_dir) if args.profile_dir else None,
+    for group in groups.values():
+        rows += measure_group(group, warmup, steps, Path(args.profile_dir) if args.profile_dir else None,
                               PROFILED_T_QUICK if args.quick else PROFILED_T)
     wall = round(time.perf_counter() - start, 1)
     for r in rows:

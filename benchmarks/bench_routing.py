@@ -98,7 +98,7 @@ def torch_route_step(route: str, x: dict):
             if route == "recent":
                 cand = route_context(x["addr"], qpos, K, "recent")
             elif route == "topk_score":
-                select = SelectionInputs(q.detach(), k.detach(), x["rec"], float(rho))
+                select = SelectionInputs(q.detach(), k.detach(), x["rec"], float(rho.detach()))
                 cand = route_context(x["addr"], qpos, K, "topk_score", select)
             else:
                 probs = torch.softmax(z / TAU, dim=-1)
