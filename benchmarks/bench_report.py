@@ -346,7 +346,7 @@ def render(bench_dir: Path, out: Path) -> Path:
     lines += ["", "## FLOPs and the fraction of peak", "", FLOPS_TEXT, ""]
     if data["routing"]:
         plot_routing(data["routing"], [out.parent / "bench_routing.png", bench_dir / "routing.png"])
-        lines += ["## Routing cost against T (full AR, batch 1, d=224, K=32)", "",
+        lines += ["## Routing cost against T (full AR, batch 1, d=224, K=32, fp32)", "",
                   f"Memory: {'; '.join(sorted({r['memory_method'] for r in data['routing']}))}. Tokens: "
                   f"{data['routing'][0]['tokens']}.", "",
                   "| backend | compile | route | T | forward + backward ms | peak MB | status |",
@@ -369,10 +369,11 @@ def render(bench_dir: Path, out: Path) -> Path:
     if data["models"]:
         plot_models(data["models"], [out.parent / "bench_models.png", bench_dir / "models.png"])
         lines += ["## Training throughput (WikiText-2 paper shapes, torch)", "",
-                  "| model | mode | T | batch | policy | dropout | compile | dtype | ms / step | tokens/s | "
-                  "model % of peak | executed % of peak | step peak MB | state MB | note |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['mode']} | {r['T']} | {r['batch']} | {r['policy']} | {r['dropout']} | "
+                  "| model | backend | d / h / blocks / V | mode | T | batch | policy | dropout | compile | dtype | "
+                  "ms / step | tokens/s | model % of peak | executed % of peak | step peak MB | state MB | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['backend']} | {r['d']} / {r['d_hidden']} / {r['layers']} / {r['V']} | "
+                  f"{r['mode']} | {r['T']} | {r['batch']} | {r['policy']} | {r['dropout']} | "
                   f"{r['compile']} | {r['dtype']} | {r['step_ms']} | {_f(r['tokens_per_s']):,.0f} | {r['model_pct']} | "
                   f"{r['executed_pct']} | {r.get('step_peak_mb') or '-'} | {r['state_mb']} | {r.get('note', '')} |"
                   for r in data["models"]]

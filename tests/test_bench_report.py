@@ -28,7 +28,8 @@ def _routing() -> list[dict]:
 
 def _model(model: str, mode: str, T: int, tokens_per_s: float, *, dtype: str = "fp32", dropout: float = 0.1,
            compile: str = "eager", model_pct: float = 50.0, auto: bool = False, batch: int = 8) -> dict:
-    return {"model": model, "mode": mode, "T": T, "batch": batch, "policy": "context/first", "dropout": dropout,
+    return {"model": model, "backend": "torch", "d": 256, "d_hidden": 1000, "layers": 2, "V": 20000, "mode": mode,
+            "T": T, "batch": batch, "policy": "context/first", "dropout": dropout,
             "compile": compile, "dtype": dtype, "step_ms": 100.0, "tokens_per_s": tokens_per_s,
             "model_pct": model_pct, "executed_pct": model_pct / 5, "peak_gflops": 100.0, "step_peak_mb": 10.0,
             "state_mb": 400.0, "note": "", "auto_compiles": auto, "profile_top": "aten::addmm 40%" if T == 1024 else "",
