@@ -167,7 +167,8 @@ def model_targets(rows: list[dict] | None, gemm: list[dict] | None) -> list[Targ
         if pc and dt:
             x = _f(pc["tokens_per_s"]) / _f(dt["tokens_per_s"])
             parts.append(f"dropout {p}: {x:.1f}x ({_f(pc['tokens_per_s']):,.0f} {pc['compile']} against "
-                         f"{_f(dt['tokens_per_s']):,.0f} tokens/s, batch {pc['batch']} / {dt['batch']})")
+                         f"{_f(dt['tokens_per_s']):,.0f} tokens/s ({dt['policy']}), batch {pc['batch']} / "
+                         f"{dt['batch']})")
             verdicts.append(_missed(x, NT_RATIO_TARGET))
     out.append(Target(name, "; ".join(parts) or "-", _all(verdicts)))
 
