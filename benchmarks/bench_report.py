@@ -7,7 +7,7 @@ Inputs (each optional; a missing one leaves its section and targets "not measure
   the matmul peak;
 - ``backends.csv`` (``benchmarks.bench_backends``): torch beside JAX, and the JAX 41M full-AR step.
 
-The targets of the benchmark issue are judged here, from the rows, so the verdicts always match the numbers
+The speed targets are judged here, from the rows, so the verdicts always match the numbers
 beside them. Writes the Markdown, PNG plots beside it and in the bench directory, and copies of the CSVs
 beside it (``bench_<name>.csv``) so the committed report carries its data.
 
@@ -28,7 +28,7 @@ from benchmarks.common import read_csv
 ROUTING_RATIO_TARGETS = {8192: 10.0, 16384: 20.0}
 EXPONENT_TARGET = 1.2
 NT_PEAK_TARGET, AR_PEAK_TARGET, BF16_TARGET, NT_RATIO_TARGET = 60.0, 80.0, 2.5, 6.1
-PAPER_JAX_41M = (300.0, 360.0)  # tokens/s the issue quotes for the paper's JAX code on another 2-core machine
+PAPER_JAX_41M = (300.0, 360.0)  # tokens/s quoted for the paper's JAX code, measured on another 2-core machine
 CSV_NAMES = ("routing", "models", "gemm", "backends")
 
 
@@ -116,7 +116,7 @@ def model_targets(rows: list[dict] | None, gemm: list[dict] | None) -> list[Targ
                  f"window, {r['executed_pct']}% counting what the step executes ({_f(r['tokens_per_s']):,.0f} "
                  "tokens/s)" for r in nt]
         verdict = _all([_missed(_f(r["model_pct"]), NT_PEAK_TARGET) for r in nt])
-        out.append(Target(name, "; ".join(parts), verdict + " (full-window count, the issue's)",
+        out.append(Target(name, "; ".join(parts), verdict + " (full-window count, the target's definition)",
                           _profile_evidence(rows, "nt")))
     else:
         out.append(Target(name, "-", "not measured"))
@@ -233,8 +233,8 @@ def backend_targets(rows: list[dict] | None) -> list[Target]:
         verdict = "met" if tps >= hi else ("met against 300, missed against 360" if tps >= lo else
                                             f"missed by {hi / tps:.2f}x (against 2x360)")
         out.append(Target(name, f"{tps:,.0f} tokens/s ({big[0]['policy']}, {big[0]['profile']})",
-                          verdict, "the paper code's 300-360 tokens/s was not measured here: it is the issue's "
-                                   "figure from a different 2-core machine"))
+                          verdict, "the paper code's 300-360 tokens/s was not measured here: it is a figure "
+                                   "quoted from a different 2-core machine"))
     else:
         out.append(Target(name, "-", "not measured"))
     return out

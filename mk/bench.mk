@@ -3,7 +3,7 @@
 	bench-backends bench-decode
 
 # The benchmark report: routing cost against T, training throughput and fraction of the matmul peak, torch
-# beside JAX, rendered into docs/results/bench.md with every target of the benchmark issue judged. The parts
+# beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
 # run one after another (never in parallel: they time the whole machine); run it on an otherwise idle machine.
 # Estimated wall time on the 2-core CPU: about 25 minutes (routing ~4, models ~10, backends ~10).
 # BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in about 3 minutes and renders bench/bench.md

@@ -98,7 +98,7 @@ def test_renderer_judges_every_target_from_the_csvs(tmp_path):
     assert verdict("torch `topk_score`") == "missed by 1.25x"
     assert verdict("torch `semantic_bucketed`") == "missed by 1.67x"
     assert verdict("jax `recent`").startswith("not measured")
-    assert verdict("Next-token PCAF-context") == "met (full-window count, the issue's)"
+    assert verdict("Next-token PCAF-context") == "met (full-window count, the target's definition)"
     assert verdict("Full-AR PCAF-context, fp32") == "missed by 1.60x"
     assert verdict("bf16 autocast").startswith("missed by 50.00x (impossible on this CPU")
     assert verdict("learning curves") == "not measured"
@@ -107,7 +107,7 @@ def test_renderer_judges_every_target_from_the_csvs(tmp_path):
     assert verdict("JAX within") == "missed by 1.20x"
     assert verdict("41M shape") == "met against 300, missed against 360"
     assert "Test CPU, 2 cores, no bf16 matrix unit (avx2 fma); torch 2.13.0, jax 0.7.0" in text
-    assert "not measured here" in text  # the paper code's 41M figure is the issue's, not this machine's
+    assert "not measured here" in text  # the paper code's 41M figure is quoted, not measured here
     for name in ("bench_routing.png", "bench_models.png", "bench_routing.csv", "bench_backends.csv"):
         assert (md.parent / name).stat().st_size > 0
 
