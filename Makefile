@@ -25,7 +25,10 @@ help:
 	@echo "make sweep SWEEP_ROW=<table>/<row> SWEEP='memory.top_k=4,8,16,32' SCALE=smoke - Hydra multirun"
 	@echo "make figures - re-render tables and figures from existing run records"
 	@echo "make params  - paper-scale parameter counts from the instantiated models"
-	@echo "make bench   - benchmarks (CSV under bench/)"
+	@echo "make bench   - the benchmark report docs/results/bench.md (routing vs T, throughput and fraction of peak,"
+	@echo "               torch beside JAX; CSV and plots under bench/); estimated 25 min here, run it on an idle machine;"
+	@echo "               BENCH=quick (make bench-quick): ~3 min, renders bench/bench.md"
+	@echo "make bench-decode | bench-kernels | bench-train-step | bench-precision | bench-data - the other benchmarks"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

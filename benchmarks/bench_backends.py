@@ -1,10 +1,21 @@
 """One training step on each backend, side by side: torch against JAX on the same run configs.
 
-The cases are rows of the default cpu table (``main-303m`` at ``SCALE=cpu``: full AR, T=256, V=8,000,
-d=128, 2 blocks, batch 2), PCAF-context and local conv, in fp32 and bf16, plus the next-token
-PCAF-context row of ``wt2-nt-1024`` (T=1024, batch 8). Each backend goes through its ``Backend``
-protocol implementation (``init`` + ``train_step``: exactly the step the training loop times, host
-batch in, loss on the host out), so the numbers are what a run of the suite gets.
+Parity cases: every PCAF variant (context, semantic with the bucketed index, hybrid with the bucketed index,
+no gate, no cache) and local conv, in both modes: full AR at the default cpu table's shapes (``main-303m`` at
+``SCALE=cpu``: T=256, V=8,000, d=128, 2 blocks, batch 2, profile ``reference_jax``) and next-token at
+``wt2-nt-1024``'s (T=1024, V=20,000, d=128, batch 8, profile ``reference_torch``, dropout 0.1). Torch runs
+eager (``train.compile=off``: a run shorter than 1,000 steps does) except in the one case labelled
+``inductor`` (next-token PCAF-context compiled, what ``train.compile=auto`` gives a long next-token run);
+JAX always runs ``jax.jit``. Precision fp32; bf16 only where the CPU has a bf16 matrix unit (AMX or
+AVX-512 BF16), otherwise one small demonstration pair (full AR, T=64, batch 1, fp32 beside bf16).
+
+Beside them, JAX alone: the full-AR step at the 41M shape of the paper's S sweep (``sweeps-41m``
+``pcaf_semantic_ar_s256`` at ``scale=paper``: d=224, 14 blocks, V=32,000, K=32, S=256, T=2048, batch 1,
+the dense semantic route the paper's code uses).
+
+Each backend goes through its ``Backend`` protocol implementation (``init`` + ``train_step``: exactly the
+step the training loop times, host batch in, loss on the host out), so the numbers are what a run of the
+suite gets.
 
 Measurement: every (case, backend) runs in its own fresh process, and the processes alternate
 (torch, jax, jax, torch, ...) for ``--rounds`` rounds so that the machine's drift falls on both sides
@@ -15,41 +26,91 @@ dropout as the row's profile says, every core of the machine: torch intra-op thr
 CPU thread pool = cores).
 
     python -m benchmarks.bench_backends [--out bench/backends.csv] [--rounds 2] [--steps 5] [--results-dir DIR]
+                                        [--quick]
 
 ``--results-dir`` also writes ``bench_backends_cpu.{csv,md}`` there: every row labelled with the machine,
-the library versions, threads and allocator, and the 1.5x parity target judged per row.
+the library versions, threads and allocator, and the 1.5x parity target judged per row. ``--quick``: the
+two PCAF-context cases, one round, one warm-up and two timed steps (checks that it runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_throughput import write_csv
-from pcaf_core.sysinfo import machine_label
+from benchmarks.common import environment_labels, write_csv
+from pcaf_core.sysinfo import cpu_has_bf16_matmul
 
-CASES = [  # (label, table, row, precision)
-    ("PCAF-context", "main-303m", "pcaf_context_wt103_t1024", "fp32"),
-    ("local conv", "main-303m", "local_conv_wt103_t1024", "fp32"),
-    ("PCAF-context", "main-303m", "pcaf_context_wt103_t1024", "bf16"),
-    ("local conv", "main-303m", "local_conv_wt103_t1024", "bf16"),
-    ("PCAF-context NT", "wt2-nt-1024", "pcaf_context", "fp32"),
-]
 BACKENDS = ("torch", "jax")
 
 
-def _run_config(table: str, row: str, precision: str):
+@dataclass(frozen=True)
+class BackendCase:
+    """One measured configuration: a composed row plus overrides, on ``backends``. ``kind``: ``parity`` (the
+    1.5x target applies), ``bf16 demo`` or ``41M`` (JAX alone)."""
+
+    model: str
+    table: str
+    row: str
+    precision: str = "fp32"
+    overrides: tuple[str, ...] = ()
+    backends: tuple[str, ...] = BACKENDS
+    kind: str = "parity"
+    scale: str = "cpu"
+    compile: str = "off"
+
+
+_AR_CTX = ("main-303m", "pcaf_context_wt103_t1024")
+_NT_CTX = ("wt2-nt-1024", "pcaf_context")
+_BUCKETED = ("memory.semantic_index=bucketed",)
+
+
+def build_cases(bf16_unit: bool) -> list[BackendCase]:
+    """Every case, in a fixed order (a worker is told its case by index)."""
+    cases = [
+        BackendCase("PCAF-context", *_AR_CTX),
+        BackendCase("PCAF-semantic (bucketed)", "main-303m", "pcaf_semantic_wt103_t1024", overrides=_BUCKETED),
+        BackendCase("PCAF-hybrid (bucketed)", *_AR_CTX, overrides=("memory.route=hybrid", *_BUCKETED)),
+        BackendCase("PCAF no gate", *_AR_CTX, overrides=("model.variant=pcaf_no_gate",)),
+        BackendCase("PCAF no cache", *_AR_CTX, overrides=("model.variant=pcaf_no_cache",)),
+        BackendCase("local conv", "main-303m", "local_conv_wt103_t1024"),
+        BackendCase("PCAF-context", *_NT_CTX),
+        BackendCase("PCAF-semantic (bucketed)", *_NT_CTX, overrides=("memory.route=semantic", *_BUCKETED)),
+        BackendCase("PCAF-hybrid (bucketed)", *_NT_CTX, overrides=("memory.route=hybrid", *_BUCKETED)),
+        BackendCase("PCAF no gate", "wt2-nt-1024", "pcaf_no_gate"),
+        BackendCase("PCAF no cache", "wt2-nt-1024", "pcaf_no_cache"),
+        BackendCase("local conv", "wt2-nt-1024", "local_conv"),
+        BackendCase("PCAF-context", *_NT_CTX, compile="on"),
+    ]
+    if bf16_unit:
+        cases += [BackendCase("PCAF-context", *_AR_CTX, precision="bf16", kind="bf16"),
+                  BackendCase("local conv", "main-303m", "local_conv_wt103_t1024", precision="bf16", kind="bf16")]
+    else:
+        small = ("train.seq_len=64", "train.batch_size=1")
+        cases += [BackendCase("PCAF-context", *_AR_CTX, overrides=small, kind="bf16 demo"),
+                  BackendCase("PCAF-context", *_AR_CTX, precision="bf16", overrides=small, kind="bf16 demo")]
+    cases.append(BackendCase("PCAF-semantic 41M", "sweeps-41m", "pcaf_semantic_ar_s256", scale="paper",
+                             overrides=("train.batch_size=1", "train.seq_len=2048"), backends=("jax",), kind="41M"))
+    return cases
+
+
+CASES = build_cases(cpu_has_bf16_matmul())
+QUICK_CASES = (0, 6)
+
+
+def _run_config(case: BackendCase):
     from experiments.reproduce import compose_row
 
-    return compose_row(table, row, "cpu", "torch", [f"train.precision={precision}"])[0].run
+    overrides = [*case.overrides, f"train.precision={case.precision}", f"train.compile={case.compile}"]
+    return compose_row(case.table, case.row, case.scale, "torch", overrides)[0].run
 
 
 def _backend(name: str):
@@ -64,8 +125,7 @@ def _backend(name: str):
 
 def worker(backend_name: str, case: int, warmup: int, steps: int) -> dict:
     """Time ``steps`` training steps of ``CASES[case]`` on one backend; returns the median and context."""
-    label, table, row, precision = CASES[case]
-    cfg = _run_config(table, row, precision)
+    cfg = _run_config(CASES[case])
     backend = _backend(backend_name)
     state = backend.init(cfg)
     rng = np.random.default_rng(0)
@@ -79,35 +139,65 @@ def worker(backend_name: str, case: int, warmup: int, steps: int) -> dict:
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         losses.append(loss)
+    compiled = "jit" if backend_name == "jax" else ("inductor" if "torch.compile" in backend.device else "eager")
     return {"step_s": statistics.median(times), "tokens": B * T, "mode": cfg.train.mode, "T": T, "batch": B,
             "dropout": cfg.profile.dropout, "profile": cfg.profile.name, "first_loss": losses[0],
-            "device": backend.device, "versions": backend.versions()}
+            "d": cfg.model.d_model, "layers": cfg.model.n_layers, "V": V, "policy": _policy(cfg),
+            "compile": compiled, "device": backend.device, "versions": backend.versions()}
+
+
+def _policy(cfg) -> str:
+    m = cfg.memory
+    if cfg.model.variant not in ("pcaf", "pcaf_no_gate"):
+        return "no cache"
+    if m.route == "context":
+        return f"context/{m.candidate_policy}"
+    return f"{m.route}/{m.semantic_index}"
 
 
 PARITY_TARGET = 1.5
 """JAX within 1.5x of torch either way (the backend issue's target)."""
 
 
+def parity_verdict(jax_over_torch: float) -> str:
+    """``met`` when JAX is within :data:`PARITY_TARGET` of torch either way, else by how much it missed."""
+    slower = max(jax_over_torch, 1 / jax_over_torch)
+    return "met" if slower <= PARITY_TARGET else f"missed by {slower / PARITY_TARGET:.2f}x"
+
+
+def parity_table(rows: list[dict]) -> list[str]:
+    """Markdown table of the measured cases: every label, both step times, the ratio and, for the parity
+    cases, the target's verdict."""
+    lines = ["| model | kind | mode | T | batch | d / blocks / V | policy | precision | profile | dropout "
+             "| torch compile | torch ms | JAX ms | torch tokens/s | JAX tokens/s | JAX / torch | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r.get("jax_over_torch_time")
+        ratio = float(ratio) if ratio not in (None, "") else None
+        verdict = parity_verdict(ratio) if ratio is not None and r["kind"] == "parity" else "-"
+        lines.append(f"| {r['model']} | {r['kind']} | {r['mode']} | {r['T']} | {r['batch']} | "
+                     f"{r['d']} / {r['layers']} / {r['V']} | {r['policy']} | {r['precision']} | {r['profile']} | "
+                     f"{r['dropout']} | {r['torch_compile'] or '-'} | {r['torch_step_ms'] or '-'} | "
+                     f"{r['jax_step_ms'] or '-'} | {r['torch_tokens_per_s'] or '-'} | {r['jax_tokens_per_s'] or '-'} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}'} | {verdict} |")
+    return lines
+
+
+def labels_line(labels: dict) -> str:
+    """The environment of a report in one line (``benchmarks.common.environment_labels``)."""
+    return (f"machine: {labels['machine']} ({labels['cpu_flags']}); torch {labels['torch']}, jax {labels['jax']}; "
+            f"{labels['threads']} threads (torch intra-op, XLA CPU pool); GLIBC_TUNABLES {labels['glibc_tunables']}")
+
+
 def write_results(rows: list[dict], results_dir: Path, labels: dict, command: str) -> Path:
     """``bench_backends_cpu.csv`` and ``bench_backends_cpu.md`` (labels, table, target per row)."""
     results_dir.mkdir(parents=True, exist_ok=True)
     write_csv(results_dir / "bench_backends_cpu.csv", rows)
-    lines = ["# One training step, torch beside JAX", "",
-             f"- machine: {labels['machine']}; torch {labels['torch']}, jax {labels['jax']}; "
-             f"{labels['threads']} threads each (torch intra-op, XLA CPU pool); malloc {labels['malloc']}",
+    lines = ["# One training step, torch beside JAX", "", f"- {labels_line(labels)}",
              f"- command: `{command}`",
              "- each (case, backend) in a fresh process, backends alternating, median of the timed steps per "
              "process, median over rounds; the step is the `Backend.train_step` a run of the suite times",
-             f"- target: JAX within {PARITY_TARGET}x of torch either way", "",
-             "| model | table / row | mode | T | batch | precision | profile | dropout | torch ms | JAX ms "
-             "| JAX / torch | target |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        ratio = r["jax_over_torch_time"]
-        slower = max(ratio, 1 / ratio)
-        verdict = "met" if slower <= PARITY_TARGET else f"missed by {slower / PARITY_TARGET:.2f}x"
-        lines.append(f"| {r['model']} | {r['table']} / {r['row']} | {r['mode']} | {r['T']} | {r['batch']} | "
-                     f"{r['precision']} | {r['profile']} | {r['dropout']} | {r['torch_step_ms']} | "
-                     f"{r['jax_step_ms']} | {ratio:.2f} | {verdict} |")
+             f"- target: JAX within {PARITY_TARGET}x of torch either way (parity cases)", "", *parity_table(rows)]
     md = results_dir / "bench_backends_cpu.md"
     md.write_text("\n".join(lines) + "\n")
     return md
@@ -118,7 +208,9 @@ def _sample(backend_name: str, case: int, warmup: int, steps: int) -> dict:
            "--warmup", str(warmup), "--steps", str(steps)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        raise RuntimeError(f"{backend_name} worker for case {CASES[case][:3]} failed:\n{out.stderr[-3000:]}")
+        c = CASES[case]
+        raise RuntimeError(f"{backend_name} worker for case {c.model} ({c.table}/{c.row} {c.overrides}) failed:\n"
+                           f"{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -128,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--cases", default=",".join(str(i) for i in range(len(CASES))),
-                        help="comma-separated indices into CASES")
+    parser.add_argument("--cases", default="", help="comma-separated indices into CASES (default: all)")
+    parser.add_argument("--quick", action="store_true", help="the two PCAF-context cases, 1 round, 1+2 steps")
     parser.add_argument("--results-dir", default="", help="also write bench_backends_cpu.{csv,md} here")
     parser.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     parser.add_argument("--case", type=int, help=argparse.SUPPRESS)
@@ -137,44 +229,48 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(worker(args.worker, args.case, args.warmup, args.steps)))
         return 0
-    cases = [int(c) for c in args.cases.split(",")]
+    if args.quick:
+        args.rounds, args.warmup, args.steps = 1, 1, 2
+    cases = ([int(c) for c in args.cases.split(",")] if args.cases else
+             list(QUICK_CASES) if args.quick else list(range(len(CASES))))
+    start = time.perf_counter()
     samples: dict[tuple[int, str], list[dict]] = {}
     for r in range(args.rounds):
         for case in cases:
-            order = BACKENDS if (r + case) % 2 == 0 else BACKENDS[::-1]
+            names = CASES[case].backends
+            order = names if (r + case) % 2 == 0 else names[::-1]
             for name in order:
                 s = _sample(name, case, args.warmup, args.steps)
                 samples.setdefault((case, name), []).append(s)
-                print(f"round {r + 1}/{args.rounds} {CASES[case][0]:16} {CASES[case][3]} {name:5} "
-                      f"{s['step_s'] * 1e3:8.1f} ms", flush=True)
-    tv = samples[(cases[0], "torch")][0]["versions"]
-    jv = samples[(cases[0], "jax")][0]["versions"]
-    labels = {"machine": machine_label(), "torch": tv.get("torch"), "jax": jv.get("jax"),
-              "threads": os.cpu_count(), "malloc": "tuned" if os.environ.get("GLIBC_TUNABLES") else "default"}
+                c = CASES[case]
+                print(f"round {r + 1}/{args.rounds} {c.model:24} {c.kind:9} {c.precision} {s['mode']} "
+                      f"{name:5} {s['step_s'] * 1e3:8.1f} ms", flush=True)
+    labels = environment_labels()
     rows = []
     for case in cases:
-        label, table, row, precision = CASES[case]
-        med = {n: statistics.median(s["step_s"] for s in samples[(case, n)]) for n in BACKENDS}
-        first = samples[(case, "torch")][0]
-        rows.append({
-            "model": label, "table": table, "row": row, "mode": first["mode"], "T": first["T"],
-            "batch": first["batch"], "precision": precision, "profile": first["profile"], "dropout": first["dropout"],
-            "torch_step_ms": round(med["torch"] * 1e3, 1), "jax_step_ms": round(med["jax"] * 1e3, 1),
-            "torch_tokens_per_s": round(first["tokens"] / med["torch"], 1),
-            "jax_tokens_per_s": round(first["tokens"] / med["jax"], 1),
-            "jax_over_torch_time": round(med["jax"] / med["torch"], 3),
-            "rounds": args.rounds, "steps_per_sample": args.steps, **labels,
-        })
+        c = CASES[case]
+        med = {n: statistics.median(s["step_s"] for s in samples[(case, n)]) for n in c.backends}
+        first = samples[(case, c.backends[0])][0]
+        row = {"model": c.model, "kind": c.kind, "table": c.table, "row": c.row, "scale": c.scale,
+               "overrides": " ".join(c.overrides), "mode": first["mode"], "T": first["T"], "batch": first["batch"],
+               "d": first["d"], "layers": first["layers"], "V": first["V"], "policy": first["policy"],
+               "precision": c.precision, "profile": first["profile"], "dropout": first["dropout"],
+               "torch_compile": samples[(case, "torch")][0]["compile"] if "torch" in med else ""}
+        for n in BACKENDS:
+            row[f"{n}_step_ms"] = round(med[n] * 1e3, 1) if n in med else ""
+            row[f"{n}_tokens_per_s"] = round(first["tokens"] / med[n], 1) if n in med else ""
+        row["jax_over_torch_time"] = round(med["jax"] / med["torch"], 3) if len(med) == 2 else ""
+        rows.append({**row, "rounds": args.rounds, "steps_per_sample": args.steps, **labels})
+    wall = round(time.perf_counter() - start, 1)
+    for r in rows:
+        r["section_wall_s"] = wall
     write_csv(args.out, rows)
     if args.results_dir:
         command = "python -m benchmarks.bench_backends " + " ".join(argv if argv is not None else sys.argv[1:])
         print(write_results(rows, Path(args.results_dir), labels, command.strip()))
-    print(f"\n{'model':16} {'mode':4} {'T':>5} {'prec':5} {'torch ms':>9} {'jax ms':>8} {'jax/torch':>9}  "
-          f"(cpu scale, {labels['machine']}, torch {labels['torch']}, jax {labels['jax']}, malloc {labels['malloc']})")
-    for r in rows:
-        print(f"{r['model']:16} {r['mode']:4} {r['T']:>5} {r['precision']:5} {r['torch_step_ms']:>9.1f} "
-              f"{r['jax_step_ms']:>8.1f} {r['jax_over_torch_time']:>9.2f}")
-    print(Path(args.out))
+    print(labels_line(labels))
+    print("\n".join(parity_table(rows)))
+    print(f"{args.out} ({wall} s)")
     return 0
 
 

@@ -32,12 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from backends.torch import build_model
 from backends.torch.streaming import TorchStream
-from benchmarks.bench_throughput import write_csv
+from benchmarks.common import text_tokens, write_csv
 from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.profiles import get_profile
 
@@ -45,21 +44,6 @@ MODELS = (("PCAF-context", "pcaf"), ("dense Transformer (KV cache)", "transforme
 CONTEXTS = (1024, 4096, 16384, 65536)
 BATCHES = (1, 8)
 SHAPES = dict(vocab_size=20000, d_model=128, d_hidden=512, n_layers=2, n_heads=4, window=64, n_global=8)
-
-
-def text_tokens(n: int, batch: int) -> tuple[np.ndarray, str]:
-    """``[batch, n]`` consecutive stretches of WikiText-2 train (random ids when the corpus is missing)."""
-    try:
-        from pcaf_core.config import DataConfig
-        from pcaf_core.data import load_corpus
-
-        train = np.asarray(load_corpus(DataConfig(name="wikitext2", layout="tokens", max_vocab=20000)).train)
-        starts = (np.arange(batch) * (len(train) // batch)) % max(len(train) - n, 1)
-        if len(train) >= n:
-            return np.stack([train[s:s + n] for s in starts]).astype(np.int64), "WikiText-2 train text"
-    except Exception as exc:  # noqa: BLE001 - the benchmark still measures cost on random ids, and says so
-        print(f"note: WikiText-2 unavailable ({exc}); prefilling random ids", file=sys.stderr)
-    return np.random.default_rng(0).integers(3, 20000, (batch, n)), "random ids"
 
 
 def build(variant: str, max_context: int) -> TorchStream:

@@ -10,10 +10,15 @@ speed-up column is against the unfused pair of the same model and precision.
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
-from benchmarks.bench_throughput import step_seconds, write_csv
+from backends.torch import build_model
+from benchmarks.common import write_csv
+from pcaf_core.config import MemoryConfig, ModelConfig
+from pcaf_core.profiles import get_profile
 
 CASES = [  # (label, variant, route, precision)
     ("dense Transformer", "transformer_dense", "context", "bf16"),
@@ -21,6 +26,34 @@ CASES = [  # (label, variant, route, precision)
     ("dense Transformer", "transformer_dense", "context", "fp32"),
 ]
 PATHS = [(False, False), (True, False), (False, True), (True, True)]  # (fused head, fused AdamW)
+
+
+def step_seconds(variant: str, route: str, mode: str, T: int, batch: int, precision: str, steps: int, *,
+                 fused_head: bool = True, fused_adamw: bool = True) -> float:
+    """Median seconds of one training step (forward, backward, AdamW) on random tokens, after one warm-up
+    step (d=128, 2 layers, V=20,000).
+
+    ``fused_head=False`` trains through the full ``[B, Q, V]`` log-softmax (the evaluation path) instead
+    of ``backends.torch.head_loss``; ``fused_adamw=False`` uses AdamW's per-tensor loop.
+    """
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(variant=variant, vocab_size=20000, d_model=128, d_hidden=512, n_layers=2, n_heads=4,
+                            window=64, n_global=8, max_seq_len=T)
+    memory = MemoryConfig(route=route, top_k=32, semantic_score_scale=0.5)
+    model = build_model(model_cfg, memory, get_profile("reference_jax"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused_adamw or None, foreach=False)
+    x = torch.randint(3, 20000, (batch, T))
+    y = torch.randint(3, 20000, (batch, T) if mode == "ar" else (batch,))
+    times = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            out = model(x, y, mode, need_log_probs=not fused_head, need_predictions=False)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def main() -> int:

@@ -1,33 +1,55 @@
-"""The backend-parity report: labels on every row and the 1.5x target judged either way."""
+"""The backend-parity report: labels on every row, the 1.5x target judged either way for parity cases only, and
+a case list that covers every PCAF variant in both modes."""
 
 from __future__ import annotations
 
 import csv
 
-from benchmarks.bench_backends import write_results
+from benchmarks.bench_backends import build_cases, write_results
 
-LABELS = {"machine": "Test CPU, 2 cores, no bf16 matrix unit", "torch": "2.13.0", "jax": "0.7.0", "threads": 2,
-          "malloc": "tuned"}
+LABELS = {"machine": "Test CPU, 2 cores, no bf16 matrix unit", "cpu_flags": "avx2 fma", "torch": "2.13.0",
+          "jax": "0.7.0", "threads": 2, "glibc_tunables": "glibc.malloc.mmap_threshold=4294967295"}
 
 
-def _row(model: str, torch_ms: float, jax_ms: float) -> dict:
-    return {"model": model, "table": "main-303m", "row": "pcaf_context_wt103_t1024", "mode": "ar", "T": 256,
-            "batch": 2, "precision": "fp32", "profile": "reference_jax", "dropout": 0.0,
-            "torch_step_ms": torch_ms, "jax_step_ms": jax_ms, "torch_tokens_per_s": 512 / torch_ms * 1e3,
-            "jax_tokens_per_s": 512 / jax_ms * 1e3, "jax_over_torch_time": round(jax_ms / torch_ms, 3),
-            "rounds": 2, "steps_per_sample": 5, **LABELS}
+def _row(model: str, torch_ms: float | str, jax_ms: float, kind: str = "parity") -> dict:
+    both = torch_ms != ""
+    return {"model": model, "kind": kind, "table": "main-303m", "row": "pcaf_context_wt103_t1024", "scale": "cpu",
+            "overrides": "", "mode": "ar", "T": 256, "batch": 2, "d": 128, "layers": 2, "V": 8000,
+            "policy": "context/topk_score", "precision": "fp32", "profile": "reference_jax", "dropout": 0.0,
+            "torch_compile": "eager" if both else "", "torch_step_ms": torch_ms, "jax_step_ms": jax_ms,
+            "torch_tokens_per_s": 512 / torch_ms * 1e3 if both else "", "jax_tokens_per_s": 512 / jax_ms * 1e3,
+            "jax_over_torch_time": round(jax_ms / torch_ms, 3) if both else "", "rounds": 2, "steps_per_sample": 5,
+            **LABELS}
 
 
 def test_report_labels_every_row_and_judges_the_target_both_ways(tmp_path):
-    rows = [_row("within", 100.0, 140.0), _row("jax slower", 100.0, 180.0), _row("torch slower", 300.0, 100.0)]
+    rows = [_row("within", 100.0, 140.0), _row("jax slower", 100.0, 180.0), _row("torch slower", 300.0, 100.0),
+            _row("bf16 slower", 100.0, 300.0, kind="bf16 demo"), _row("jax alone", "", 900.0, kind="41M")]
     md = write_results(rows, tmp_path, LABELS, "python -m benchmarks.bench_backends --rounds 2")
     text = md.read_text()
-    assert "Test CPU, 2 cores, no bf16 matrix unit" in text and "torch 2.13.0, jax 0.7.0" in text
+    assert "Test CPU, 2 cores, no bf16 matrix unit (avx2 fma); torch 2.13.0, jax 0.7.0" in text
+    assert "GLIBC_TUNABLES glibc.malloc.mmap_threshold=4294967295" in text
     assert "`python -m benchmarks.bench_backends --rounds 2`" in text
     lines = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
     assert lines["within"].endswith("| 1.40 | met |")
     assert lines["jax slower"].endswith("| 1.80 | missed by 1.20x |")
     assert lines["torch slower"].endswith("| 0.33 | missed by 2.00x |")
+    assert lines["bf16 slower"].endswith("| 3.00 | - |")  # not a parity case: no verdict
+    assert lines["jax alone"].endswith("| - | - |")
     with open(tmp_path / "bench_backends_cpu.csv") as fh:
         written = list(csv.DictReader(fh))
-    assert [r["machine"] for r in written] == [LABELS["machine"]] * 3
+    assert [r["machine"] for r in written] == [LABELS["machine"]] * 5
+
+
+def test_parity_cases_cover_every_pcaf_variant_in_both_modes():
+    for bf16_unit in (False, True):
+        cases = build_cases(bf16_unit)
+        parity = {(c.model, c.table) for c in cases if c.kind == "parity"}
+        for model in ("PCAF-context", "PCAF-semantic (bucketed)", "PCAF-hybrid (bucketed)", "PCAF no gate",
+                      "PCAF no cache", "local conv"):
+            assert {t for m, t in parity if m == model} == {"main-303m", "wt2-nt-1024"}, model
+        bf16 = [c for c in cases if c.precision == "bf16"]
+        # without a bf16 matrix unit bf16 shrinks to one small demonstration case beside its fp32 twin
+        assert len(bf16) == (2 if bf16_unit else 1)
+        assert all(c.kind == ("bf16" if bf16_unit else "bf16 demo") for c in bf16)
+        assert [c.backends for c in cases if c.kind == "41M"] == [("jax",)]

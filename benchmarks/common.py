@@ -1,0 +1,107 @@
+"""What every benchmark script shares: CSV writing, the machine/environment labels of a row, timing.
+
+The labels name everything that decides a CPU number: the CPU model and cores, the vector and matrix units
+that matter (AVX2, AVX-512, AMX / AVX-512 BF16), the library versions (read from package metadata, so a
+torch-only process does not import JAX), the intra-op thread count and the glibc malloc tunables.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from pcaf_core.sysinfo import cpu_flags, machine_label
+
+FLAGS_THAT_MATTER = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+"""CPU flags that decide matmul speed on a CPU: AVX2/FMA (fp32), AVX-512, and the bf16 matrix units."""
+
+
+def write_csv(path: str | Path, rows: list[dict]) -> None:
+    """``rows`` as a CSV file (columns: every key, in first-seen order; missing cells empty), parent
+    directories created."""
+    if not rows:
+        raise ValueError(f"no rows to write to {path}: the benchmark measured nothing")
+    fields: dict[str, None] = {}
+    for r in rows:
+        fields.update(dict.fromkeys(r))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(fields))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def read_csv(path: str | Path) -> list[dict]:
+    """The rows of a CSV file written by :func:`write_csv` (values as strings)."""
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def package_version(name: str) -> str:
+    """Installed version of ``name`` (package metadata; no import), or ``"absent"``."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def environment_labels(threads: int | None = None) -> dict[str, object]:
+    """The labels every benchmark row carries (module docstring). ``threads``: the intra-op thread count the
+    process runs with (default: every core)."""
+    flags = cpu_flags()
+    return {
+        "machine": machine_label(),
+        "cpu_flags": " ".join(f for f in FLAGS_THAT_MATTER if f in flags) or "none of " + ",".join(FLAGS_THAT_MATTER),
+        "torch": package_version("torch"),
+        "jax": package_version("jax"),
+        "threads": threads if threads is not None else os.cpu_count(),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "unset"),
+    }
+
+
+def median_seconds(fn: Callable[[], object], warmup: int, repeats: int) -> tuple[float, list[float]]:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed ones; also the samples.
+    ``fn`` must finish its work before returning (synchronise, or bring a value to the host)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def loglog_slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log(y) against log(x): the exponent p of y ∝ x^p."""
+    import math
+
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    den = sum((a - mx) ** 2 for a in lx)
+    if den == 0:
+        raise ValueError("a log-log slope needs at least two distinct x values")
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / den
+
+
+def text_tokens(n: int, batch: int) -> tuple[np.ndarray, str]:
+    """``[batch, n]`` consecutive stretches of WikiText-2 train (random ids when the corpus is missing)."""
+    try:
+        from pcaf_core.config import DataConfig
+        from pcaf_core.data import load_corpus
+
+        train = np.asarray(load_corpus(DataConfig(name="wikitext2", layout="tokens", max_vocab=20000)).train)
+        starts = (np.arange(batch) * (len(train) // batch)) % max(len(train) - n, 1)
+        if len(train) >= n:
+            return np.stack([train[s:s + n] for s in starts]).astype(np.int64), "WikiText-2 train text"
+    except Exception as exc:  # noqa: BLE001 - the benchmark still measures cost on random ids, and says so
+        print(f"note: WikiText-2 unavailable ({exc}); using random ids", file=sys.stderr)
+    return np.random.default_rng(0).integers(3, 20000, (batch, n)), "random ids"

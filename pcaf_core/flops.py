@@ -1,0 +1,123 @@
+"""Analytic FLOPs of a training step, from the spec's shapes (what the benchmark's fraction of peak divides by).
+
+Only matrix products and the depthwise convolution count (2 FLOPs per multiply-add); LayerNorm, GELU,
+softmax, dropout, gathers and the optimiser do not, so a step's measured time always carries work these
+formulas leave out. A training step is counted as 3x its forward (the backward of a product costs two
+products: one for the input's gradient, one for the weight's).
+
+Forward FLOPs per position, with d = ``d_model``, h = ``d_hidden``, V = ``vocab_size``, L = ``n_layers``,
+k = ``kernel_size``, S = ``semantic_buckets``, C = candidate slots (K; 2K on the hybrid route):
+
+- conv backbone (PCAF family, local conv), per position: ``L·(2kd + 4dh)``;
+- Transformer backbone, per position: ``L·(8d² + 4dh)`` (fused qkv 6d², out 2d², MLP 4dh) plus attention
+  ``L·4d·n`` with n the keys a query reads: (t+1) causal keys for dense attention, min(t+1, w) for local,
+  summed over the window's queries (the masked-dense local attention of this suite computes all T keys;
+  ``attention_keys="computed"`` counts those);
+- head, per predicted position: ``2dh + 2hV``;
+- PCAF cache (``pcaf``, ``pcaf_no_gate``): keys ``2d²`` per record, query ``2d²`` and scores ``2Cd`` per query,
+  the gate ``d² + d`` per query (``pcaf`` only), the router ``2dS`` per position and the route term ``2CS``
+  per query (semantic and hybrid routes).
+
+Full AR predicts at every position: a window's forward is T backbone positions, T heads, T queries.
+A next-token window predicts once. Two counts are defined for it:
+
+- ``full_window``: the formulation the paper's code computes, the backbone over all T positions, T−1 records
+  and one head;
+- ``receptive_field``: what a receptive-field step executes (``PCAFModel.nt_receptive_read``): the backbone
+  over (1 + C)·R positions with R = L·(k − 1) + 1, C keys, one head; routes that rank by states
+  (``topk_score`` context, semantic, hybrid) add one forward (no backward) over the window of the backbone
+  and of what ranks (the router ``2dS``, the key and query projections ``4d²``).
+  Transformers always compute the full window.
+"""
+
+from __future__ import annotations
+
+from pcaf_core.config import CACHE_VARIANTS, TRANSFORMER_VARIANTS, MemoryConfig, ModelConfig
+
+NT_COUNTS = ("full_window", "receptive_field")
+
+
+def _candidates(memory: MemoryConfig) -> int:
+    return 2 * memory.top_k if memory.route == "hybrid" else memory.top_k
+
+
+def _ranks_by_states(memory: MemoryConfig) -> bool:
+    return memory.route in ("semantic", "hybrid") or memory.candidate_policy == "topk_score"
+
+
+def conv_position_flops(model: ModelConfig) -> float:
+    """Forward FLOPs of the conv backbone at one position: ``L·(2kd + 4dh)``."""
+    d, h = model.d_model, model.d_hidden
+    return model.n_layers * (2 * model.kernel_size * d + 4 * d * h)
+
+
+def head_flops(model: ModelConfig) -> float:
+    """Forward FLOPs of the vocabulary head at one predicted position: ``2dh + 2hV``."""
+    return 2 * model.d_model * model.d_hidden + 2 * model.d_hidden * model.vocab_size
+
+
+def attention_key_count(model: ModelConfig, seq_len: int, attention_keys: str = "model") -> float:
+    """Keys read by all T queries of a window, summed: causal (t+1), or min(t+1, w) for local attention
+    (``attention_keys="computed"``: all T keys wherever the attention is a masked dense product)."""
+    T = seq_len
+    causal = T * (T + 1) / 2
+    if model.variant == "transformer_dense" or model.variant == "linear_attention":
+        return causal
+    if attention_keys == "computed":
+        return float(T * T)
+    w = min(model.window, T)
+    local = w * (w + 1) / 2 + (T - w) * w  # min(t+1, w) summed over t
+    if model.variant == "transformer_global_local":
+        g = min(model.n_global, T)
+        local += sum(max(0, min(g, t + 1 - w)) for t in range(w, T)) if g else 0
+    return local
+
+
+def forward_flops(model: ModelConfig, memory: MemoryConfig, mode: str, seq_len: int, *,
+                  nt_count: str = "full_window", attention_keys: str = "model") -> float:
+    """Forward FLOPs of one window of ``seq_len`` tokens (module docstring). Returns FLOPs, not per token."""
+    if nt_count not in NT_COUNTS:
+        raise ValueError(f"nt_count {nt_count!r} is unknown: expected one of {list(NT_COUNTS)}")
+    T, d = seq_len, model.d_model
+    ar = mode == "ar"
+    heads = T if ar else 1
+    if model.variant in TRANSFORMER_VARIANTS:
+        per_pos = model.n_layers * (8 * d * d + 4 * d * model.d_hidden)
+        attn = model.n_layers * 4 * d * attention_key_count(model, T, attention_keys)
+        return T * per_pos + attn + heads * head_flops(model)
+    C = _candidates(memory)
+    cache = model.variant in CACHE_VARIANTS
+    if ar or nt_count == "full_window":
+        positions, records, queries = T, (T if ar else T - 1), heads
+    else:
+        R = model.n_layers * (model.kernel_size - 1) + 1
+        positions, records, queries = ((1 + C) * R if cache else R), (C if cache else 0), 1
+    total = positions * conv_position_flops(model) + heads * head_flops(model)
+    if cache:
+        semantic = memory.route in ("semantic", "hybrid")
+        total += 2 * d * d * (records + queries) + 2 * C * d * queries
+        if model.variant == "pcaf":
+            total += (d * d + d) * queries
+        if semantic:
+            routed = T if ar else records + queries  # full AR: every position is both a record and a query
+            total += 2 * d * memory.semantic_buckets * routed + 2 * C * memory.semantic_buckets * queries
+    return float(total)
+
+
+def train_step_flops(model: ModelConfig, memory: MemoryConfig, mode: str, seq_len: int, batch: int, *,
+                     nt_count: str = "full_window", attention_keys: str = "model") -> float:
+    """FLOPs of one training step (forward and backward, 3x the forward) of ``batch`` windows.
+
+    With ``nt_count="receptive_field"`` a next-token step of a cache model that ranks by states also counts
+    the selection pass: one forward of the backbone over the whole window, without backward."""
+    fwd = forward_flops(model, memory, mode, seq_len, nt_count=nt_count, attention_keys=attention_keys)
+    total = 3 * fwd
+    if (mode == "nt" and nt_count == "receptive_field" and model.variant in CACHE_VARIANTS
+            and _ranks_by_states(memory)):
+        per_pos = conv_position_flops(model)
+        if memory.route in ("semantic", "hybrid"):
+            per_pos += 2 * model.d_model * memory.semantic_buckets
+        if memory.route in ("context", "hybrid") and memory.candidate_policy == "topk_score":
+            per_pos += 4 * model.d_model * model.d_model
+        total += seq_len * per_pos
+    return float(batch * total)

@@ -1,0 +1,65 @@
+"""The analytic FLOP counts of the benchmark's fraction of peak, checked against the spec's parameter shapes: a
+full-AR forward applies every matrix (and conv) weight once per position, so its matmul FLOPs per position are
+twice the applied weights, plus the parameter-free products (attention, candidate scores)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pcaf_core.config import MemoryConfig, ModelConfig
+from pcaf_core.flops import forward_flops, train_step_flops
+from pcaf_core.params import param_shapes
+from pcaf_core.profiles import get_profile
+
+T, K, S = 64, 8, 16
+
+
+def _applied(model: ModelConfig, memory: MemoryConfig) -> int:
+    """Elements of every weight a position multiplies by (2-d weights and conv taps; not the embedding table)."""
+    shapes = param_shapes(model, memory, get_profile("corrected"))
+    return sum(math.prod(s) for n, s in shapes.items() if len(s) == 2 and n not in ("embed.weight", "pos.table"))
+
+
+@pytest.mark.parametrize("route", ["context", "semantic", "hybrid"])
+def test_pcaf_full_ar_flops_are_twice_the_applied_weights(route: str) -> None:
+    model = ModelConfig(variant="pcaf", vocab_size=500, d_model=32, d_hidden=64, n_layers=3, kernel_size=5)
+    memory = MemoryConfig(route=route, semantic_buckets=S, top_k=K)
+    C = 2 * K if route == "hybrid" else K
+    scores = 2 * C * model.d_model + (2 * C * S if route != "context" else 0)
+    assert forward_flops(model, memory, "ar", T) == T * (2 * _applied(model, memory) + scores)
+    assert train_step_flops(model, memory, "ar", T, 3) == 3 * 3 * forward_flops(model, memory, "ar", T)
+
+
+@pytest.mark.parametrize("variant", ["transformer_dense", "transformer_local"])
+def test_transformer_full_ar_flops_add_attention_over_the_keys_read(variant: str) -> None:
+    model = ModelConfig(variant=variant, vocab_size=500, d_model=32, d_hidden=64, n_layers=2, n_heads=4, window=16)
+    memory = MemoryConfig()
+    keys = T * (T + 1) / 2 if variant == "transformer_dense" else 16 * 17 / 2 + (T - 16) * 16
+    attention = model.n_layers * 4 * model.d_model * keys
+    assert forward_flops(model, memory, "ar", T) == T * 2 * _applied(model, memory) + attention
+    # the masked dense local attention computes all T keys of every query
+    computed = forward_flops(model, memory, "ar", T, attention_keys="computed")
+    assert computed == T * 2 * _applied(model, memory) + model.n_layers * 4 * model.d_model * (
+        T * T if variant == "transformer_local" else keys)
+
+
+def test_next_token_receptive_field_counts_only_the_positions_it_reads() -> None:
+    model = ModelConfig(variant="pcaf", vocab_size=500, d_model=32, d_hidden=64, n_layers=2, kernel_size=5)
+    memory = MemoryConfig(route="context", candidate_policy="recent", top_k=K)
+    d, R = model.d_model, 2 * 4 + 1
+    conv = model.n_layers * (2 * 5 * d + 4 * d * model.d_hidden)
+    head = 2 * d * model.d_hidden + 2 * model.d_hidden * model.vocab_size
+    query = 2 * d * d + 2 * K * d + d * d + d  # projection, scores, gate
+    full = forward_flops(model, memory, "nt", T)
+    assert full == T * conv + head + 2 * d * d * (T - 1) + query
+    executed = forward_flops(model, memory, "nt", T, nt_count="receptive_field")
+    assert executed == (1 + K) * R * conv + head + 2 * d * d * K + query
+    # recent selects from tokens alone: no selection pass; topk_score ranks by states: one forward over T
+    assert train_step_flops(model, memory, "nt", T, 1, nt_count="receptive_field") == 3 * executed
+    ranked = MemoryConfig(route="context", candidate_policy="topk_score", top_k=K)
+    assert (train_step_flops(model, ranked, "nt", T, 1, nt_count="receptive_field")
+            == 3 * executed + T * (conv + 4 * d * d))
+    local = ModelConfig(variant="local_conv", vocab_size=500, d_model=32, d_hidden=64, n_layers=2, kernel_size=5)
+    assert forward_flops(local, memory, "nt", T, nt_count="receptive_field") == R * conv + head
