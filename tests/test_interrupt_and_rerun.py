@@ -109,7 +109,13 @@ def test_a_live_run_is_locked_and_the_same_command_resumes_it_after_sigkill_sigt
         return real_lr_for(train, step)
 
     monkeypatch.setattr(loop, "lr_for", ctrl_c_at_7)
-    assert reproduce.main([*RUN_ARGS, "--output-root", str(out)]) == 130
+    # A terminal's SIGINT handler, whatever an earlier test in this worker process left installed (a run of
+    # make test saw the Ctrl-C ignored and the run finish).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert reproduce.main([*RUN_ARGS, "--output-root", str(out)]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     monkeypatch.undo()
     printed = capsys.readouterr()
     assert f"resuming {run_dir} from step 4" in printed.out
