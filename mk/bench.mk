@@ -12,16 +12,18 @@ BENCH ?= full
 ifeq ($(BENCH),quick)
 BENCH_FLAGS := --quick
 BENCH_REPORT ?= bench/bench.md
+BENCH_RESULTS := bench
 else
 BENCH_FLAGS :=
 BENCH_REPORT ?= docs/results/bench.md
+BENCH_RESULTS := docs/results
 endif
 
 bench: $(VENV)/.installed
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory bench-routing && \
 	$(MAKE) --no-print-directory bench-models && \
-	$(MAKE) --no-print-directory bench-backends BACKENDS_RESULTS=bench && \
+	$(MAKE) --no-print-directory bench-backends BACKENDS_RESULTS=$(BENCH_RESULTS) && \
 	$(MAKE) --no-print-directory bench-report && \
 	echo "make bench BENCH=$(BENCH): $$(( $$(date +%s) - start )) s wall"
 

@@ -18,7 +18,7 @@ def _row(model: str, torch_ms: float | str, jax_ms: float, kind: str = "parity")
             "policy": "context/topk_score", "precision": "fp32", "profile": "reference_jax", "dropout": 0.0,
             "torch_compile": "eager" if both else "", "torch_step_ms": torch_ms, "jax_step_ms": jax_ms,
             "torch_tokens_per_s": 512 / torch_ms * 1e3 if both else "", "jax_tokens_per_s": 512 / jax_ms * 1e3,
-            "jax_over_torch_time": round(jax_ms / torch_ms, 3) if both else "", "rounds": 2, "steps_per_sample": 5,
+            "jax_over_torch_time": round(jax_ms / torch_ms, 3) if both else "", "rounds": 2, "warmup_steps": 10, "steps_per_sample": 20,
             **LABELS}
 
 
@@ -30,6 +30,7 @@ def test_report_labels_every_row_and_judges_the_target_both_ways(tmp_path):
     assert "Test CPU, 2 cores, no bf16 matrix unit (avx2 fma); torch 2.13.0, jax 0.7.0" in text
     assert "GLIBC_TUNABLES glibc.malloc.mmap_threshold=4294967295" in text
     assert "`python -m benchmarks.bench_backends --rounds 2`" in text
+    assert "steps per process: 10 warm-up + 20 timed; rounds 2 (warm-up covers compilation" in text
     lines = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
     assert lines["within"].endswith("| 1.40 | met |")
     assert lines["jax slower"].endswith("| 1.80 | missed by 1.20x |")
