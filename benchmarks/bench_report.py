@@ -268,6 +268,7 @@ def plot_routing(rows: list[dict], paths: list[Path]) -> None:
             ax.set_ylabel(ylabel)
             ax.set_title(f"{b}: full-AR routing, d=224, K=32", fontsize=9)
             ax.legend(fontsize=7)
+    fig.suptitle(_machine_title(rows), fontsize=9)
     fig.tight_layout()
     for p in paths:
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -275,22 +276,45 @@ def plot_routing(rows: list[dict], paths: list[Path]) -> None:
     plt.close(fig)
 
 
+def _machine_title(rows: list[dict]) -> str:
+    machines = sorted({r.get("machine", "") for r in rows} - {""})
+    return "; ".join(machines) if machines else "machine not recorded"
+
+
 def plot_models(rows: list[dict], paths: list[Path]) -> None:
+    """One horizontal bar per measured case, a panel per mode, grouped by T then model; each bar carries its
+    tokens/s and one colour per model."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 0.28 * len(rows) + 2), squeeze=False)
-    for j, mode in enumerate(("nt", "ar")):
-        sel = [r for r in rows if r["mode"] == mode]
-        labels = [f"{r['model']} T={r['T']} b{r['batch']} p{r['dropout']} {r['compile']} {r['dtype']}" for r in sel]
-        ax = axes[0][j]
-        ax.barh(range(len(sel)), [_f(r["tokens_per_s"]) for r in sel])
-        ax.set_yticks(range(len(sel)), labels, fontsize=6)
+    modes = [m for m in ("nt", "ar") if any(r["mode"] == m for r in rows)]
+    per_mode = {m: sorted((r for r in rows if r["mode"] == m),
+                          key=lambda r: (int(r["T"]), r["model"], r["dtype"], r["compile"], str(r["dropout"])))
+                for m in modes}
+    models = sorted({r["model"] for r in rows})
+    colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(models)}
+    heights = [0.32 * len(per_mode[m]) + 1.2 for m in modes]
+    fig, axes = plt.subplots(len(modes), 1, figsize=(11, sum(heights) + 0.6), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for j, mode in enumerate(modes):
+        sel = per_mode[mode]
+        ax = axes[j][0]
+        tps = [_f(r["tokens_per_s"]) for r in sel]
+        ax.barh(range(len(sel)), tps, color=[colours[r["model"]] for r in sel])
+        labels = [f"{r['model']}, T={r['T']}, batch {r['batch']}, dropout {r['dropout']}, {r['compile']}, "
+                  f"{r['dtype']}" for r in sel]
+        ax.set_yticks(range(len(sel)), labels, fontsize=8)
+        ax.invert_yaxis()
+        for i, v in enumerate(tps):
+            ax.text(v, i, f" {v:,.0f}", va="center", fontsize=7)
         ax.set_xscale("log")
-        ax.set_xlabel("training tokens/s (batch·T per step)")
-        ax.set_title({"nt": "next-token", "ar": "full AR"}[mode] + " (WikiText-2 paper shapes)", fontsize=9)
+        ax.set_xlim(min(tps) / 2, max(tps) * 4)
+        ax.set_xlabel("training tokens/s (batch x T per step; log scale)")
+        ax.set_title({"nt": "next-token", "ar": "full AR"}[mode] + " training step, WikiText-2 paper shapes (torch)",
+                     fontsize=10)
+    fig.suptitle(_machine_title(rows), fontsize=9)
     fig.tight_layout()
     for p in paths:
         p.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@
 # The benchmark report: routing cost against T, training throughput and fraction of the matmul peak, torch
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
 # run one after another (never in parallel: they time the whole machine); run it on an otherwise idle machine.
-# Estimated wall time on the 2-core CPU: about 25 minutes (routing ~4, models ~10, backends ~10).
+# Measured on the 2-core CPU: 2,271 s = 38 minutes (routing 231 s, models 762 s, backends 1,270 s at 2 rounds).
 # BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in about 3 minutes and renders bench/bench.md
 # instead, leaving the committed report alone.
 BENCH ?= full
@@ -57,7 +57,7 @@ bench-precision: $(VENV)/.installed data
 # processes, plus the JAX full-AR step at the 41M shape. BACKENDS_RESULTS=docs/results writes the committed copy
 # (bench_backends_cpu.{csv,md}).
 BACKENDS_RESULTS ?= bench
-BACKENDS_ROUNDS ?= 1
+BACKENDS_ROUNDS ?= 2
 bench-backends: $(VENV)/.installed
 	$(PY) -m benchmarks.bench_backends $(BENCH_FLAGS) --rounds $(BACKENDS_ROUNDS) --out bench/backends.csv \
 		--results-dir $(BACKENDS_RESULTS)
