@@ -21,7 +21,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.bench_backends import PARITY_TARGET, build_cases, labels_line, parity_table, parity_verdict
+from benchmarks.bench_backends import (BF16_WITHOUT_UNIT, PARITY_TARGET, build_cases, labels_line, parity_table,
+                                       parity_verdict)
 from benchmarks.bench_routing import routing_summary
 from benchmarks.common import read_csv
 
@@ -224,6 +225,17 @@ def backend_targets(rows: list[dict] | None) -> list[Target]:
         out.append(Target(name, measured, verdict, ("missed: " + ", ".join(missed)) if missed else ""))
     else:
         out.append(Target(name, "-", "not measured"))
+    name = f"JAX within {PARITY_TARGET}x of torch, either way, in bf16"
+    bf16 = [r for r in rows or [] if r["precision"] == "bf16" and r["jax_over_torch_time"] not in ("", None)]
+    if bf16:
+        parts = [f"{r['model']} {r['mode']} T={r['T']} batch {r['batch']}: JAX/torch {_f(r['jax_over_torch_time']):.2f}"
+                 for r in bf16]
+        no_unit = any("no bf16 matrix unit" in r.get("machine", "") for r in bf16)
+        out.append(Target(name, "; ".join(parts), _all([parity_verdict(_f(r["jax_over_torch_time"])) for r in bf16]),
+                          "torch's bf16 GEMM without a bf16 matrix unit (see the backends section)" if no_unit
+                          else ""))
+    else:
+        out.append(Target(name, "-", "not measured"))
     name = ("JAX full-AR step at the 41M shape (d=224, 14 blocks, V=32,000, K=32, T=2048, batch 1) >= 2x the "
             "paper's JAX code (about 300-360 tokens/s on another 2-core machine)")
     big = [r for r in rows or [] if r["kind"] == "41M" and r["jax_tokens_per_s"] not in ("", None)]
@@ -405,6 +417,8 @@ def render(bench_dir: Path, out: Path) -> Path:
         lines += ["", "![training throughput](bench_models.png)", ""]
     if data["backends"]:
         lines += ["## Torch beside JAX (fresh processes, alternating)", "", *parity_table(data["backends"]), ""]
+        if any(r["kind"] == "bf16 demo" for r in data["backends"]):
+            lines += [BF16_WITHOUT_UNIT, ""]
     for name, rows in data.items():
         if rows:
             shutil.copyfile(bench_dir / f"{name}.csv", out.parent / f"bench_{name}.csv")

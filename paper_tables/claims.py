@@ -5,7 +5,9 @@ A :class:`~paper_tables.specs.Claim` compares rows on one column. Its verdict is
 - ``holds``: every (left, right) pair satisfies ``left op factor * right``;
 - ``fails``: some pair does not;
 - ``not measured``: some referenced row has no value (missing, failed or still running runs; or,
-  for the published verdict, no published number).
+  for the published verdict, no published number), or, for a quality claim (perplexity or accuracy),
+  some referenced measured row is below the learning bar: a model that has not learned enough says
+  nothing about which architecture is better (the values are still shown in the detail).
 
 Values are compared in measured units (tokens/s, fractions, PPL); published numbers are converted
 back from the printed unit with the column's ``scale``.
@@ -22,6 +24,8 @@ from paper_tables.published import published_value
 from paper_tables.specs import TABLES, Claim, TableSpec, resolve_ref
 
 HOLDS, FAILS, NOT_MEASURED = "holds", "fails", "not measured"
+QUALITY_METRICS = ("best_ppl", "final_ppl", "full_ppl", "acc")
+"""Measured fields whose comparison needs every compared row over the learning bar."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,20 @@ def _judge(claim: Claim, spec: TableSpec, lookup) -> tuple[str, str]:
     return (HOLDS if ok else FAILS), detail
 
 
+def below_bar_rows(claim: Claim, spec: TableSpec, aggs: dict[str, pd.DataFrame]) -> list[str]:
+    """References of ``claim`` whose measured row is below the learning bar, when the claim compares
+    quality (:data:`QUALITY_METRICS`); empty for throughput and memory claims."""
+    out = []
+    for ref in (*claim.left, *claim.right):
+        table, row = resolve_ref(ref, spec.name)
+        agg = aggs.get(table)
+        if TABLES[table].column(claim.metric).metric not in QUALITY_METRICS or agg is None:
+            continue
+        if row in agg.index and "learning_bar" in agg.columns and agg.at[row, "learning_bar"] == "below bar":
+            out.append(ref)
+    return out
+
+
 def evaluate_claims(
     spec: TableSpec, aggs: dict[str, pd.DataFrame], pubs: dict[str, pd.DataFrame]
 ) -> list[Verdict]:
@@ -129,6 +147,9 @@ def evaluate_claims(
     out = []
     for claim in spec.claims:
         m, m_detail = _judge(claim, spec, lambda t, r, k: measured_value(aggs, t, r, k))
+        below = below_bar_rows(claim, spec, aggs)
+        if below and m != NOT_MEASURED:
+            m, m_detail = NOT_MEASURED, f"below the learning bar: {', '.join(below)} (measured {m_detail})"
         p, p_detail = _judge(claim, spec, lambda t, r, k: paper_value(pubs, t, r, k))
         out.append(Verdict(claim, m, p, m_detail, p_detail))
     return out

@@ -261,7 +261,8 @@ def definition_lines(report: Report) -> list[str]:
         "completed seeds (± sample std when n > 1).",
         f"Learning bar: 'meets' when the measured best PPL <= validation unigram PPL / {LEARNING_BAR_DIVISOR:g}; "
         "'below bar' means the model did not learn enough at this budget for its numbers to say anything about "
-        "the paper's claims.",
+        "the paper's claims, so a perplexity or accuracy claim on such a row reads 'not measured' (its values "
+        "are still shown); throughput and memory claims do not depend on it.",
     ]
 
 

@@ -35,7 +35,8 @@ def test_report_labels_every_row_and_judges_the_target_both_ways(tmp_path):
     assert lines["within"].endswith("| 1.40 | met |")
     assert lines["jax slower"].endswith("| 1.80 | missed by 1.20x |")
     assert lines["torch slower"].endswith("| 0.33 | missed by 2.00x |")
-    assert lines["bf16 slower"].endswith("| 3.00 | - |")  # not a parity case: no verdict
+    assert lines["bf16 slower"].endswith("| 3.00 | missed by 2.00x |")  # bf16 is judged too, and explained
+    assert "bf16 on a CPU without a bf16 matrix unit" in text
     assert lines["jax alone"].endswith("| - | - |")
     with open(tmp_path / "bench_backends_cpu.csv") as fh:
         written = list(csv.DictReader(fh))

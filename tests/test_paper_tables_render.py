@@ -99,13 +99,27 @@ def test_learning_bar_column(runs):
 
 def test_claim_verdicts_from_measured_numbers(runs):
     verdicts = {v.claim.id: v for v in build_report(TABLE, "smoke", "torch", runs).verdicts}
-    assert verdicts["cache_helps"].measured == HOLDS  # 305 < 350
-    assert verdicts["beats_local_conv"].measured == FAILS  # 305 > 250
+    # 305 < 350, but no cache is below its bar (350 > 900 / 3): a quality claim on it is not measured
+    assert verdicts["cache_helps"].measured == NOT_MEASURED
+    assert verdicts["cache_helps"].measured_detail.startswith("below the learning bar: pcaf_no_cache (measured ")
+    assert "pcaf_no_cache=350" in verdicts["cache_helps"].measured_detail
+    assert verdicts["beats_local_conv"].measured == FAILS  # 305 > 250 (local conv has no unigram PPL: not gated)
     assert verdicts["gate_helps"].measured == NOT_MEASURED  # no gate failed
     assert "pcaf_no_gate" in verdicts["gate_helps"].measured_detail
     assert verdicts["beats_attention"].measured == NOT_MEASURED  # dense missing, local running
     assert verdicts["keeps_local_throughput"].measured == HOLDS  # 31000 > 0.5 * 40000
     assert all(v.published == HOLDS for v in verdicts.values())
+
+
+def test_quality_claims_need_every_row_over_the_bar_and_throughput_claims_do_not(runs):
+    make_run(runs, TABLE, "pcaf_no_cache", best_ppl=350.0, unigram_ppl=1200.0)  # bar 400: meets
+    verdicts = {v.claim.id: v for v in build_report(TABLE, "smoke", "torch", runs).verdicts}
+    assert verdicts["cache_helps"].measured == HOLDS  # 305 < 350, both over the bar
+    make_run(runs, TABLE, "pcaf_context", seed=1, best_ppl=600.0, tokens_per_sec=30000.0)
+    make_run(runs, TABLE, "pcaf_context", seed=2, best_ppl=600.0, tokens_per_sec=32000.0)  # bar 500: below
+    verdicts = {v.claim.id: v for v in build_report(TABLE, "smoke", "torch", runs).verdicts}
+    assert verdicts["cache_helps"].measured == NOT_MEASURED
+    assert verdicts["keeps_local_throughput"].measured == HOLDS  # tokens/s does not depend on learning
 
 
 def test_cross_table_claim_reads_the_other_table(tmp_path):
