@@ -84,16 +84,20 @@ def _mean_curve(curves: list[pd.Series]) -> pd.Series:
 
 
 def measured_settings(spec: TableSpec, agg: pd.DataFrame) -> dict[str, str]:
-    """Per row group, the dataset(s) and window length(s) its measured runs used, e.g.
-    ``"measured: wikitext2, T=256"`` (a reduced scale may substitute both); groups without runs are left out."""
+    """Per row group, the dataset(s), window length(s) and vocabulary size(s) its measured runs used, e.g.
+    ``"measured: wikitext2, T=256, V=8,000"`` (a reduced scale may substitute all three); groups without runs
+    are left out."""
     out: dict[str, str] = {}
     for group in dict.fromkeys(row.group for row in spec.rows):
         ids = [r.id for r in spec.rows if r.group == group and r.id in agg.index]
         datasets = sorted({d for i in ids for d in (agg.at[i, "datasets"] or [])})
         lengths = sorted({int(agg.at[i, "seq_len"]) for i in ids if pd.notna(agg.at[i, "seq_len"])})
+        vocabs = sorted({int(agg.at[i, "vocab_size"]) for i in ids
+                         if "vocab_size" in agg.columns and pd.notna(agg.at[i, "vocab_size"])})
         if datasets or lengths:
             parts = [", ".join(datasets)] if datasets else []
             parts += ["T=" + "/".join(str(t) for t in lengths)] if lengths else []
+            parts += ["V=" + "/".join(f"{v:,}" for v in vocabs)] if vocabs else []
             out[group] = "measured: " + ", ".join(parts)
     return out
 

@@ -20,6 +20,17 @@ from paper_tables.render import Report, render_claims_csv, render_csv, render_la
 from paper_tables.specs import get_table, select_rows
 
 
+def _vocabulary_caveat(agg) -> str:
+    """A second title line naming the measured vocabulary: perplexities at different vocabularies are not
+    on one scale, and a reduced scale may shrink it."""
+    if "vocab_size" not in agg.columns:
+        return ""
+    vocabs = sorted({int(v) for v in agg["vocab_size"].dropna()})
+    if not vocabs:
+        return ""
+    return f"\nmeasured at V={'/'.join(f'{v:,}' for v in vocabs)}, the paper at its own V: compare orderings, not PPL"
+
+
 def build_report(table: str, scale: str, backend: str, runs: str | os.PathLike[str],
                  profile: str | None = None, rows: str | None = None) -> Report:
     """Collect the runs of ``table`` (and of the tables its claims reference) and judge the claims.
@@ -64,7 +75,8 @@ def render_table(table: str, scale: str, backend: str, runs: str | os.PathLike[s
                                            measured=measured_settings(spec, report.agg)),
             "throughput": plot_throughput(spec, report.agg, pubs, title=f"{table} ({scale}, {backend}): throughput"),
             "speed_quality": plot_speed_quality(spec, report.agg, pubs,
-                                                title=f"{table} ({scale}, {backend}): speed vs quality"),
+                                                title=f"{table} ({scale}, {backend}): speed vs quality"
+                                                + _vocabulary_caveat(report.agg)),
         }
         for name, fig in figs.items():
             png, pdf = save_figure(fig, out_dir / f"{stem}_{name}")
