@@ -21,7 +21,8 @@ Measurement: every (case, backend) runs in its own fresh process, and the proces
 (torch, jax, jax, torch, ...) for ``--rounds`` rounds so that the machine's drift falls on both sides
 alike. A process takes ``--warmup`` steps (default 10: JIT compilation, then the allocator and thread
 pool warming up; JAX's first ~8 steps after compilation run 2-4x slower than its steady state here) and
-then ``--steps`` timed steps (default 20; the 41M case takes 2 + 3); its median is one sample, and the table reports the median over rounds. Both sides run
+then ``--steps`` timed steps (default 20; the 41M case takes 2 + 3); its median is one sample, and the
+table reports the median over rounds. Both sides run
 with the same environment (the glibc tunables of ``experiments.allocator`` when launched by make,
 dropout as the row's profile says, every core of the machine: torch intra-op threads = cores, XLA's
 CPU thread pool = cores).
