@@ -151,8 +151,25 @@ def _measured(agg: pd.DataFrame, row_id: str, field: str) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
+def measured_devices(agg: pd.DataFrame) -> str:
+    """The devices the measured rows ran on, shortened for a legend: each recorded device text up to its
+    first ';' ("cpu (torch 2.13.0+cpu, 2 threads)"), distinct ones joined with ' / '; "" when none."""
+    if "devices" not in agg.columns:
+        return ""
+    short: list[str] = []
+    for devices in agg["devices"]:
+        for text in devices or []:
+            head = str(text).split(";")[0].strip()
+            if head.count("(") > head.count(")"):
+                head += ")"
+            if head and head not in short:
+                short.append(head)
+    return " / ".join(short)
+
+
 def plot_throughput(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataFrame], title: str = "") -> Figure:
-    """Training tokens/s per row: measured (solid) beside published (hatched), log scale."""
+    """Training tokens/s per row: measured (solid) beside published (hatched), log scale. The legend names
+    the machine of each side (the recorded devices; ``spec.paper_device``): the two are rarely the same."""
     ids = [r.id for r in spec.rows]
     measured = [_measured(agg, i, "tokens_per_sec") for i in ids]
     has_tok = any(c.key == "tok_s" and c.published for c in spec.columns)
@@ -162,10 +179,12 @@ def plot_throughput(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataF
     ax = fig.subplots()
     x = list(range(len(ids)))
     width = 0.4
-    ax.bar([i - width / 2 for i in x], [v or 0 for v in measured], width, label="measured", color="tab:blue")
+    here = measured_devices(agg)
+    ax.bar([i - width / 2 for i in x], [v or 0 for v in measured], width, color="tab:blue",
+           label=f"measured: {here}" if here else "measured")
     if any(p is not None for p in paper):
-        ax.bar([i + width / 2 for i in x], [p or 0 for p in paper], width, label="paper", color="white",
-               edgecolor="tab:gray", hatch="//")
+        ax.bar([i + width / 2 for i in x], [p or 0 for p in paper], width, color="white", edgecolor="tab:gray",
+               hatch="//", label=f"paper: {spec.paper_device}" if spec.paper_device else "paper")
     for i, row_id, v in zip(x, ids, measured):
         if v is None:
             state = agg.at[row_id, "status"] if row_id in agg.index else "missing"
@@ -183,8 +202,11 @@ def plot_throughput(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataF
                             ha="center", va="bottom", fontsize=6)
     else:
         _empty_note(ax, "no throughput recorded")
-    ax.legend(fontsize=8)
-    ax.set_title(title or f"{spec.name}: training throughput", fontsize=10)
+    # Headroom on the log axis so the legend, which names the machines, sits above the tallest bar.
+    top = max([v for v in measured if v] + [p for p in paper if p] + [1.0])
+    ax.set_ylim(top=top * 8)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title(title or f"{spec.name}: training throughput", fontsize=10 if "\n" not in title else 9)
     return fig
 
 

@@ -9,6 +9,7 @@ from paper_tables.claims import evaluate_claims, referenced_tables
 from paper_tables.collect import collect_tables, unattributed_runs
 from paper_tables.figures import (
     load_curves,
+    measured_devices,
     measured_settings,
     plot_learning_curves,
     plot_speed_quality,
@@ -29,6 +30,14 @@ def _vocabulary_caveat(agg) -> str:
     if not vocabs:
         return ""
     return f"\nmeasured at V={'/'.join(f'{v:,}' for v in vocabs)}, the paper at its own V: compare orderings, not PPL"
+
+
+def _device_caveat(spec, agg) -> str:
+    """A second title line for a figure that puts the paper's tokens/s beside ours measured elsewhere."""
+    here = measured_devices(agg)
+    if not spec.paper_device or not here or spec.paper_device in here:
+        return ""
+    return "\ntwo machines (legend): compare orderings, not tokens/s"
 
 
 def build_report(table: str, scale: str, backend: str, runs: str | os.PathLike[str],
@@ -73,7 +82,9 @@ def render_table(table: str, scale: str, backend: str, runs: str | os.PathLike[s
             "curves": plot_learning_curves(spec, load_curves(spec, report.agg),
                                            title=f"{table} ({scale}, {backend}): best-so-far validation PPL",
                                            measured=measured_settings(spec, report.agg)),
-            "throughput": plot_throughput(spec, report.agg, pubs, title=f"{table} ({scale}, {backend}): throughput"),
+            "throughput": plot_throughput(spec, report.agg, pubs,
+                                          title=f"{table} ({scale}, {backend}): throughput"
+                                          + _device_caveat(spec, report.agg)),
             "speed_quality": plot_speed_quality(spec, report.agg, pubs,
                                                 title=f"{table} ({scale}, {backend}): speed vs quality"
                                                 + _vocabulary_caveat(report.agg)),

@@ -141,6 +141,9 @@ class TableSpec:
     rows: tuple[RowSpec, ...]
     claims: tuple[Claim, ...] = field(default_factory=tuple)
     headlines: tuple[Headline, ...] = field(default_factory=tuple)
+    # Where the paper measured its throughput column ("" when the table has none): figures that put the
+    # paper's tokens/s beside ours name both machines.
+    paper_device: str = ""
 
     def row(self, row_id: str) -> RowSpec:
         """The row with id ``row_id``; raises ``KeyError`` listing the valid ids."""
@@ -597,6 +600,8 @@ _AUDIT_CLAIMS = (
 _WT2_SETTING = ("WikiText-2 raw, V=20,000, 2M train / 200k validation tokens; next-token (NT); 5000 steps; "
                 "AdamW 3e-4 constant, wd 0.01, dropout 0.1, clip 1.0; eval every 500 steps on 50 random batches; "
                 "B=32768, K=16, n=1; PyTorch + Triton on one RTX 3060 (fp32)")
+_WT2_DEVICE = "one RTX 3060, PyTorch"
+_TPU_DEVICE = "TPU v4-32 pod, JAX"
 _TPU_SETTING = ("WikiText-103 raw, V=32,000, 50M train / 2M validation tokens; next-token (NT); 20,000 steps; "
                 "AdamW 3e-4 constant, wd 0.01; eval every 1000 steps on 100 random batches; PCAF d=256/h=1000/L=2, "
                 "K=16; attention d=192/h=1024/L=4/H=4; JAX on a TPU v4-32 pod")
@@ -610,6 +615,7 @@ TABLES: dict[str, TableSpec] = {
             label="tab:main1024", mode="nt", datasets=("wikitext2",), profile="reference_torch",
             setting=_WT2_SETTING + "; T=1024",
             columns=_WT2_COLUMNS, rows=_wt2_rows("wt2-nt-1024", 1024, _WT2_ROWS_1024), claims=_wt2_claims(1024),
+            paper_device=_WT2_DEVICE,
         ),
         TableSpec(
             name="wt2-nt-2048",
@@ -617,18 +623,21 @@ TABLES: dict[str, TableSpec] = {
             label="tab:main2048", mode="nt", datasets=("wikitext2",), profile="reference_torch",
             setting=_WT2_SETTING + "; T=2048",
             columns=_WT2_COLUMNS, rows=_wt2_rows("wt2-nt-2048", 2048, _WT2_ROWS_2048), claims=_wt2_claims(2048),
+            paper_device=_WT2_DEVICE,
         ),
         TableSpec(
             name=_BASE, title="Next-token diagnostic baselines on WikiText-103 (TPU v4-32)",
             label="tab:tpu_baselines", mode="nt", datasets=("wikitext103",), profile="reference_jax",
             setting=_TPU_SETTING + "; batch 128 (T=1024) / 64 (T=2048) for attention, 256 for local conv",
             columns=_TPU_NT_COLUMNS, rows=_BASELINE_ROWS, claims=_BASELINE_CLAIMS,
+            paper_device=_TPU_DEVICE,
         ),
         TableSpec(
             name=_ABL, title="Next-token PCAF routing and gating diagnostics on WikiText-103 (TPU v4-32)",
             label="tab:tpu_ablations", mode="nt", datasets=("wikitext103",), profile="reference_jax",
             setting=_TPU_SETTING + "; batch 256; lambda_sem=0.5",
             columns=_TPU_NT_COLUMNS, rows=_ABLATION_ROWS, claims=_ABLATION_CLAIMS,
+            paper_device=_TPU_DEVICE,
         ),
         TableSpec(
             name=_S41, title="41M-parameter TPU results and sensitivity sweeps",
@@ -640,6 +649,7 @@ TABLES: dict[str, TableSpec] = {
                      "25,000 steps, batch 256, lr 7.5e-5, eval every 5000 steps on 20 batches; full-AR T=4096 "
                      "rows: budget not recorded by the paper; JAX on a TPU v4-32 pod"),
             columns=_41M_COLUMNS, rows=_41M_ROWS, claims=_41M_CLAIMS,
+            paper_device=_TPU_DEVICE,
         ),
         TableSpec(
             name=_M303, title="Large-scale full autoregressive results at 303M parameters (TPU v4-32)",
@@ -651,6 +661,7 @@ TABLES: dict[str, TableSpec] = {
                      "lambda_sem=0.5; batch 256 for PCAF/local conv at T=1024, 32 otherwise; JAX on a TPU v4-32 "
                      "pod"),
             columns=_303M_COLUMNS, rows=_303M_ROWS, claims=_303M_CLAIMS, headlines=_303M_HEADLINES,
+            paper_device=_TPU_DEVICE,
         ),
         TableSpec(
             name=_AUDIT, title="Semantic-route target-leak audit (full AR, reference_jax vs corrected)",

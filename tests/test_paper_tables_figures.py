@@ -9,7 +9,17 @@ import pytest
 
 from paper_tables.__main__ import main
 from paper_tables.collect import collect_tables
-from paper_tables.figures import best_so_far_curve, measured_settings, plot_learning_curves, plot_sweep, save_figure
+from paper_tables.figures import (
+    best_so_far_curve,
+    measured_devices,
+    measured_settings,
+    plot_learning_curves,
+    plot_sweep,
+    plot_throughput,
+    save_figure,
+)
+from paper_tables.pipeline import _device_caveat
+from paper_tables.published import load_published
 from paper_tables.specs import get_table
 from paper_tables.sweep import aggregate_sweep, load_sweep, swept_value
 from pcaf_core.results import RunMetrics, append_curve_row, write_metrics
@@ -77,6 +87,26 @@ def test_learning_curve_panels_say_what_the_runs_measured(tmp_path):
     fig = plot_learning_curves(spec, {}, measured=settings)
     titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
     assert titles and all(t.startswith("paper rows: ") and "(measured: wikitext2, T=64)" in t for t in titles)
+
+
+def test_throughput_figure_names_both_machines(tmp_path):
+    """The paper's tokens/s come from another machine: the legend names each side's device and the title
+    says to compare orderings only."""
+    root = tmp_path / "outputs"
+    device = "cpu (torch 2.13.0+cpu, 2 threads; peak memory = process max RSS)"
+    for row in ("pcaf_context", "local_conv"):
+        _run(root / TABLE / "smoke" / "torch" / row / "s1", row=row, device=device)
+    spec = get_table(TABLE)
+    _, aggs = collect_tables(root, [TABLE], "smoke", "torch")
+    agg = aggs[TABLE]
+    assert measured_devices(agg) == "cpu (torch 2.13.0+cpu, 2 threads)"
+    assert spec.paper_device == "one RTX 3060, PyTorch"
+    caveat = _device_caveat(spec, agg)
+    assert "compare orderings, not tokens/s" in caveat
+    fig = plot_throughput(spec, agg, {TABLE: load_published(TABLE)}, title="t" + caveat)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["measured: cpu (torch 2.13.0+cpu, 2 threads)", "paper: one RTX 3060, PyTorch"]
+    _assert_png_pdf(*save_figure(fig, tmp_path / "throughput"))
 
 
 def test_cli_rejects_unknown_table_with_the_valid_names(capsys):
