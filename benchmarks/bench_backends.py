@@ -17,17 +17,20 @@ Each backend goes through its ``Backend`` protocol implementation (``init`` + ``
 step the training loop times, host batch in, loss on the host out), so the numbers are what a run of the
 suite gets.
 
-Measurement: every (case, backend) runs in its own fresh process, and the processes alternate
-(torch, jax, jax, torch, ...) for ``--rounds`` rounds so that the machine's drift falls on both sides
-alike. A process takes ``--warmup`` steps (default 10: JIT compilation, then the allocator and thread
-pool warming up; JAX's first ~8 steps after compilation run 2-4x slower than its steady state here) and
-then ``--steps`` timed steps (default 20; the 41M case takes 2 + 3); its median is one sample, and the
-table reports the median over rounds. Both sides run
+Measurement: each round runs one fresh process per backend that measures every case in turn (the
+import and configuration cost is paid once, not per case), and the backends alternate between rounds
+(torch then JAX, then JAX then torch, ...) for ``--rounds`` rounds so that the machine's drift falls on
+both sides alike. Each case takes ``--warmup`` steps (default 10: JIT compilation, then the allocator
+and thread pool warming up; JAX's first ~8 steps after compilation run 2-4x slower than its steady
+state here) and then ``--steps`` timed steps (default 12); their median is one sample, and the table
+reports the median over rounds. Exceptions, each written on its case: the 41M case (JAX alone, 7 s a
+step) takes 2 + 3 steps in the first round only, and the bf16 demonstration case on a CPU without a
+bf16 unit (torch ~0.9 s a step) 3 + 5. Both sides run
 with the same environment (the glibc tunables of ``experiments.allocator`` when launched by make,
 dropout as the row's profile says, every core of the machine: torch intra-op threads = cores, XLA's
 CPU thread pool = cores).
 
-    python -m benchmarks.bench_backends [--out bench/backends.csv] [--rounds 2] [--warmup 10] [--steps 20] [--results-dir DIR]
+    python -m benchmarks.bench_backends [--out bench/backends.csv] [--rounds 2] [--warmup 10] [--steps 12] [--results-dir DIR]
                                         [--quick]
 
 ``--results-dir`` also writes ``bench_backends_cpu.{csv,md}`` there: every row labelled with the machine,
@@ -70,6 +73,8 @@ class BackendCase:
     compile: str = "off"
     # Per-case (warm-up, timed) steps where the command line's would cost minutes per process.
     steps_override: tuple[int, int] | None = None
+    # Measured in the first this-many rounds only (a one-backend case has no ratio to protect from drift).
+    max_rounds: int | None = None
 
 
 _AR_CTX = ("main-303m", "pcaf_context_wt103_t1024")
@@ -99,11 +104,13 @@ def build_cases(bf16_unit: bool) -> list[BackendCase]:
                   BackendCase("local conv", "main-303m", "local_conv_wt103_t1024", precision="bf16", kind="bf16")]
     else:
         small = ("train.seq_len=64", "train.batch_size=1")
+        # torch's bf16 step is ~0.9 s here (no bf16 unit): a shorter sample keeps the demonstration cheap.
         cases += [BackendCase("PCAF-context", *_AR_CTX, overrides=small, kind="bf16 demo"),
-                  BackendCase("PCAF-context", *_AR_CTX, precision="bf16", overrides=small, kind="bf16 demo")]
+                  BackendCase("PCAF-context", *_AR_CTX, precision="bf16", overrides=small, kind="bf16 demo",
+                              steps_override=(3, 5))]
     cases.append(BackendCase("PCAF-semantic 41M", "sweeps-41m", "pcaf_semantic_ar_s256", scale="paper",
                              overrides=("train.batch_size=1", "train.seq_len=2048"), backends=("jax",), kind="41M",
-                               steps_override=(2, 3)))
+                             steps_override=(2, 3), max_rounds=1))
     return cases
 
 
@@ -129,7 +136,9 @@ def _backend(name: str):
 
 
 def worker(backend_name: str, case: int, warmup: int, steps: int) -> dict:
-    """Time ``steps`` training steps of ``CASES[case]`` on one backend; returns the median and context."""
+    """Time ``steps`` training steps of ``CASES[case]`` on one backend after ``warmup`` untimed ones (the
+    case's ``steps_override`` wins); returns the median and context."""
+    warmup, steps = CASES[case].steps_override or (warmup, steps)
     cfg = _run_config(CASES[case])
     backend = _backend(backend_name)
     state = backend.init(cfg)
@@ -206,10 +215,18 @@ def labels_line(labels: dict) -> str:
 
 
 def _steps_label(rows: list[dict]) -> str:
-    counts = sorted({(r["warmup_steps"], r["steps_per_sample"]) for r in rows}, reverse=True)
-    note = ("warm-up covers compilation and JAX's slower first ~8 steps" if min(w for w, _ in counts) >= 8 else
+    """Steps and rounds per group of cases, and whether the parity cases' warm-up outlasts JAX's slow start."""
+    groups: dict[tuple[int, int, int], list[str]] = {}
+    for r in rows:
+        groups.setdefault((r["warmup_steps"], r["steps_per_sample"], r["rounds"]), []).append(
+            f"{r['model']} {r['precision']}" if r["kind"] != "parity" else "parity")
+    parts = [f"{w} warm-up + {n} timed, {k} round{'s' * (k > 1)}"
+             + ("" if "parity" in names else f" ({', '.join(dict.fromkeys(names))})")
+             for (w, n, k), names in sorted(groups.items(), reverse=True)]
+    parity_warmup = min((r["warmup_steps"] for r in rows if r["kind"] == "parity"), default=0)
+    note = ("warm-up covers compilation and JAX's slower first ~8 steps" if parity_warmup >= 8 else
             "a short warm-up: JAX's slower first ~8 steps fall into the median, so this is a smoke check")
-    return ", ".join(f"{w} warm-up + {n} timed" for w, n in counts) + f"; rounds {rows[0]['rounds']} ({note})"
+    return "; ".join(parts) + f" ({note})"
 
 
 def write_results(rows: list[dict], results_dir: Path, labels: dict, command: str) -> Path:
@@ -218,9 +235,10 @@ def write_results(rows: list[dict], results_dir: Path, labels: dict, command: st
     write_csv(results_dir / "bench_backends_cpu.csv", rows)
     lines = ["# One training step, torch beside JAX", "", f"- {labels_line(labels)}",
              f"- command: `{command}`",
-             "- each (case, backend) in a fresh process, backends alternating, median of the timed steps per "
-             "process, median over rounds; the step is the `Backend.train_step` a run of the suite times",
-             f"- steps per process: {_steps_label(rows)}",
+             "- each round: one fresh process per backend measures every case in turn, the backends' order "
+             "alternating between rounds; median of the timed steps per case, median over rounds; the step is the "
+             "`Backend.train_step` a run of the suite times",
+             f"- steps per case: {_steps_label(rows)}",
              f"- target: JAX within {PARITY_TARGET}x of torch either way (parity and bf16 cases)", "",
              *parity_table(rows)]
     if any(r["kind"] == "bf16 demo" for r in rows):
@@ -230,16 +248,31 @@ def write_results(rows: list[dict], results_dir: Path, labels: dict, command: st
     return md
 
 
-def _sample(backend_name: str, case: int, warmup: int, steps: int) -> dict:
-    warmup, steps = CASES[case].steps_override or (warmup, steps)
-    cmd = [sys.executable, "-m", "benchmarks.bench_backends", "--worker", backend_name, "--case", str(case),
-           "--warmup", str(warmup), "--steps", str(steps)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        c = CASES[case]
-        raise RuntimeError(f"{backend_name} worker for case {c.model} ({c.table}/{c.row} {c.overrides}) failed:\n"
-                           f"{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _case_line(c: BackendCase) -> str:
+    return f"{c.model:24} {c.kind:9} {c.precision} {c.table}"
+
+
+def _samples(backend_name: str, cases: list[int], warmup: int, steps: int, heading: str) -> dict[int, dict]:
+    """One fresh worker process measuring ``cases`` in turn on ``backend_name``; prints each case as it
+    finishes and returns case -> sample. A failing case stops the process: the error names it."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_backends", "--worker", backend_name,
+           "--case", ",".join(map(str, cases)), "--warmup", str(warmup), "--steps", str(steps)]
+    out: dict[int, dict] = {}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        for line in proc.stdout:
+            if not line.startswith("{"):
+                continue
+            s = json.loads(line)
+            out[s["case"]] = s
+            print(f"{heading} {_case_line(CASES[s['case']])} {s['mode']} {backend_name:5} "
+                  f"{s['step_s'] * 1e3:8.1f} ms", flush=True)
+        err = proc.stderr.read()
+    if proc.returncode != 0:
+        i = next((c for c in cases if c not in out), cases[-1])
+        what = (f"{CASES[i].model} ({CASES[i].table}/{CASES[i].row} {' '.join(CASES[i].overrides)})"
+                if 0 <= i < len(CASES) else f"#{i} (there are {len(CASES)} cases)")
+        raise RuntimeError(f"{backend_name} worker failed on case {what}:\n{err[-3000:]}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,15 +282,16 @@ def main(argv: list[str] | None = None) -> int:
     # JAX's first ~8 steps after compilation run 2-4x slower than its steady state on this CPU (XLA's
     # allocator and thread pool warming up); a 3-step warm-up put that phase into the median.
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--cases", default="", help="comma-separated indices into CASES (default: all)")
     parser.add_argument("--quick", action="store_true", help="the two PCAF-context cases, 1 round, 1+2 steps")
     parser.add_argument("--results-dir", default="", help="also write bench_backends_cpu.{csv,md} here")
     parser.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
-    parser.add_argument("--case", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--case", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.case, args.warmup, args.steps)))
+        for case in map(int, args.case.split(",")):
+            print(json.dumps({"case": case, **worker(args.worker, case, args.warmup, args.steps)}), flush=True)
         return 0
     if args.quick:
         args.rounds, args.warmup, args.steps = 1, 1, 2
@@ -266,15 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     samples: dict[tuple[int, str], list[dict]] = {}
     for r in range(args.rounds):
-        for case in cases:
-            names = CASES[case].backends
-            order = names if (r + case) % 2 == 0 else names[::-1]
-            for name in order:
-                s = _sample(name, case, args.warmup, args.steps)
+        for name in (BACKENDS if r % 2 == 0 else BACKENDS[::-1]):
+            mine = [c for c in cases if name in CASES[c].backends and r < (CASES[c].max_rounds or args.rounds)]
+            for case, s in _samples(name, mine, args.warmup, args.steps, f"round {r + 1}/{args.rounds}").items():
                 samples.setdefault((case, name), []).append(s)
-                c = CASES[case]
-                print(f"round {r + 1}/{args.rounds} {c.model:24} {c.kind:9} {c.precision} {s['mode']} "
-                      f"{name:5} {s['step_s'] * 1e3:8.1f} ms", flush=True)
     labels = environment_labels()
     rows = []
     for case in cases:
@@ -291,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{n}_tokens_per_s"] = round(first["tokens"] / med[n], 1) if n in med else ""
         row["jax_over_torch_time"] = round(med["jax"] / med["torch"], 3) if len(med) == 2 else ""
         warmup, steps = c.steps_override or (args.warmup, args.steps)
-        rows.append({**row, "rounds": args.rounds, "warmup_steps": warmup, "steps_per_sample": steps, **labels})
+        rounds = len(samples[(case, c.backends[0])])
+        rows.append({**row, "rounds": rounds, "warmup_steps": warmup, "steps_per_sample": steps, **labels})
     wall = round(time.perf_counter() - start, 1)
     for r in rows:
         r["section_wall_s"] = wall

@@ -15,7 +15,9 @@ Each case is one ``TorchBackend`` training step (``init`` + ``train_step``: host
 the step a run of the suite times), with windows of WikiText-2 train text. Cases of the same mode and T are
 built together and their timed steps interleaved (one step of each per round), so ratios between them are
 taken side by side. Compiled cases (``train.compile=on``: ``torch.compile`` with inductor) compile in their
-warm-up step (``first_step_s``). Each eager case also runs one step under ``benchmarks.torch_memory``:
+warm-up step (``first_step_s``). A slow case (a dense-attention step takes 10-30 s here) is timed fewer
+times, about ``TIMED_SECONDS`` in all and at least once; ``steps`` records how many. Each eager case also
+runs one step under ``benchmarks.torch_memory``:
 ``step_peak_mb`` is the peak of the buffers a step allocates (activations, saved tensors, gradients,
 temporaries); ``state_mb`` is the weights and AdamW moments (16 bytes a parameter).
 
@@ -177,15 +179,28 @@ def _profiled(case: Case, profile_T: int) -> bool:
         PROFILED_MODEL, profile_T, 0.1, "eager", "fp32")
 
 
+TIMED_SECONDS = 20.0
+"""Timed seconds a slow case gets at most: a step that takes longer than a third of it is timed fewer than
+3 times (at least once, after its warm-up and memory steps), which keeps the report's wall time bounded
+where one dense-attention step takes 10-30 s and its relative noise is small."""
+
+
 def step_budget(case: Case, warmup: int, steps: int) -> tuple[int, int]:
     """(warm-up, timed) steps of ``case``: next-token steps of the conv-backbone models cost a fraction of a second
     and take the full budget; full-AR and Transformer steps cost seconds and take one warm-up step (plus the
-    memory step) and at most 3 timed steps; bf16 without a bf16 matrix unit takes one timed step."""
+    memory step) and at most 3 timed steps (fewer for slow steps, :func:`timed_steps`); bf16 without a bf16
+    matrix unit takes one timed step."""
     if case.precision == "bf16" and not cpu_has_bf16_matmul():
         return 1, 1
     if case.mode == "nt" and not MODELS[case.model][1].startswith("transformer"):
         return warmup, steps
     return 1, min(steps, 3)
+
+
+def timed_steps(budget: int, step_s: float) -> int:
+    """``budget`` timed steps, cut so that they take about :data:`TIMED_SECONDS` when one step (the last
+    untimed one) took ``step_s``; at least one."""
+    return max(1, min(budget, round(TIMED_SECONDS / max(step_s, 1e-9))))
 
 
 def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path | None, profile_T: int
@@ -213,12 +228,18 @@ def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path 
         row["first_step_s"] = round(time.perf_counter() - t0, 2)
         row["first_loss"] = round(loss, 4)
         case_warmup, case_steps = step_budget(case, warmup, steps)
+        last_s = row["first_step_s"]
         for _ in range(max(0, case_warmup - 1)):
+            t0 = time.perf_counter()
             state, _ = backend.train_step(state, x, y, 1e-4)
+            last_s = time.perf_counter() - t0
         if case.compile == "eager" and case.precision == "fp32":
+            t0 = time.perf_counter()
             with PeakLiveBytes() as probe:
                 state, _ = backend.train_step(state, x, y, 1e-4)
+            last_s = time.perf_counter() - t0
             row["step_peak_mb"] = round(probe.peak_bytes / 2**20, 1)
+        case_steps = timed_steps(case_steps, last_s)
         row["state_mb"] = round(16 * row["params"] / 2**20, 1)
         if profile_dir is not None and _profiled(case, profile_T):
             path = profile_dir / f"profile_{_slug(case)}.txt"

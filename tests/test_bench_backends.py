@@ -5,32 +5,35 @@ from __future__ import annotations
 
 import csv
 
-from benchmarks.bench_backends import build_cases, write_results
+import pytest
+
+from benchmarks.bench_backends import CASES, _samples, build_cases, write_results
 
 LABELS = {"machine": "Test CPU, 2 cores, no bf16 matrix unit", "cpu_flags": "avx2 fma", "torch": "2.13.0",
           "jax": "0.7.0", "threads": 2, "glibc_tunables": "glibc.malloc.mmap_threshold=4294967295"}
 
 
-def _row(model: str, torch_ms: float | str, jax_ms: float, kind: str = "parity") -> dict:
+def _row(model: str, torch_ms: float | str, jax_ms: float, kind: str = "parity", steps: tuple = (10, 20, 2)) -> dict:
     both = torch_ms != ""
     return {"model": model, "kind": kind, "table": "main-303m", "row": "pcaf_context_wt103_t1024", "scale": "cpu",
             "overrides": "", "mode": "ar", "T": 256, "batch": 2, "d": 128, "layers": 2, "V": 8000,
             "policy": "context/topk_score", "precision": "fp32", "profile": "reference_jax", "dropout": 0.0,
             "torch_compile": "eager" if both else "", "torch_step_ms": torch_ms, "jax_step_ms": jax_ms,
             "torch_tokens_per_s": 512 / torch_ms * 1e3 if both else "", "jax_tokens_per_s": 512 / jax_ms * 1e3,
-            "jax_over_torch_time": round(jax_ms / torch_ms, 3) if both else "", "rounds": 2, "warmup_steps": 10, "steps_per_sample": 20,
+            "jax_over_torch_time": round(jax_ms / torch_ms, 3) if both else "", "rounds": steps[2], "warmup_steps": steps[0], "steps_per_sample": steps[1],
             **LABELS}
 
 
 def test_report_labels_every_row_and_judges_the_target_both_ways(tmp_path):
     rows = [_row("within", 100.0, 140.0), _row("jax slower", 100.0, 180.0), _row("torch slower", 300.0, 100.0),
-            _row("bf16 slower", 100.0, 300.0, kind="bf16 demo"), _row("jax alone", "", 900.0, kind="41M")]
+            _row("bf16 slower", 100.0, 300.0, kind="bf16 demo"), _row("jax alone", "", 900.0, kind="41M", steps=(2, 3, 1))]
     md = write_results(rows, tmp_path, LABELS, "python -m benchmarks.bench_backends --rounds 2")
     text = md.read_text()
     assert "Test CPU, 2 cores, no bf16 matrix unit (avx2 fma); torch 2.13.0, jax 0.7.0" in text
     assert "GLIBC_TUNABLES glibc.malloc.mmap_threshold=4294967295" in text
     assert "`python -m benchmarks.bench_backends --rounds 2`" in text
-    assert "steps per process: 10 warm-up + 20 timed; rounds 2 (warm-up covers compilation" in text
+    assert ("steps per case: 10 warm-up + 20 timed, 2 rounds; 2 warm-up + 3 timed, 1 round (jax alone fp32) "
+            "(warm-up covers compilation") in text
     lines = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
     assert lines["within"].endswith("| 1.40 | met |")
     assert lines["jax slower"].endswith("| 1.80 | missed by 1.20x |")
@@ -55,3 +58,19 @@ def test_parity_cases_cover_every_pcaf_variant_in_both_modes():
         assert len(bf16) == (2 if bf16_unit else 1)
         assert all(c.kind == ("bf16" if bf16_unit else "bf16 demo") for c in bf16)
         assert [c.backends for c in cases if c.kind == "41M"] == [("jax",)]
+
+
+def test_one_worker_process_measures_several_cases_in_turn(capsys):
+    """A round runs one process per backend over every case: each case comes back labelled with its index,
+    in order, with its own shape, and progress is printed per case."""
+    cheap = [i for i, c in enumerate(CASES) if c.model == "local conv" and c.kind == "parity"]
+    got = _samples("torch", cheap, warmup=0, steps=1, heading="round 1/1")
+    assert list(got) == cheap
+    assert [got[i]["mode"] for i in cheap] == ["ar", "nt"] and all(got[i]["step_s"] > 0 for i in cheap)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 2 and all(line.startswith("round 1/1 local conv") for line in printed)
+
+
+def test_a_failing_case_is_named():
+    with pytest.raises(RuntimeError, match=rf"(?s)torch worker failed on case #{len(CASES)} .*IndexError"):
+        _samples("torch", [len(CASES)], warmup=0, steps=1, heading="round 1/1")

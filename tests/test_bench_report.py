@@ -125,3 +125,11 @@ def test_missing_csvs_and_cases_leave_targets_not_measured(tmp_path):
     assert verdicts[next(k for k in verdicts if k.startswith("JAX within"))] == (
         "not measured (2 of 12 variant/mode cases absent)")
     assert all(v.startswith("not measured") for v in verdicts.values()), verdicts
+
+
+def test_slow_model_cases_are_timed_fewer_times_but_at_least_once():
+    from benchmarks.bench_models import TIMED_SECONDS, timed_steps
+
+    assert timed_steps(3, 0.2) == 3  # a cheap step keeps its budget
+    assert timed_steps(3, TIMED_SECONDS / 2) == 2
+    assert timed_steps(3, 27.0) == 1  # a dense T=4096 step: once, after its warm-up and memory steps
