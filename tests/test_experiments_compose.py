@@ -90,3 +90,36 @@ def test_command_line_overrides_win_over_the_scale():
     assert (r.run.train.steps, r.run.eval.every) == (77, 3)
     assert "train.steps=77 (command line)" in r.deviations
     assert not any(d.startswith("train.steps:") for d in r.deviations)
+
+
+# What a row measures: a scale may shrink widths, budgets and data, but two rows that differ in one of these
+# at paper scale must still differ in it, in the same direction, at every reduced scale.
+MEASURED_KEYS = ("model.variant", "train.mode", "train.seq_len", "memory.route", "memory.top_k",
+                 "memory.num_buckets", "memory.semantic_buckets", "memory.candidate_policy", "profile.name")
+
+
+def _measured(table: str, row: str, scale: str) -> dict:
+    cfg = composed(table, row, scale)[0].run
+    out = {}
+    for key in MEASURED_KEYS:
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        out[key] = obj
+    return out
+
+
+@pytest.mark.parametrize("table", TABLE_NAMES)
+def test_the_cpu_scale_keeps_what_each_row_sweeps(table):
+    rows = table_rows(table)
+    paper = {r: _measured(table, r, "paper") for r in rows}
+    cpu = {r: _measured(table, r, "cpu") for r in rows}
+    for key in MEASURED_KEYS:
+        for a in rows:
+            for b in rows:
+                pa, pb, ca, cb = paper[a][key], paper[b][key], cpu[a][key], cpu[b][key]
+                if pa == pb:
+                    continue
+                assert ca != cb, f"{table}: {a} and {b} differ in {key} ({pa} vs {pb}) but not at cpu scale ({ca})"
+                if isinstance(pa, int | float) and not isinstance(pa, bool):
+                    assert (ca < cb) == (pa < pb), f"{table}: cpu scale reverses {key} of {a} and {b}"
