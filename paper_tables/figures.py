@@ -2,8 +2,9 @@
 canvases are picked by file type). Each ``plot_*`` returns a :class:`~matplotlib.figure.Figure`;
 :func:`save_figure` writes it as PNG and PDF.
 
-- :func:`plot_learning_curves`: best-so-far validation PPL (reference protocol) vs step, one line
-  per row (mean over seeds at each step), one panel per row group, as the paper's curve figures.
+- :func:`plot_learning_curves`: best-so-far validation PPL (reference protocol) against training done
+  (next-token windows, i.e. targets, or tokens; steps where a run recorded neither), one line per row
+  (mean over seeds at each point), one panel per row group, as the paper's curve figures.
 - :func:`plot_throughput`: training tokens/s per row, measured beside published (log scale).
 - :func:`plot_speed_quality`: tokens/s vs best PPL, measured (filled) and published (hollow).
 - :func:`plot_sweep`: a metric vs the swept value of a Hydra multirun (mean ± std over runs).
@@ -51,30 +52,63 @@ def _empty_note(ax: Any, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="0.4")
 
 
-def best_so_far_curve(rows: list[dict[str, Any]], metric: str = CURVE_METRIC) -> pd.Series:
-    """Best-so-far (running minimum) of ``metric`` indexed by step, from :func:`read_curve` rows;
-    rows without the metric (steps without an evaluation) are skipped."""
-    points = [(r["step"], float(r[metric])) for r in rows
-              if r.get(metric) is not None and r.get("step") is not None and not isinstance(r.get(metric), str)]
+CURVE_AXES = {"step": "step", "tokens": "training tokens seen", "windows": "training windows seen (one target each)"}
+"""x axes of the learning curves: ``windows`` for next-token tables (rows train different batches and T, and
+a window is a target), ``tokens`` for full-AR and mixed tables, ``step`` when a run recorded no token count."""
+
+
+def _x_value(r: dict[str, Any], x: str, seq_len: int | None) -> float | None:
+    if x == "step":
+        return r.get("step")
+    tokens = r.get("tokens_seen")
+    if tokens is None or isinstance(tokens, str):
+        return None
+    return float(tokens) / seq_len if x == "windows" and seq_len else float(tokens)
+
+
+def best_so_far_curve(rows: list[dict[str, Any]], metric: str = CURVE_METRIC, x: str = "step",
+                      seq_len: int | None = None) -> pd.Series:
+    """Best-so-far (running minimum) of ``metric`` from :func:`read_curve` rows, indexed by ``x`` (a
+    :data:`CURVE_AXES` key; ``windows`` divides ``tokens_seen`` by ``seq_len``); rows without the metric
+    (steps without an evaluation) or without ``x`` are skipped."""
+    points = [(_x_value(r, x, seq_len), float(r[metric])) for r in rows
+              if r.get(metric) is not None and not isinstance(r.get(metric), str)]
+    points = [(k, v) for k, v in points if k is not None]
     if not points:
         return pd.Series(dtype=float)
-    s = pd.Series([v for _, v in points], index=[int(k) for k, _ in points], dtype=float)
+    s = pd.Series([v for _, v in points], index=[int(round(k)) for k, _ in points], dtype=float)
     s = s[~s.index.duplicated(keep="last")].sort_index()
     return s.cummin()
 
 
-def load_curves(spec: TableSpec, agg: pd.DataFrame) -> dict[str, list[pd.Series]]:
-    """Best-so-far curves per row: of its completed runs, or of its running runs when none completed
-    (failed attempts are left out)."""
+def load_curves(spec: TableSpec, agg: pd.DataFrame, x: str = "step") -> dict[str, list[pd.Series]]:
+    """Best-so-far curves per row, indexed by ``x`` (:data:`CURVE_AXES`): of its completed runs, or of its
+    running runs when none completed (failed attempts are left out)."""
     out: dict[str, list[pd.Series]] = {}
     for row in spec.rows:
         if row.id not in agg.index or agg.at[row.id, "status"] not in ("ok", "running"):
             continue
-        curves = [best_so_far_curve(read_curve(d)) for d in agg.at[row.id, "curve_dirs"]]
+        seq_len = agg.at[row.id, "seq_len"] if "seq_len" in agg.columns else None
+        seq_len = int(seq_len) if seq_len is not None and pd.notna(seq_len) else None
+        curves = [best_so_far_curve(read_curve(d), x=x, seq_len=seq_len) for d in agg.at[row.id, "curve_dirs"]]
         curves = [c for c in curves if len(c)]
         if curves:
             out[row.id] = curves
     return out
+
+
+def curve_axis(spec: TableSpec, agg: pd.DataFrame) -> str:
+    """The learning curves' x axis (:data:`CURVE_AXES` key): ``windows`` for a next-token table, ``tokens``
+    otherwise, ``step`` when a measured run's curve has no ``tokens_seen`` (or a next-token row no T)."""
+    for row in spec.rows:
+        if row.id not in agg.index or agg.at[row.id, "status"] not in ("ok", "running"):
+            continue
+        for d in agg.at[row.id, "curve_dirs"]:
+            if any(r.get("tokens_seen") in (None, "") for r in read_curve(d)):
+                return "step"
+        if spec.mode == "nt" and ("seq_len" not in agg.columns or pd.isna(agg.at[row.id, "seq_len"])):
+            return "step"
+    return "windows" if spec.mode == "nt" else "tokens"
 
 
 def _mean_curve(curves: list[pd.Series]) -> pd.Series:
@@ -103,9 +137,10 @@ def measured_settings(spec: TableSpec, agg: pd.DataFrame) -> dict[str, str]:
 
 
 def plot_learning_curves(spec: TableSpec, curves: dict[str, list[pd.Series]], title: str = "",
-                         measured: dict[str, str] | None = None) -> Figure:
-    """Best-so-far validation PPL vs step; one panel per row group (titled with the paper's group and,
-    from ``measured``, what the runs actually used), one line per row."""
+                         measured: dict[str, str] | None = None, x: str = "step") -> Figure:
+    """Best-so-far validation PPL against ``x`` (the curves' index, a :data:`CURVE_AXES` key; log scale
+    for tokens and windows, which differ by orders of magnitude between rows); one panel per row group
+    (titled with the paper's group and, from ``measured``, what the runs actually used), one line per row."""
     groups: list[str] = []
     for row in spec.rows:
         if row.group not in groups:
@@ -130,11 +165,14 @@ def plot_learning_curves(spec: TableSpec, curves: dict[str, list[pd.Series]], ti
             drawn += 1
         note = (measured or {}).get(group)
         ax.set_title(f"paper rows: {group}" + (f"\n({note})" if note else ""), fontsize=10)
-        ax.set_xlabel("step")
+        ax.set_xlabel(CURVE_AXES[x])
         ax.set_ylabel("best-so-far validation PPL")
         if drawn:
             ax.set_yscale("log")
             _log_ticks(ax, "y")
+            if x != "step":
+                ax.set_xscale("log")
+                _log_ticks(ax, "x", unit="count")
             ax.legend(fontsize=7)
         else:
             _empty_note(ax, "no learning curves recorded")
@@ -218,9 +256,9 @@ def _point_names(spec: TableSpec, row_ids: list[str]) -> dict[str, str]:
 
 
 def _log_ticks(ax: Any, axis: str, unit: str = "") -> None:
-    """Plain numbers on a log axis (``200``, ``3k``, ``1.2M``), at 1-2-5 steps; at finer steps (30, 40, 60 …)
-    when the axis spans less than a factor of 20, so a reader can read values between 50 and 100. Call it
-    after the axis limits are set."""
+    """Plain numbers on a log axis (``200``, ``3k``, ``1.2M``), at 1-2-5 steps (decades past a factor of 1,000);
+    at finer steps (30, 40, 60 …) when the axis spans less than a factor of 20, so a reader can read values
+    between 50 and 100. Call it after the axis limits are set."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     def fmt(v: float, _pos: Any = None) -> str:
@@ -228,7 +266,9 @@ def _log_ticks(ax: Any, axis: str, unit: str = "") -> None:
 
     target = ax.xaxis if axis == "x" else ax.yaxis
     lo, hi = ax.get_xlim() if axis == "x" else ax.get_ylim()
-    subs = (1.0, 2.0, 5.0) if hi / max(lo, 1e-300) >= 20 else (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+    span = hi / max(lo, 1e-300)
+    # Decades only past a factor of 1,000: 1-2-5 labels over four or more decades run into each other.
+    subs = (1.0,) if span >= 1e3 else (1.0, 2.0, 5.0) if span >= 20 else (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
     target.set_major_locator(LogLocator(base=10, subs=subs))
     target.set_major_formatter(FuncFormatter(fmt))
     target.set_minor_formatter(NullFormatter())

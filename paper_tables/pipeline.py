@@ -8,6 +8,7 @@ from pathlib import Path
 from paper_tables.claims import evaluate_claims, referenced_tables
 from paper_tables.collect import collect_tables, unattributed_runs
 from paper_tables.figures import (
+    curve_axis,
     load_curves,
     measured_devices,
     measured_settings,
@@ -78,10 +79,11 @@ def render_table(table: str, scale: str, backend: str, runs: str | os.PathLike[s
     if figures:
         spec = report.spec
         pubs = {spec.name: report.published} if report.published is not None else {}
+        axis = curve_axis(spec, report.agg)
         figs = {
-            "curves": plot_learning_curves(spec, load_curves(spec, report.agg),
+            "curves": plot_learning_curves(spec, load_curves(spec, report.agg, x=axis),
                                            title=f"{table} ({scale}, {backend}): best-so-far validation PPL",
-                                           measured=measured_settings(spec, report.agg)),
+                                           measured=measured_settings(spec, report.agg), x=axis),
             "throughput": plot_throughput(spec, report.agg, pubs,
                                           title=f"{table} ({scale}, {backend}): throughput"
                                           + _device_caveat(spec, report.agg)),

@@ -11,6 +11,8 @@ from paper_tables.__main__ import main
 from paper_tables.collect import collect_tables
 from paper_tables.figures import (
     best_so_far_curve,
+    curve_axis,
+    load_curves,
     measured_devices,
     measured_settings,
     plot_learning_curves,
@@ -107,6 +109,28 @@ def test_throughput_figure_names_both_machines(tmp_path):
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels == ["measured: cpu (torch 2.13.0+cpu, 2 threads)", "paper: one RTX 3060, PyTorch"]
     _assert_png_pdf(*save_figure(fig, tmp_path / "throughput"))
+
+
+def test_next_token_curves_are_drawn_against_windows_seen(tmp_path):
+    """Rows of a next-token table train different batches (attention 8, PCAF 32): the curves' x axis is
+    windows seen (targets), tokens_seen / T, on a log scale; without token counts it falls back to steps."""
+    root = tmp_path / "outputs"
+    for row, batch in (("pcaf_context", 32), ("transformer_dense", 8)):
+        d = _run(root / TABLE / "smoke" / "torch" / row / "s1", row=row, seq_len=64)
+        for step in (1, 10):
+            append_curve_row(d, {"step": step, "tokens_seen": step * batch * 64, "eval_ppl_reference": 900.0 / step})
+    spec = get_table(TABLE)
+    _, aggs = collect_tables(root, [TABLE], "smoke", "torch")
+    assert curve_axis(spec, aggs[TABLE]) == "windows"
+    curves = load_curves(spec, aggs[TABLE], x="windows")
+    assert list(curves["pcaf_context"][0].index) == [32, 320]
+    assert list(curves["transformer_dense"][0].index) == [8, 80]
+    fig = plot_learning_curves(spec, curves, x="windows")
+    ax = next(a for a in fig.axes if a.get_visible())
+    assert ax.get_xlabel() == "training windows seen (one target each)" and ax.get_xscale() == "log"
+    append_curve_row(root / TABLE / "smoke" / "torch" / "pcaf_context" / "s1", {"step": 20, "eval_ppl_reference": 40.0})
+    _, aggs = collect_tables(root, [TABLE], "smoke", "torch")
+    assert curve_axis(spec, aggs[TABLE]) == "step"  # one evaluation without a token count
 
 
 def test_cli_rejects_unknown_table_with_the_valid_names(capsys):
