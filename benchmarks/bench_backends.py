@@ -30,8 +30,8 @@ with the same environment (the glibc tunables of ``experiments.allocator`` when 
 dropout as the row's profile says, every core of the machine: torch intra-op threads = cores, XLA's
 CPU thread pool = cores).
 
-    python -m benchmarks.bench_backends [--out bench/backends.csv] [--rounds 2] [--warmup 10] [--steps 12] [--results-dir DIR]
-                                        [--quick]
+    python -m benchmarks.bench_backends [--out bench/backends.csv] [--rounds 2] [--warmup 10] [--steps 12]
+                                        [--results-dir DIR] [--quick]
 
 ``--results-dir`` also writes ``bench_backends_cpu.{csv,md}`` there: every row labelled with the machine,
 the library versions, threads and allocator, and the 1.5x parity target judged per row. ``--quick``: the

@@ -21,8 +21,14 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.bench_backends import (BF16_WITHOUT_UNIT, PARITY_TARGET, build_cases, labels_line, parity_table,
-                                       parity_verdict)
+from benchmarks.bench_backends import (
+    BF16_WITHOUT_UNIT,
+    PARITY_TARGET,
+    build_cases,
+    labels_line,
+    parity_table,
+    parity_verdict,
+)
 from benchmarks.bench_routing import routing_summary
 from benchmarks.common import read_csv
 

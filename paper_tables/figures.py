@@ -19,6 +19,7 @@ from typing import Any
 
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 from paper_tables.claims import paper_value
 from paper_tables.specs import TableSpec
@@ -231,18 +232,25 @@ def plot_throughput(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataF
     ax.set_xticks(x, [r.display if len(ids) <= 8 else r.id for r in spec.rows], rotation=60, ha="right",
                   fontsize=7)
     ax.set_ylabel("training tokens / s")
-    if any(v for v in measured) or any(p for p in paper):
-        ax.set_yscale("log")
-        _log_ticks(ax, "y", unit="count")
+    values = [v for v in measured if v] + [p for p in paper if p]
+    # A log axis where the values span a decade or more; a linear one from zero otherwise, where a log axis
+    # would start just under the smallest bar and make a 10% difference look like a factor.
+    log = bool(values) and max(values) / min(values) >= 10
+    if values:
+        if log:
+            ax.set_yscale("log")
+        # Headroom above the tallest bar for the legend, which names the machines.
+        ax.set_ylim(bottom=None if log else 0, top=max(values) * (8 if log else 1.35))
+        if log:
+            _log_ticks(ax, "y", unit="count")
+        else:
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: _count_text(v)))
         for i, v in zip(x, measured):
             if v:
                 ax.annotate(_count_text(v), (i - width / 2, v), xytext=(0, 2), textcoords="offset points",
                             ha="center", va="bottom", fontsize=6)
     else:
         _empty_note(ax, "no throughput recorded")
-    # Headroom on the log axis so the legend, which names the machines, sits above the tallest bar.
-    top = max([v for v in measured if v] + [p for p in paper if p] + [1.0])
-    ax.set_ylim(top=top * 8)
     ax.legend(fontsize=7, loc="upper right")
     ax.set_title(title or f"{spec.name}: training throughput", fontsize=10 if "\n" not in title else 9)
     return fig
@@ -259,7 +267,7 @@ def _log_ticks(ax: Any, axis: str, unit: str = "") -> None:
     """Plain numbers on a log axis (``200``, ``3k``, ``1.2M``), at 1-2-5 steps (decades past a factor of 1,000);
     at finer steps (30, 40, 60 …) when the axis spans less than a factor of 20, so a reader can read values
     between 50 and 100. Call it after the axis limits are set."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter
 
     def fmt(v: float, _pos: Any = None) -> str:
         return _count_text(v) if unit == "count" else f"{v:g}"

@@ -20,13 +20,14 @@ def _row(model: str, torch_ms: float | str, jax_ms: float, kind: str = "parity",
             "policy": "context/topk_score", "precision": "fp32", "profile": "reference_jax", "dropout": 0.0,
             "torch_compile": "eager" if both else "", "torch_step_ms": torch_ms, "jax_step_ms": jax_ms,
             "torch_tokens_per_s": 512 / torch_ms * 1e3 if both else "", "jax_tokens_per_s": 512 / jax_ms * 1e3,
-            "jax_over_torch_time": round(jax_ms / torch_ms, 3) if both else "", "rounds": steps[2], "warmup_steps": steps[0], "steps_per_sample": steps[1],
-            **LABELS}
+            "jax_over_torch_time": round(jax_ms / torch_ms, 3) if both else "", "rounds": steps[2],
+            "warmup_steps": steps[0], "steps_per_sample": steps[1], **LABELS}
 
 
 def test_report_labels_every_row_and_judges_the_target_both_ways(tmp_path):
     rows = [_row("within", 100.0, 140.0), _row("jax slower", 100.0, 180.0), _row("torch slower", 300.0, 100.0),
-            _row("bf16 slower", 100.0, 300.0, kind="bf16 demo"), _row("jax alone", "", 900.0, kind="41M", steps=(2, 3, 1))]
+            _row("bf16 slower", 100.0, 300.0, kind="bf16 demo"),
+            _row("jax alone", "", 900.0, kind="41M", steps=(2, 3, 1))]
     md = write_results(rows, tmp_path, LABELS, "python -m benchmarks.bench_backends --rounds 2")
     text = md.read_text()
     assert "Test CPU, 2 cores, no bf16 matrix unit (avx2 fma); torch 2.13.0, jax 0.7.0" in text

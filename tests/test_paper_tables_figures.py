@@ -108,7 +108,19 @@ def test_throughput_figure_names_both_machines(tmp_path):
     fig = plot_throughput(spec, agg, {TABLE: load_published(TABLE)}, title="t" + caveat)
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels == ["measured: cpu (torch 2.13.0+cpu, 2 threads)", "paper: one RTX 3060, PyTorch"]
+    assert fig.axes[0].get_yscale() == "log"  # ours ~1K beside the paper's 80K-500K tokens/s
     _assert_png_pdf(*save_figure(fig, tmp_path / "throughput"))
+
+
+def test_throughput_within_a_decade_is_drawn_on_a_linear_axis_from_zero(tmp_path):
+    """Bars on a log axis that starts just under the smallest one make a 10% gap look like a factor."""
+    audit = "semantic-leak-audit"
+    root = tmp_path / "outputs"
+    for row, tok_s in (("pcaf_semantic_corrected", 2400.0), ("pcaf_context_corrected", 3100.0)):
+        _run(root / audit / "smoke" / "torch" / row / "s1", table=audit, row=row, tokens_per_sec=tok_s)
+    _, aggs = collect_tables(root, [audit], "smoke", "torch")
+    ax = plot_throughput(get_table(audit), aggs[audit], {}).axes[0]
+    assert ax.get_yscale() == "linear" and ax.get_ylim()[0] == 0
 
 
 def test_next_token_curves_are_drawn_against_windows_seen(tmp_path):
