@@ -26,7 +26,7 @@ help:
 	@echo "make figures - re-render tables and figures from existing run records"
 	@echo "make params  - paper-scale parameter counts from the instantiated models"
 	@echo "make bench   - the benchmark report docs/results/bench.md (routing vs T, throughput and fraction of peak,"
-	@echo "               torch beside JAX; CSV and plots under bench/); 38 min here (measured), run it on an idle machine;"
+	@echo "               torch beside JAX; CSV and plots under bench/); 38 min for the committed report (not re-measured since the per-round workers), idle machine;"
 	@echo "               BENCH=quick (make bench-quick): ~3 min, renders bench/bench.md"
 	@echo "make bench-decode | bench-kernels | bench-train-step | bench-precision | bench-data - the other benchmarks"
 
