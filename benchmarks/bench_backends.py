@@ -45,6 +45,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,15 +259,18 @@ def _samples(backend_name: str, cases: list[int], warmup: int, steps: int, headi
     cmd = [sys.executable, "-m", "benchmarks.bench_backends", "--worker", backend_name,
            "--case", ",".join(map(str, cases)), "--warmup", str(warmup), "--steps", str(steps)]
     out: dict[int, dict] = {}
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        for line in proc.stdout:
-            if not line.startswith("{"):
-                continue
-            s = json.loads(line)
-            out[s["case"]] = s
-            print(f"{heading} {_case_line(CASES[s['case']])} {s['mode']} {backend_name:5} "
-                  f"{s['step_s'] * 1e3:8.1f} ms", flush=True)
-        err = proc.stderr.read()
+    # stderr to a file, not a pipe: a worker's warnings could fill a pipe nobody reads while stdout is read.
+    with tempfile.TemporaryFile(mode="w+") as errors:
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True) as proc:
+            for line in proc.stdout:
+                if not line.startswith("{"):
+                    continue
+                s = json.loads(line)
+                out[s["case"]] = s
+                print(f"{heading} {_case_line(CASES[s['case']])} {s['mode']} {backend_name:5} "
+                      f"{s['step_s'] * 1e3:8.1f} ms", flush=True)
+        errors.seek(0)
+        err = errors.read()
     if proc.returncode != 0:
         i = next((c for c in cases if c not in out), cases[-1])
         what = (f"{CASES[i].model} ({CASES[i].table}/{CASES[i].row} {' '.join(CASES[i].overrides)})"

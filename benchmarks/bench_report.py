@@ -422,7 +422,8 @@ def render(bench_dir: Path, out: Path) -> Path:
                   for r in data["models"]]
         lines += ["", "![training throughput](bench_models.png)", ""]
     if data["backends"]:
-        lines += ["## Torch beside JAX (a fresh worker per backend and round, alternating)", "", *parity_table(data["backends"]), ""]
+        lines += ["## Torch beside JAX (a fresh worker per backend and round, alternating)", "",
+                  *parity_table(data["backends"]), ""]
         if any(r["kind"] == "bf16 demo" for r in data["backends"]):
             lines += [BF16_WITHOUT_UNIT, ""]
     for name, rows in data.items():
