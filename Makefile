@@ -22,6 +22,7 @@ help:
 	@echo "make data-summary - splits, documents, tokens, vocabulary, OOV rate, cache location"
 	@echo "make reproduce-table TABLE=<name> SCALE=<paper|cpu|smoke> BACKEND=<torch|jax> [ROWS=<globs>]"
 	@echo "make reproduce-all SCALE=...  - every table"
+	@echo "make step-cost TABLE=<name> SCALE=<scale> [ROWS=<globs>] - per-row step cost and the training time it implies"
 	@echo "make sweep SWEEP_ROW=<table>/<row> SWEEP='memory.top_k=4,8,16,32' SCALE=smoke - Hydra multirun"
 	@echo "make figures - re-render tables and figures from existing run records"
 	@echo "make params  - paper-scale parameter counts from the instantiated models"

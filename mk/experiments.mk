@@ -14,7 +14,7 @@ OVERRIDES ?=
 SWEEP_ROW ?= wt2-nt-1024/pcaf_context
 SWEEP ?= memory.top_k=4,8,16,32
 
-.PHONY: reproduce-table reproduce-all sweep figures params
+.PHONY: reproduce-table reproduce-all sweep figures params step-cost
 
 # One paper table: run its rows (reusing completed runs), collect, render. The last line printed is
 # the path of the rendered Markdown table.
@@ -26,6 +26,11 @@ reproduce-all: $(VENV)/.installed data
 	@for t in wt2-nt-1024 wt2-nt-2048 wt103-nt-baselines wt103-nt-ablations sweeps-41m main-303m semantic-leak-audit; do \
 	  $(PY) -m experiments.reproduce --table $$t --scale $(SCALE) --backend $(BACKEND) --output-root $(OUTPUTS) $(OVERRIDES) || exit $$?; \
 	done
+
+# Per-row step cost of a table at a scale (the row's own shapes and text, a few timed steps): what a scale's
+# budget is calibrated from. Run it alone on the machine.
+step-cost: $(VENV)/.installed data
+	$(PY) -m experiments.step_cost --table $(TABLE) --scale $(SCALE) --backend $(BACKEND) --rows '$(ROWS)' $(OVERRIDES)
 
 # A Hydra multirun sweep over one row; ends in one table and one plot in the sweep directory.
 sweep: $(VENV)/.installed data

@@ -1,0 +1,114 @@
+"""Per-row training-step cost of a table at a scale: what a budget is calibrated from before a table is run.
+
+    python -m experiments.step_cost --table wt103-nt-ablations --scale cpu [--backend torch] [--rows globs]
+                                    [--warmup 2] [--steps 4] [--csv FILE] [overrides...]
+
+Each row is composed exactly as ``experiments.reproduce`` composes it (scale, row overrides, command-line
+overrides), its backend built as a run builds it, and fed windows of the row's own training text (the row's
+batch and T; the windows' real token statistics matter, since they fill the hash buckets the routes read).
+After ``--warmup`` untimed steps (compilation, allocator) the median of ``--steps`` timed
+``Backend.train_step`` calls is the step cost. Printed per row: the step, the cost per target (next-token:
+one target per window) or per token (full AR), and the training time the row's configured steps take at that
+cost; evaluation and start-up are not included. Run it alone on the machine, as any timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import fnmatch
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from experiments.reproduce import compose_row, table_rows
+from pcaf_core.config import ConfigError
+from pcaf_core.data import load_corpus
+
+BACKEND_CLASSES = {"torch": ("backends.torch.backend", "TorchBackend"), "jax": ("backends.jax.backend", "JaxBackend")}
+
+
+def row_windows(cfg, batch: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """``batch`` consecutive windows of the row's training text spread over the split, ``[B, T]`` int32, and
+    their targets: the next token (next-token mode, ``[B]``) or the shifted window (full AR, ``[B, T]``)."""
+    train = np.asarray(load_corpus(cfg.data).train)
+    if len(train) < seq_len + 1:
+        raise ConfigError(f"the training split has {len(train)} tokens, fewer than T+1={seq_len + 1}")
+    starts = (np.arange(batch) * (len(train) // batch)) % (len(train) - seq_len)
+    windows = np.stack([train[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+    inputs = windows[:, :-1]
+    targets = windows[:, -1] if cfg.train.mode == "nt" else windows[:, 1:]
+    return np.ascontiguousarray(inputs), np.ascontiguousarray(targets)
+
+
+def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: list[str], warmup: int,
+                steps: int) -> dict:
+    """The step cost of one row (its first seed entry); see the module docstring."""
+    cfg = compose_row(table, row, scale, backend_name, overrides)[0].run
+    module, cls = BACKEND_CLASSES[backend_name]
+    backend = getattr(importlib.import_module(module), cls)("cpu")
+    state = backend.init(cfg)
+    B, T = cfg.train.batch_size, cfg.train.seq_len
+    inputs, targets = row_windows(cfg, B, T)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        state, _ = backend.train_step(state, inputs, targets, cfg.train.lr)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    unit = B if cfg.train.mode == "nt" else B * T
+    return {"table": table, "row": row, "scale": scale, "backend": backend_name, "mode": cfg.train.mode, "T": T,
+            "batch": B, "variant": cfg.model.variant, "route": cfg.memory.route, "top_k": cfg.memory.top_k,
+            "policy": cfg.memory.candidate_policy, "profile": cfg.profile.name, "precision": cfg.train.precision,
+            "step_ms": round(step_s * 1e3, 2), "unit": "target" if cfg.train.mode == "nt" else "token",
+            "ms_per_unit": round(step_s * 1e3 / unit, 4), "steps": cfg.train.steps,
+            "train_s": round(step_s * cfg.train.steps, 1), "timed_steps": steps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--table", required=True)
+    parser.add_argument("--scale", default="cpu", choices=["paper", "cpu", "smoke"])
+    parser.add_argument("--backend", default="torch", choices=sorted(BACKEND_CLASSES))
+    parser.add_argument("--rows", default="*", help="glob over row ids, comma-separated (default: all rows)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--csv", default="", help="also write the rows here")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every row (key=value)")
+    args = parser.parse_intermixed_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be at least 1 and --warmup at least 0")
+    try:
+        patterns = args.rows.split(",")
+        rows = [r for r in table_rows(args.table) if any(fnmatch.fnmatch(r, p) for p in patterns)]
+        if not rows:
+            raise ConfigError(f"--rows={args.rows!r} matches no row of {args.table}: {table_rows(args.table)}")
+        results = []
+        for row in rows:
+            r = measure_row(args.table, row, args.scale, args.backend, args.overrides, args.warmup, args.steps)
+            results.append(r)
+            print(f"{row:34} {r['mode']:2} T={r['T']:<5} B={r['batch']:<4} {r['step_ms']:9.1f} ms/step "
+                  f"{r['ms_per_unit']:8.3f} ms/{r['unit']:6} x {r['steps']} steps = {r['train_s']:8.1f} s",
+                  flush=True)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    total = sum(r["train_s"] for r in results)
+    print(f"[{args.table} scale={args.scale} backend={args.backend}] training time at these costs: {total:.0f} s "
+          f"({total / 60:.1f} min; evaluation and start-up not included)")
+    if args.csv:
+        Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.csv, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(results[0]))
+            writer.writeheader()
+            writer.writerows(results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
