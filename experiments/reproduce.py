@@ -50,6 +50,16 @@ def table_rows(table: str) -> list[str]:
     return ordered + [r for r in files if r not in ordered]
 
 
+def select_rows(table: str, rows: str) -> list[str]:
+    """Row ids of ``table`` matching ``rows`` (comma-separated globs), in the paper's order; a ConfigError
+    listing the rows when nothing matches."""
+    patterns = rows.split(",")
+    selected = [r for r in table_rows(table) if any(fnmatch.fnmatch(r, p) for p in patterns)]
+    if not selected:
+        raise ConfigError(f"--rows={rows!r} matches no row of {table}: {table_rows(table)}")
+    return selected
+
+
 def compose_row(table: str, row: str, scale: str, backend: str, overrides: list[str]) -> list[app.ResolvedRun]:
     """Compose, scale and validate every run (one per seed entry) of a row (a one-line ConfigError if not)."""
     base = [f"experiment={table}/{row}", f"scale={scale}", f"backend={backend}"]
@@ -148,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         root = preflight.check_writable(args.output_root, "--output-root")
-        patterns = args.rows.split(",")
-        rows = [r for r in table_rows(args.table) if any(fnmatch.fnmatch(r, p) for p in patterns)]
-        if not rows:
-            raise ConfigError(f"--rows={args.rows!r} matches no row of {args.table}: {table_rows(args.table)}")
+        rows = select_rows(args.table, args.rows)
         plan = [(row, compose_row(args.table, row, args.scale, args.backend, args.overrides)) for row in rows]
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

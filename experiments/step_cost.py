@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import fnmatch
 import importlib
 import statistics
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.reproduce import compose_row, table_rows
+from experiments.reproduce import compose_row, select_rows
 from pcaf_core.config import ConfigError
 from pcaf_core.data import load_corpus
 
@@ -84,12 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
     try:
-        patterns = args.rows.split(",")
-        rows = [r for r in table_rows(args.table) if any(fnmatch.fnmatch(r, p) for p in patterns)]
-        if not rows:
-            raise ConfigError(f"--rows={args.rows!r} matches no row of {args.table}: {table_rows(args.table)}")
         results = []
-        for row in rows:
+        for row in select_rows(args.table, args.rows):
             r = measure_row(args.table, row, args.scale, args.backend, args.overrides, args.warmup, args.steps)
             results.append(r)
             print(f"{row:34} {r['mode']:2} T={r['T']:<5} B={r['batch']:<4} {r['step_ms']:9.1f} ms/step "
