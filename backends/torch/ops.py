@@ -16,10 +16,11 @@ CHUNK_ELEMENTS = 1 << 22  # elements per temporary chunk (16 MiB in float32)
 
 def batch_gather(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``values[b, index[b, ...]]``: values ``[B, T, *F]``, index ``[B, *I]`` (in range) -> ``[B, *I, *F]``."""
-    B = values.shape[0]
-    flat = index.reshape(B, -1)
-    b = torch.arange(B, device=index.device)[:, None]
-    out = values[b, flat]
+    B, T = values.shape[:2]
+    # index_select over the flattened [B*T, *F] rows: a contiguous row copy, well ahead of the advanced
+    # indexing values[b, index] on the CPU (the routes' key and record gathers are memory-bound).
+    rows = (index.reshape(B, -1) + (torch.arange(B, device=index.device) * T)[:, None]).reshape(-1)
+    out = values.reshape(B * T, *values.shape[2:]).index_select(0, rows)
     return out.reshape(*index.shape, *values.shape[2:])
 
 
