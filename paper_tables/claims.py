@@ -110,17 +110,31 @@ def _fmt(value: float) -> str:
     return f"{value:.5g}" if abs(value) < 1e4 else f"{value:,.0f}"
 
 
+NEGATED = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "~=": "!~="}
+"""The relation a pair of values has when ``op`` does not hold for it (what the detail prints)."""
+
+
 def _judge(claim: Claim, spec: TableSpec, lookup) -> tuple[str, str]:
+    """Verdict and detail. The detail states the relation the values have: ``a=1 < b=2`` when every pair
+    satisfies the claim, ``a=3 >= b=2`` when none does, and one ``;``-separated pair per right-hand row
+    otherwise, so a reader never sees the claim's operator between numbers that contradict it."""
     left = [(ref, lookup(*resolve_ref(ref, spec.name), claim.metric)) for ref in claim.left]
     right = [(ref, lookup(*resolve_ref(ref, spec.name), claim.metric)) for ref in claim.right]
     absent = [ref for ref, v in (*left, *right) if v is None]
     if absent:
         return NOT_MEASURED, "no value for " + ", ".join(absent)
-    ok = all(compare(claim.op, lv, rv, claim.factor, claim.tol) for _, lv in left for _, rv in right)
+    held = {(lr, rr): compare(claim.op, lv, rv, claim.factor, claim.tol) for lr, lv in left for rr, rv in right}
     factor = f"{claim.factor:g} x " if claim.factor != 1.0 else ""
     tol = f" (tol {claim.tol:.0%})" if claim.op == "~=" else ""
-    detail = (", ".join(f"{ref}={_fmt(v)}" for ref, v in left) + f" {claim.op} {factor}"
-              + ", ".join(f"{ref}={_fmt(v)}" for ref, v in right) + tol)
+    ok = all(held.values())
+    if ok or not any(held.values()):
+        op = claim.op if ok else NEGATED[claim.op]
+        detail = (", ".join(f"{ref}={_fmt(v)}" for ref, v in left) + f" {op} {factor}"
+                  + ", ".join(f"{ref}={_fmt(v)}" for ref, v in right) + tol)
+    else:
+        detail = "; ".join(
+            f"{lr}={_fmt(lv)} {claim.op if held[lr, rr] else NEGATED[claim.op]} {factor}{rr}={_fmt(rv)}"
+            for lr, lv in left for rr, rv in right) + tol
     return (HOLDS if ok else FAILS), detail
 
 

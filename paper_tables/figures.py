@@ -162,7 +162,7 @@ def plot_learning_curves(spec: TableSpec, curves: dict[str, list[pd.Series]], ti
             # init) stay visible on top of each other.
             ax.plot(mean.index, mean.values, marker=MARKERS[drawn % len(MARKERS)], markersize=3.5,
                     linestyle=LINESTYLES[drawn % len(LINESTYLES)], linewidth=1.3, markerfacecolor="none",
-                    label=row.display + (f" (n={n})" if n > 1 else ""))
+                    label=row.label + (f" (n={n})" if n > 1 else ""))
             drawn += 1
         note = (measured or {}).get(group)
         ax.set_title(f"paper rows: {group}" + (f"\n({note})" if note else ""), fontsize=10)
@@ -213,7 +213,7 @@ def plot_throughput(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataF
     measured = [_measured(agg, i, "tokens_per_sec") for i in ids]
     has_tok = any(c.key == "tok_s" and c.published for c in spec.columns)
     paper = [paper_value(pubs, spec.name, i, "tok_s") if has_tok else None for i in ids]
-    longest = max((len(r.display) for r in spec.rows), default=0) if len(ids) <= 8 else max(map(len, ids))
+    longest = max((len(r.label) for r in spec.rows), default=0) if len(ids) <= 8 else max(map(len, ids))
     fig = Figure(figsize=(max(6.0, 0.45 * len(ids) + 2), 3.4 + 0.045 * longest), layout="constrained")
     ax = fig.subplots()
     x = list(range(len(ids)))
@@ -260,8 +260,8 @@ def plot_throughput(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataF
 def _point_names(spec: TableSpec, row_ids: list[str]) -> dict[str, str]:
     """Model name per row, with the row's group added where two plotted rows share a name."""
     rows = [spec.row(i) for i in row_ids]
-    shared = {r.display for r in rows if sum(o.display == r.display for o in rows) > 1}
-    return {r.id: f"{r.display} ({r.group})" if r.display in shared else r.display for r in rows}
+    shared = {r.label for r in rows if sum(o.label == r.label for o in rows) > 1}
+    return {r.id: f"{r.label} ({r.group})" if r.label in shared else r.label for r in rows}
 
 
 def _log_ticks(ax: Any, axis: str, unit: str = "") -> None:

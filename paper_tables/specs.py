@@ -70,7 +70,9 @@ class RowSpec:
     ``paper_steps``: the paper's step budget (``None`` when unknown); ``profile``: compat profile
     that reproduces the paper's row; ``acc_field``: the measured accuracy field comparable with the
     paper's accuracy (``acc_at_best`` = argmax of the mixture, NT; ``acc_param_at_best`` = argmax of
-    the parametric head, the paper's full-AR definition); ``note``: remark shown in the report.
+    the parametric head, the paper's full-AR definition); ``note``: remark shown in the report;
+    ``figure_label``: the model's name in figures where ``display`` is the paper's code identifier plus a
+    description (``"pcaf_semantic (Semantic Hash Routing)"``); empty: ``display``.
     """
 
     id: str
@@ -86,6 +88,12 @@ class RowSpec:
     profile: str
     acc_field: str
     note: str = ""
+    figure_label: str = ""
+
+    @property
+    def label(self) -> str:
+        """The model's name as figures print it."""
+        return self.figure_label or self.display
 
 
 @dataclass(frozen=True)
@@ -258,10 +266,12 @@ def _acc_field(mode: str) -> str:
 
 
 def _row(table: str, id: str, display: str, params: str, dataset: str, seq_len: int, mode: str, group: str,
-         paper_steps: int | None, profile: str, published: bool = True, note: str = "") -> RowSpec:
+         paper_steps: int | None, profile: str, published: bool = True, note: str = "", figure_label: str = ""
+         ) -> RowSpec:
     return RowSpec(id=id, display=display, experiment=f"{table}/{id}", published_key=id if published else None,
                    params=params, dataset=dataset, seq_len=seq_len, mode=mode, group=group,
-                   paper_steps=paper_steps, profile=profile, acc_field=_acc_field(mode), note=note)
+                   paper_steps=paper_steps, profile=profile, acc_field=_acc_field(mode), note=note,
+                   figure_label=figure_label)
 
 
 _WT2_ROWS_1024 = (
@@ -314,36 +324,38 @@ def _wt2_claims(seq_len: int) -> tuple[Claim, ...]:
     return tuple(claims)
 
 
-def _tpu_row(table: str, id: str, display: str, seq_len: int) -> RowSpec:
+def _tpu_row(table: str, id: str, display: str, seq_len: int, label: str) -> RowSpec:
     return _row(table, id, display, "41.74M" if id.startswith(("pcaf", "local_conv")) else
                 ("41.51M" if seq_len == 1024 else "41.71M"), "WikiText-103", seq_len, "nt", f"T={seq_len}",
-                20000, "reference_jax")
+                20000, "reference_jax", figure_label=label)
 
 
 _BASE = "wt103-nt-baselines"
 _ABL = "wt103-nt-ablations"
 _BASELINE_ROWS = tuple(
-    _tpu_row(_BASE, i, d, t)
-    for i, d, t in (
-        ("transformer_dense_t1024", "transformer_dense (Full Self-Attention)", 1024),
-        ("transformer_dense_t2048", "transformer_dense (Full Self-Attention)", 2048),
-        ("transformer_local_t1024", "local_transformer (Local Attention, w=128)", 1024),
-        ("transformer_local_t2048", "local_transformer (Local Attention, w=128)", 2048),
-        ("transformer_global_local_t1024", "global_local_trans (Global-Local, w=128, g=16)", 1024),
-        ("transformer_global_local_t2048", "global_local_trans (Global-Local, w=128, g=16)", 2048),
-        ("local_conv_t2048", "local_conv (No cache)", 2048),
+    _tpu_row(_BASE, i, d, t, label)
+    for i, d, t, label in (
+        ("transformer_dense_t1024", "transformer_dense (Full Self-Attention)", 1024, "Dense attention"),
+        ("transformer_dense_t2048", "transformer_dense (Full Self-Attention)", 2048, "Dense attention"),
+        ("transformer_local_t1024", "local_transformer (Local Attention, w=128)", 1024, "Local attn, w=128"),
+        ("transformer_local_t2048", "local_transformer (Local Attention, w=128)", 2048, "Local attn, w=128"),
+        ("transformer_global_local_t1024", "global_local_trans (Global-Local, w=128, g=16)", 1024,
+         "Global-local attn"),
+        ("transformer_global_local_t2048", "global_local_trans (Global-Local, w=128, g=16)", 2048,
+         "Global-local attn"),
+        ("local_conv_t2048", "local_conv (No cache)", 2048, "Local conv"),
     )
 )
 _ABLATION_ROWS = tuple(
-    _tpu_row(_ABL, i, d, t)
-    for i, d, t in (
-        ("pcaf_no_gate_t2048", "pcaf_no_gate (Fixed Cache Weight 0.5)", 2048),
-        ("pcaf_semantic_t1024", "pcaf_semantic (Semantic Hash Routing)", 1024),
-        ("pcaf_semantic_t2048", "pcaf_semantic (Semantic Hash Routing)", 2048),
-        ("pcaf_hybrid_t1024", "pcaf_hybrid (Token + Semantic Mix)", 1024),
-        ("pcaf_hybrid_t2048", "pcaf_hybrid (Token + Semantic Mix)", 2048),
-        ("pcaf_context_t1024", "pcaf_context (Context Token Hash Routing)", 1024),
-        ("pcaf_context_t2048", "pcaf_context (Context Token Hash Routing)", 2048),
+    _tpu_row(_ABL, i, d, t, label)
+    for i, d, t, label in (
+        ("pcaf_no_gate_t2048", "pcaf_no_gate (Fixed Cache Weight 0.5)", 2048, "PCAF no gate"),
+        ("pcaf_semantic_t1024", "pcaf_semantic (Semantic Hash Routing)", 1024, "PCAF-semantic"),
+        ("pcaf_semantic_t2048", "pcaf_semantic (Semantic Hash Routing)", 2048, "PCAF-semantic"),
+        ("pcaf_hybrid_t1024", "pcaf_hybrid (Token + Semantic Mix)", 1024, "PCAF-hybrid"),
+        ("pcaf_hybrid_t2048", "pcaf_hybrid (Token + Semantic Mix)", 2048, "PCAF-hybrid"),
+        ("pcaf_context_t1024", "pcaf_context (Context Token Hash Routing)", 1024, "PCAF-context"),
+        ("pcaf_context_t2048", "pcaf_context (Context Token Hash Routing)", 2048, "PCAF-context"),
     )
 )
 

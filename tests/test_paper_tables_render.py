@@ -9,12 +9,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from paper_tables.claims import FAILS, HOLDS, NOT_MEASURED, compare
+from paper_tables.claims import FAILS, HOLDS, NOT_MEASURED, _judge, compare
 from paper_tables.collect import aggregate, learning_bar, load_runs
 from paper_tables.pipeline import build_report, render_table
 from paper_tables.published import load_published
 from paper_tables.render import render_csv, render_latex, render_markdown, tex_escape
-from paper_tables.specs import get_table
+from paper_tables.specs import Claim, get_table
 from pcaf_core.results import RunMetrics, write_metrics
 
 TABLE = "wt2-nt-1024"
@@ -104,11 +104,27 @@ def test_claim_verdicts_from_measured_numbers(runs):
     assert verdicts["cache_helps"].measured_detail.startswith("below the learning bar: pcaf_no_cache (measured ")
     assert "pcaf_no_cache=350" in verdicts["cache_helps"].measured_detail
     assert verdicts["beats_local_conv"].measured == FAILS  # 305 > 250 (local conv has no unigram PPL: not gated)
+    assert verdicts["beats_local_conv"].measured_detail == "pcaf_context=305 >= local_conv=250"
     assert verdicts["gate_helps"].measured == NOT_MEASURED  # no gate failed
     assert "pcaf_no_gate" in verdicts["gate_helps"].measured_detail
     assert verdicts["beats_attention"].measured == NOT_MEASURED  # dense missing, local running
     assert verdicts["keeps_local_throughput"].measured == HOLDS  # 31000 > 0.5 * 40000
     assert all(v.published == HOLDS for v in verdicts.values())
+
+
+def test_claim_detail_states_the_relation_the_numbers_have():
+    """The detail never prints the claim's operator between numbers that contradict it."""
+    claim = Claim(id="c", text="a beats b and c", left=("a",), op="<", right=("b", "c"), metric="best_ppl")
+    spec = get_table(TABLE)
+
+    def judge(values):
+        return _judge(claim, spec, lambda table, row, key: values[row])
+
+    assert judge({"a": 1.0, "b": 2.0, "c": 3.0}) == (HOLDS, "a=1 < b=2, c=3")
+    assert judge({"a": 4.0, "b": 2.0, "c": 3.0}) == (FAILS, "a=4 >= b=2, c=3")
+    assert judge({"a": 2.5, "b": 2.0, "c": 3.0}) == (FAILS, "a=2.5 >= b=2; a=2.5 < c=3")
+    throughput = Claim(id="t", text="", left=("a",), op=">", right=("b",), metric="tok_s", factor=0.5)
+    assert _judge(throughput, spec, lambda t, r, k: {"a": 10.0, "b": 30.0}[r]) == (FAILS, "a=10 <= 0.5 x b=30")
 
 
 def test_quality_claims_need_every_row_over_the_bar_and_throughput_claims_do_not(runs):
