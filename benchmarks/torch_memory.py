@@ -22,8 +22,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+def dense_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors holding ``t``'s bytes: ``t`` itself, or a sparse tensor's indices and values
+    (sparse tensors have no storage of their own)."""
+    if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        compressed, plain = ((t.crow_indices(), t.col_indices()) if t.layout in (torch.sparse_csr, torch.sparse_bsr)
+                             else (t.ccol_indices(), t.row_indices()))
+        return compressed, plain, t.values()
+    if t.layout == torch.sparse_coo:
+        return t._indices(), t._values()
+    return (t,)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    """Every strided tensor in a pytree of op arguments or outputs (sparse ones by their parts), meta excluded."""
+    return [p for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.device.type != "meta"
+            for p in dense_parts(t)]
 
 
 class PeakLiveBytes(TorchDispatchMode):
@@ -43,11 +57,8 @@ class PeakLiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {_storage_key(t) for t in tree_flatten((args, kwargs or {}))[0]
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
+        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs or {}))}
+        for t in _tensors(out):
             storage = t.untyped_storage()
             key, nbytes = storage._cdata, storage.nbytes()
             if key in inputs or key in self._live or nbytes == 0:

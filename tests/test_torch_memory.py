@@ -1,7 +1,8 @@
 """No quadratic tensor on the sparse routes: a full-AR window of T = 8192 through the whole model.
 
 A ``TorchDispatchMode`` sees the output of every ATen op (forward and backward), so the largest
-intermediate is measured exactly rather than estimated from process memory. A single T×T float32
+intermediate is measured exactly rather than estimated from process memory (a sparse output by its
+indices and values: its logical ``[T·?, T]`` shape holds no memory). A single T×T float32
 tensor would be 268 MB (T² = 67M elements); the sparse routes stay linear in T.
 """
 
@@ -15,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from backends.torch import build_model
+from benchmarks.torch_memory import dense_parts
 from backends.torch.ops import CHUNK_ELEMENTS
 from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.profiles import get_profile
@@ -32,8 +34,9 @@ class LargestTensor(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
-                self.numel, self.op = t.numel(), str(func)
+            for part in dense_parts(t) if isinstance(t, torch.Tensor) else ():
+                if part.numel() > self.numel:
+                    self.numel, self.op = part.numel(), str(func)
         return out
 
 

@@ -379,12 +379,44 @@ def test_gather_records_matches_spec() -> None:
     np.testing.assert_array_equal(got.numpy(), routing.gather_records(values, cand))
 
 
-def test_gather_dot_values_and_gradients() -> None:
+@pytest.mark.parametrize("path", ["sparse", "gather"])
+def test_gather_dot_values_and_gradients(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both paths: the CSR products (CPU float64 here) and the chunked row gathers (CUDA, bf16, compiled)."""
+    from backends.torch import ops
+
+    if path == "gather":
+        monkeypatch.setattr(ops, "_sparse_path", lambda x, y, index: False)
     rng = np.random.default_rng(7)
     x = torch.tensor(rng.normal(size=(2, 5, 3)), requires_grad=True)
     y = torch.tensor(rng.normal(size=(2, 6, 3)), requires_grad=True)
-    idx = torch.tensor(rng.integers(0, 6, (2, 5, 4)))
+    idx = torch.tensor(rng.integers(0, 6, (2, 5, 4)))  # repeated records within a query: their gradients add
+    assert ops._sparse_path(x, y, idx) == (path == "sparse")
+    assert any(len(set(row)) < 4 for row in idx.reshape(-1, 4).tolist())
     dense = torch.einsum("bqd,bqcd->bqc", x, y[torch.arange(2)[:, None, None], idx])
     for chunk in (1, 7, 10**6):  # chunks of one query, of a few, and all at once
         torch.testing.assert_close(gather_dot(x, y, idx, chunk_elements=chunk), dense)
+        with torch.no_grad():
+            torch.testing.assert_close(gather_dot(x, y, idx, chunk_elements=chunk), dense)
         assert torch.autograd.gradcheck(lambda a, b, c=chunk: gather_dot(a, b, idx, chunk_elements=c), (x, y))
+    # one input differentiable: the other gets no gradient and the first the same one
+    xs = x.detach().clone().requires_grad_(True)
+    gather_dot(xs, y.detach(), idx).sum().backward()
+    expected = torch.autograd.grad(dense.sum(), x, retain_graph=True)[0]
+    torch.testing.assert_close(xs.grad, expected)
+    with pytest.raises(IndexError, match="out of range"):
+        gather_dot(x, y, torch.full_like(idx, 6))
+    # more slots than records (C > B·T, windows shorter than K): the gather path, same values
+    short = torch.tensor(rng.normal(size=(1, 2, 3)), requires_grad=True)
+    few = torch.tensor([[[0, 1, 1, 0, 0]]])
+    assert not ops._sparse_path(x[:1, :1], short, few)
+    assert torch.autograd.gradcheck(lambda a, b: gather_dot(a, b, few), (x[:1, :1].detach().requires_grad_(), short))
+
+
+def test_gather_dot_takes_the_gather_path_in_bf16() -> None:
+    from backends.torch import ops
+
+    x, y = torch.randn(1, 4, 8, dtype=torch.bfloat16), torch.randn(1, 6, 8, dtype=torch.bfloat16)
+    idx = torch.randint(0, 6, (1, 4, 3))
+    assert not ops._sparse_path(x, y, idx) and ops._sparse_path(x.float(), y.float(), idx)
+    torch.testing.assert_close(gather_dot(x, y, idx).float(), gather_dot(x.float(), y.float(), idx),
+                               atol=0.1, rtol=0.02)
