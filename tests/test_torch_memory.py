@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from backends.torch import build_model
-from benchmarks.torch_memory import dense_parts
 from backends.torch.ops import CHUNK_ELEMENTS
+from benchmarks.torch_memory import dense_parts
 from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.profiles import get_profile
 
