@@ -17,8 +17,8 @@ How the context route avoids T×T arrays (docs/BACKENDS.md gives the argument in
   before it and ``first`` the first K slots of the segment: O(T log T + Q·K).
 * ``topk_score`` scores only the M most recent same-bucket records and proves, query by query, that no
   older record can enter the top K. If the proof fails for any query, ``jax.lax.cond`` runs a dense
-  pass over all T records in fixed-size query chunks (``jax.lax.map``; at most ``chunk_elements``
-  scores at a time) and the dense answer replaces the sparse one for exactly those queries.
+  pass over all T records for exactly those queries, compacted into fixed-size chunks (a loop of
+  ceil(n/chunk) steps; at most ``chunk_elements`` scores at a time).
 
 Selection yields integer indices only; its inputs pass through ``jax.lax.stop_gradient``, and
 gradients flow through the scores of the selected slots, computed by the caller.
@@ -143,6 +143,50 @@ def _dense_context_topk(
     return Candidates(index, valid)
 
 
+def _dense_context_topk_for(
+    addresses: jax.Array,
+    query_pos: jax.Array,
+    top_k: int,
+    select: SelectionInputs,
+    dense: jax.Array,
+    chunk_elements: int,
+) -> Candidates:
+    """Spec-exact ``topk_score`` for the queries marked in ``dense`` ``[B, Q]`` only (other slots empty).
+
+    Per sequence, the marked queries are compacted (``jnp.nonzero`` with a static size) and scored
+    against all T records in chunks of ``c`` queries (``B·c·T <= chunk_elements``) by a loop that runs
+    ceil(n/c) times for n marked queries, so the cost is O(n·T), not the O(Q·T) of scoring every query.
+    Selection is not differentiated, so the loop sees its inputs through ``stop_gradient``."""
+    B, T = addresses.shape
+    Q = query_pos.shape[0]
+    c = query_chunk(Q, B * T, chunk_elements)
+    padded = Q + (-Q) % c
+    scale = math.sqrt(select.query.shape[-1])
+    col = jnp.arange(T, dtype=jnp.int32)
+    rec_term = jax.lax.stop_gradient(select.rho * select.recency)  # [T]
+
+    def one_sequence(addr: jax.Array, query: jax.Array, keys: jax.Array, marked: jax.Array):
+        order = jnp.nonzero(marked, size=padded, fill_value=Q)[0].astype(jnp.int32)  # fill Q: dropped below
+
+        def body(i, carry):
+            index, valid = carry
+            qi = jax.lax.dynamic_slice(order, (i * c,), (c,))
+            safe = jnp.minimum(qi, Q - 1)
+            t = query_pos[safe]
+            score = jnp.einsum("cd,td->ct", query[safe], keys, precision=_HIGHEST) / scale + rec_term
+            ok = (addr[None, :] == addr[t][:, None]) & (col[None, :] < t[:, None])
+            idx, ok_k = topk_rows(score, ok, top_k)
+            return index.at[qi].set(idx, mode="drop"), valid.at[qi].set(ok_k, mode="drop")
+
+        n_chunks = (jnp.sum(marked, dtype=jnp.int32) + c - 1) // c
+        init = (jnp.full((Q, top_k), -1, jnp.int32), jnp.zeros((Q, top_k), bool))
+        return jax.lax.fori_loop(0, n_chunks, body, init)
+
+    index, valid = jax.vmap(one_sequence)(addresses, jax.lax.stop_gradient(select.query),
+                                          jax.lax.stop_gradient(select.keys), dense)
+    return Candidates(index, valid)
+
+
 def route_context_topk_score(
     addresses: jax.Array,
     query_pos: jax.Array,
@@ -161,8 +205,8 @@ def route_context_topk_score(
     bucket holds at most M earlier records, or when ρ >= 0 and the K-th best of the M scores strictly
     exceeds ``‖q‖·max‖k‖/√d + ρ·r_{s'}`` plus a rounding margin, where s' is the most recent record
     left out (Cauchy-Schwarz; recency non-decreasing). Queries where neither holds are routed densely:
-    if any exists, ``jax.lax.cond`` runs the chunked dense pass for all queries and its answer is kept
-    for those queries only. ``strategy="dense"`` routes every query densely.
+    if any exists, ``jax.lax.cond`` runs the dense pass over exactly those queries
+    (:func:`_dense_context_topk_for`, O(n·T) for n of them). ``strategy="dense"`` routes every query densely.
 
     Args:
         addresses: ``[B, T]`` int bucket addresses; query_pos: ``[Q]`` int query positions.
@@ -211,7 +255,7 @@ def route_context_topk_score(
     dense = overflow & ~proven
 
     def with_dense() -> Candidates:
-        full = _dense_context_topk(addresses, query_pos, K, select, chunk_elements)
+        full = _dense_context_topk_for(addresses, query_pos, K, select, dense, chunk_elements)
         pick = dense[..., None]
         return Candidates(jnp.where(pick, full.index, sparse.index), jnp.where(pick, full.valid, sparse.valid))
 
