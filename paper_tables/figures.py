@@ -283,18 +283,16 @@ def _log_ticks(ax: Any, axis: str, unit: str = "") -> None:
     target.set_minor_formatter(NullFormatter())
 
 
-def plot_speed_quality(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataFrame], title: str = "") -> Figure:
-    """Tokens/s (x, log) vs best PPL (y, log), one colour and marker per model: the measured point filled,
-    the paper's hollow, joined by a dashed line; every point labelled with the model's name."""
-    from matplotlib import colormaps
+SPEED_QUALITY_PANEL_ROWS = 10
+"""A table with more plotted rows than this gets one speed-vs-quality panel per row group (sweeps-41m's 29
+rows on one axis bury their labels in each other)."""
 
-    from paper_tables.labels import PointLabel, place_labels
 
-    fig = Figure(figsize=(7.2, 5.0), layout="constrained")
-    ax = fig.subplots()
+def _speed_quality_points(spec: TableSpec, rows: list, agg: pd.DataFrame, pubs: dict[str, pd.DataFrame]):
+    """``(row id, measured (tok/s, PPL) or None, paper (tok/s, PPL) or None)`` of the rows with any point."""
     has_tok = any(c.key == "tok_s" and c.published for c in spec.columns)
     points: list[tuple[str, tuple[float, float] | None, tuple[float, float] | None]] = []
-    for row in spec.rows:
+    for row in rows:
         tok, ppl = _measured(agg, row.id, "tokens_per_sec"), _measured(agg, row.id, "best_ppl")
         mine = (tok, ppl) if tok and ppl else None
         paper = None
@@ -303,6 +301,15 @@ def plot_speed_quality(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.Da
             paper = (ptok, pppl) if ptok and pppl else None
         if mine or paper:
             points.append((row.id, mine, paper))
+    return points
+
+
+def _speed_quality_panel(ax: Any, spec: TableSpec, points: list, legend: bool) -> list:
+    """Draw one panel; returns its point labels (placed once the figure's layout is final)."""
+    from matplotlib import colormaps
+
+    from paper_tables.labels import PointLabel
+
     names = _point_names(spec, [p[0] for p in points])
     colors = colormaps["tab10"].colors
     labels: list[PointLabel] = []
@@ -317,28 +324,62 @@ def plot_speed_quality(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.Da
         if mine and paper:
             ax.plot([mine[0], paper[0]], [mine[1], paper[1]], linestyle=(0, (3, 3)), linewidth=0.7, color=color,
                     alpha=0.6, zorder=1)
-    ax.scatter([], [], s=36, color="0.35", label="measured (filled)")
-    ax.scatter([], [], s=36, facecolors="white", edgecolors="0.35", label="paper (hollow)")
     ax.set_xlabel("training tokens / s")
     ax.set_ylabel("best validation PPL")
-    ax.set_title(title or f"{spec.name}: speed vs quality", fontsize=10)
-    if points:
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        xs = [p[0] for _, m, q in points for p in (m, q) if p]
-        ys = [p[1] for _, m, q in points for p in (m, q) if p]
-        # Room for labels: a factor of 3 on each side of x, 15% below and 35% above in y (a cluster of
-        # near-coincident points stacks its labels upwards).
-        ax.set_xlim(min(xs) / 3.0, max(xs) * 3.0)
-        ax.set_ylim(min(ys) / 1.15, max(ys) * 1.35)
-        _log_ticks(ax, "x", unit="count")
-        _log_ticks(ax, "y")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    xs = [p[0] for _, m, q in points for p in (m, q) if p]
+    ys = [p[1] for _, m, q in points for p in (m, q) if p]
+    # Room for labels: a factor of 3 on each side of x, 15% below and 35% above in y (a cluster of
+    # near-coincident points stacks its labels upwards).
+    ax.set_xlim(min(xs) / 3.0, max(xs) * 3.0)
+    ax.set_ylim(min(ys) / 1.15, max(ys) * 1.35)
+    _log_ticks(ax, "x", unit="count")
+    _log_ticks(ax, "y")
+    if legend:
+        ax.scatter([], [], s=36, color="0.35", label="measured (filled)")
+        ax.scatter([], [], s=36, facecolors="white", edgecolors="0.35", label="paper (hollow)")
         ax.legend(fontsize=8, loc="best")
-        fig.get_layout_engine().execute(fig)  # final axes position before labels are placed in pixels
+    return labels
+
+
+def plot_speed_quality(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataFrame], title: str = "") -> Figure:
+    """Tokens/s (x, log) vs best PPL (y, log), one colour and marker per model: the measured point filled,
+    the paper's hollow, joined by a dashed line; every point labelled with the model's name. Past
+    :data:`SPEED_QUALITY_PANEL_ROWS` plotted rows, one panel per row group."""
+    from paper_tables.labels import place_labels
+
+    points = _speed_quality_points(spec, list(spec.rows), agg, pubs)
+    if len(points) > SPEED_QUALITY_PANEL_ROWS:
+        groups: dict[str, list] = {}
+        for row in spec.rows:
+            groups.setdefault(row.group, []).append(row)
+        panels = [(g, p) for g, rows in groups.items() if (p := _speed_quality_points(spec, rows, agg, pubs))]
+    else:
+        panels = [("", points)]
+    ncols = min(len(panels), 3)
+    nrows = -(-len(panels) // ncols) if panels else 1
+    fig = Figure(figsize=(7.2 * ncols, 5.0 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, max(ncols, 1), squeeze=False).ravel()
+    if not points:
+        axes[0].set_title(title or f"{spec.name}: speed vs quality", fontsize=10)
+        _empty_note(axes[0], "no measured rows")
+        return fig
+    placed = []
+    for k, (group, pts) in enumerate(panels):
+        placed.append((axes[k], _speed_quality_panel(axes[k], spec, pts, legend=k == 0)))
+        if group:
+            axes[k].set_title(f"paper rows: {group}", fontsize=10)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    if len(panels) > 1:
+        fig.suptitle(title or f"{spec.name}: speed vs quality", fontsize=11)
+    else:
+        axes[0].set_title(title or f"{spec.name}: speed vs quality", fontsize=10)
+    fig.get_layout_engine().execute(fig)  # final axes positions before labels are placed in pixels
+    for ax, labels in placed:
         for text in place_labels(fig, ax, labels):
             text.set_in_layout(False)
-    else:
-        _empty_note(ax, "no measured rows")
     return fig
 
 

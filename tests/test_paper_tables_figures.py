@@ -285,3 +285,27 @@ def test_speed_quality_names_every_point_and_no_label_overlaps_a_label_or_a_mark
         assert not any(box.contains(x, y) for x, y in markers), name
     # Each measured point is joined to its paper point by a line of the model's colour.
     assert len(ax.lines) == 5
+
+
+def test_speed_quality_of_a_large_table_has_one_panel_per_group(tmp_path):
+    """sweeps-41m's 29 rows: one panel per sweep, each titled by its group, with every point labelled."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from paper_tables.figures import SPEED_QUALITY_PANEL_ROWS, plot_speed_quality
+    from paper_tables.published import load_published
+
+    spec = get_table("sweeps-41m")
+    assert len(spec.rows) > SPEED_QUALITY_PANEL_ROWS
+    for k, row in enumerate(spec.rows):
+        _run(tmp_path / row.id, table="sweeps-41m", row=row.id, scale="cpu", best_ppl=300.0 + k,
+             tokens_per_sec=1000.0 * (k + 1), profile=row.profile)
+    _, aggs = collect_tables(tmp_path, ["sweeps-41m"], "cpu", "torch")
+    fig = plot_speed_quality(spec, aggs["sweeps-41m"], {"sweeps-41m": load_published("sweeps-41m")})
+    FigureCanvasAgg(fig).draw()
+    groups = list(dict.fromkeys(r.group for r in spec.rows))
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in visible] == [f"paper rows: {g}" for g in groups]
+    for ax, group in zip(visible, groups):
+        rows = [r for r in spec.rows if r.group == group]
+        texts = {t.get_text() for t in ax.texts}
+        assert len([t for t in texts if not t.endswith("(paper)")]) == len(rows), group
