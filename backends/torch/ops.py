@@ -6,10 +6,11 @@ for full-AR training at paper scale), so :func:`gather_dot` keeps only the input
 
 On the CPU in float32/float64 the three products are sparse: with ``G`` the ``[B·Q, B·T]`` CSR matrix that
 holds one entry per slot (row ``b·Q + q``, column ``b·T + idx``), the forward is a sampled dense-dense
-product (``x @ yᵀ`` at G's entries), and the backward is ``gx = G·y`` and ``gy = Gᵀ·x`` with the incoming
-gradient as G's values. These run as MKL/ATen sparse kernels without any ``[*, C, d]`` temporary, about
-4-6x faster than gathering rows here (benchmarks/bench_routing.py). Elsewhere (CUDA, bf16 under autocast,
-inside ``torch.compile``) the rows are gathered chunk by chunk in both directions instead.
+product (``x @ yᵀ`` at G's entries), and the backward is ``gx = G·y`` and ``gy = Gᵀ·x`` (Gᵀ built by a
+sort) with the incoming gradient as the values. These run as MKL/ATen sparse kernels without any
+``[*, C, d]`` temporary, about 4-6x faster than gathering rows here (benchmarks/bench_routing.py).
+Elsewhere (CUDA, bf16 under autocast, inside ``torch.compile``) the rows are gathered chunk by chunk in
+both directions instead.
 """
 
 from __future__ import annotations
@@ -85,10 +86,25 @@ def _sparse_backward(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, grad
                      need_x: bool, need_y: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     B, Q, C = index.shape
     T, d = y.shape[1], y.shape[2]
-    g = _slot_matrix(index, grad.contiguous(), T)
-    gx = (g @ y.reshape(B * T, d)).view(B, Q, d) if need_x else None
-    gy = (g.t() @ x.reshape(B * Q, d)).view(B, T, d) if need_y else None
+    grad = grad.contiguous()
+    gx = (_slot_matrix(index, grad, T) @ y.reshape(B * T, d)).view(B, Q, d) if need_x else None
+    gy = (_transposed_slot_matrix(index, grad, T) @ x.reshape(B * Q, d)).view(B, T, d) if need_y else None
     return gx, gy
+
+
+def _transposed_slot_matrix(index: torch.Tensor, values: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """Gᵀ of :func:`_slot_matrix` as a ``[B·n_cols, B·Q]`` CSR matrix, built by one stable sort of the slots'
+    columns: about 1.5-2x faster here than ``G.t() @ x`` (which converts the CSC transpose back to CSR)."""
+    B, Q, C = index.shape
+    cols = (index + (torch.arange(B, device=index.device) * n_cols)[:, None, None]).reshape(-1)
+    sorted_cols, perm = torch.sort(cols, stable=True)
+    crow = torch.zeros(B * n_cols + 1, dtype=torch.int64, device=index.device)
+    crow[1:] = torch.bincount(sorted_cols, minlength=B * n_cols).cumsum(0)
+    rows = torch.div(perm, C, rounding_mode="floor")  # slot b·Q·C + q·C + c belongs to G's row b·Q + q
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
+        return torch.sparse_csr_tensor(crow, rows, values.reshape(-1)[perm], size=(B * n_cols, B * Q),
+                                       check_invariants=False)
 
 
 class _GatherDot(torch.autograd.Function):
