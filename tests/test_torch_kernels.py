@@ -28,6 +28,15 @@ AR_IMPLS = {"triton": triton_impl.candidates_ar_triton, "torch": torch_impl.cand
 TABLE_IMPLS = {"triton": triton_impl.bucket_table_triton, "torch": torch_impl.bucket_table_torch}
 
 
+# Compiled Triton kernels take CUDA tensors; under the interpreter (no CUDA) they take CPU tensors. Every
+# case below runs on this device, so a CUDA machine runs the same cases through the compiled kernels.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _on_device(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a).to(DEVICE)
+
+
 def test_kernels_run_interpreted_on_this_machine() -> None:
     """Without CUDA the conftest turns the interpreter on, so the Triton cases below really run Triton."""
     assert triton_impl.INTERPRETED or torch.cuda.is_available()
@@ -84,7 +93,7 @@ def test_nt_candidates_equal_spec(case: str, policy: str, impl: str) -> None:
     a, _, k = _case(case)
     T = a.shape[1]
     want = route_context(a, np.array([T - 1]), k, policy)
-    _assert_same(NT_IMPLS[impl](torch.from_numpy(a), k, policy), want.index, want.valid)
+    _assert_same(NT_IMPLS[impl](_on_device(a), k, policy), want.index, want.valid)
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
@@ -94,7 +103,7 @@ def test_ar_candidates_equal_spec(case: str, policy: str, impl: str) -> None:
     a, _, k = _case(case)
     T = a.shape[1]
     want = route_context(a, np.arange(T), k, policy)
-    _assert_same(AR_IMPLS[impl](torch.from_numpy(a), k, policy), want.index, want.valid)
+    _assert_same(AR_IMPLS[impl](_on_device(a), k, policy), want.index, want.valid)
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
@@ -104,7 +113,7 @@ def test_bucket_table_lookup_equals_spec(case: str, policy: str, impl: str) -> N
     """Build the table from records 0..T-2, read the query's bucket: the NT candidates."""
     a, nb, k = _case(case)
     T = a.shape[1]
-    at = torch.from_numpy(a)
+    at = _on_device(a)
     table = TABLE_IMPLS[impl](at[:, :-1], nb, k, policy)
     assert table.shape == (a.shape[0], nb, k) and table.dtype == torch.int32
     want = route_context(a, np.array([T - 1]), k, policy)
@@ -118,7 +127,7 @@ def test_bucket_table_every_bucket(policy: str, impl: str) -> None:
     rng = np.random.default_rng(7)
     nb, k = 9, 3
     rec = rng.integers(0, 6, size=(2, 40))  # buckets 6..8 never occur
-    table = TABLE_IMPLS[impl](torch.from_numpy(rec), nb, k, policy).numpy()
+    table = TABLE_IMPLS[impl](_on_device(rec), nb, k, policy).cpu().numpy()
     for b in range(rec.shape[0]):
         for c in range(nb):
             members = np.flatnonzero(rec[b] == c)
@@ -130,9 +139,9 @@ def test_bucket_table_every_bucket(policy: str, impl: str) -> None:
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_bucket_table_ignores_out_of_range_ids(impl: str) -> None:
-    rec = torch.tensor([[0, 5, -1, 0, 2]])
+    rec = torch.tensor([[0, 5, -1, 0, 2]], device=DEVICE)
     table = TABLE_IMPLS[impl](rec, 3, 2, "first")
-    np.testing.assert_array_equal(table[0].numpy(), [[0, 3], [-1, -1], [4, -1]])
+    np.testing.assert_array_equal(table[0].cpu().numpy(), [[0, 3], [-1, -1], [4, -1]])
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -144,20 +153,20 @@ def test_context_hash_input_is_bucketed_like_the_spec(policy: str) -> None:
     hashes = context_hash(tokens, 2)
     nb, k = 7, 5
     buckets = bucket_of(hashes, nb)
-    ht = torch.from_numpy(hashes)
+    ht = _on_device(hashes)
     nt = route_context(buckets, np.array([69]), k, policy)
     ar = route_context(buckets, np.arange(70), k, policy)
     for impl in ("triton", "torch"):
         _assert_same(NT_IMPLS[impl](ht, k, policy, num_buckets=nb), nt.index, nt.valid)
         _assert_same(AR_IMPLS[impl](ht, k, policy, num_buckets=nb), ar.index, ar.valid)
         table = TABLE_IMPLS[impl](ht[:, :-1], nb, k, policy, hash_input=True)
-        _assert_same(lookup_bucket_table(table, torch.from_numpy(buckets[:, -1])), nt.index, nt.valid)
+        _assert_same(lookup_bucket_table(table, _on_device(buckets[:, -1])), nt.index, nt.valid)
 
 
 def test_int32_addresses_are_accepted() -> None:
     a = np.array([[3, 1, 3, 3, 1, 3]], dtype=np.int32)
     want = route_context(a.astype(np.int64), np.arange(6), 2, "recent")
-    _assert_same(triton_impl.candidates_ar_triton(torch.from_numpy(a), 2, "recent"), want.index, want.valid)
+    _assert_same(triton_impl.candidates_ar_triton(_on_device(a), 2, "recent"), want.index, want.valid)
 
 
 def test_nt_scan_stops_early_yet_sees_every_block() -> None:
@@ -168,7 +177,7 @@ def test_nt_scan_stops_early_yet_sees_every_block() -> None:
     for policy in POLICIES:
         for k in (2, 4):
             want = route_context(a, np.array([2999]), k, policy)
-            _assert_same(triton_impl.candidates_nt_triton(torch.from_numpy(a), k, policy), want.index, want.valid)
+            _assert_same(triton_impl.candidates_nt_triton(_on_device(a), k, policy), want.index, want.valid)
 
 
 @pytest.mark.parametrize(
@@ -182,17 +191,17 @@ def test_nt_scan_stops_early_yet_sees_every_block() -> None:
 @pytest.mark.parametrize("fn", [*NT_IMPLS.values(), *AR_IMPLS.values()])
 def test_bad_arguments_raise(fn, kwargs: dict, error: type[Exception]) -> None:
     with pytest.raises(error):
-        fn(torch.zeros(1, 4, dtype=torch.int64), **kwargs)
+        fn(torch.zeros(1, 4, dtype=torch.int64, device=DEVICE), **kwargs)
 
 
 @pytest.mark.parametrize("fn", [*NT_IMPLS.values(), *AR_IMPLS.values()])
 def test_bad_addresses_raise(fn) -> None:
     with pytest.raises(ValueError, match=r"\[B, T\]"):
-        fn(torch.zeros(4, dtype=torch.int64), 2, "recent")
+        fn(torch.zeros(4, dtype=torch.int64, device=DEVICE), 2, "recent")
     with pytest.raises(TypeError, match="integer"):
-        fn(torch.zeros(1, 4), 2, "recent")
+        fn(torch.zeros(1, 4, device=DEVICE), 2, "recent")
     with pytest.raises(ValueError, match="at least 1"):
-        fn(torch.zeros(1, 0, dtype=torch.int64), 2, "recent")
+        fn(torch.zeros(1, 0, dtype=torch.int64, device=DEVICE), 2, "recent")
 
 
 @st.composite
@@ -211,7 +220,7 @@ def _routing_inputs(draw: st.DrawFn) -> tuple[np.ndarray, int, str]:
 def test_property_triton_equals_spec(inputs: tuple[np.ndarray, int, str]) -> None:
     a, k, policy = inputs
     T = a.shape[1]
-    at = torch.from_numpy(a)
+    at = _on_device(a)
     nt = route_context(a, np.array([T - 1]), k, policy)
     _assert_same(triton_impl.candidates_nt_triton(at, k, policy), nt.index, nt.valid)
     ar = route_context(a, np.arange(T), k, policy)
@@ -223,7 +232,7 @@ def test_property_triton_equals_spec(inputs: tuple[np.ndarray, int, str]) -> Non
 def test_property_torch_path_equals_spec(inputs: tuple[np.ndarray, int, str]) -> None:
     a, k, policy = inputs
     T = a.shape[1]
-    at = torch.from_numpy(a)
+    at = _on_device(a)
     nt = route_context(a, np.array([T - 1]), k, policy)
     _assert_same(torch_impl.candidates_nt_torch(at, k, policy), nt.index, nt.valid)
     ar = route_context(a, np.arange(T), k, policy)

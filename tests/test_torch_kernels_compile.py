@@ -54,15 +54,14 @@ _AOT_SCRIPT = textwrap.dedent(
         for recent in (False, True):
             check(ti._nt_scan_kernel, nt, {"HASH": hash_in, "RECENT": recent, "MULT": HASH_MULT,
                                             "ADD": BUCKET_ADD, "BLOCK": 1024, "K_PAD": 16})
-    # Integer arguments equal to 1 are specialised to constants at launch (T = 1, K = 1).
-    check(ti._nt_scan_kernel, {k: v for k, v in nt.items() if k not in ("T", "K")},
-          {"T": 1, "K": 1, "HASH": False, "RECENT": True, "MULT": HASH_MULT, "ADD": BUCKET_ADD,
-           "BLOCK": 32, "K_PAD": 1})
+    # Integer arguments equal to 1 are specialised to constants at launch (K = 1; T = 1 launches nothing).
+    check(ti._nt_scan_kernel, {k: v for k, v in nt.items() if k != "K"},
+          {"K": 1, "HASH": False, "RECENT": True, "MULT": HASH_MULT, "ADD": BUCKET_ADD, "BLOCK": 32, "K_PAD": 1})
     ar = {"saddr_ptr": "*i64", "perm_ptr": "*i64", "index_ptr": "*i64", "valid_ptr": "*i1", "T": "i32",
           "K": "i32", "n_search_steps": "i32"}
     table = {"saddr_ptr": "*i64", "perm_ptr": "*i64", "table_ptr": "*i32", "N": "i32", "num_buckets": "i32",
              "K": "i32"}
-    for k_pad in (16, 64):
+    for k_pad in (1, 16, 64):  # K = 1: the narrowest slot tile
         block = ti._tile_block(k_pad, 4096)
         for flag in (False, True):
             check(ti._ar_select_kernel, ar, {"FIRST": flag, "BLOCK_P": block, "K_PAD": k_pad})

@@ -224,6 +224,13 @@ def _tile_block(k_pad: int, n: int) -> int:
     return max(_MIN_BLOCK, min(block, triton.next_power_of_2(max(n, 1))))
 
 
+def _no_records(index: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot empty: the answer when the only query is position 0 (T = 1), which has no records.
+    No kernel is launched for it: besides being pointless, a launch with T = 1 and K = 1 specialises
+    both to constants, a variant Triton 3.6's layout pass (TritonGPUCoalesce) aborts on."""
+    return index.fill_(-1), valid.fill_(False)
+
+
 def candidates_nt_triton(
     addresses: torch.Tensor, top_k: int, policy: str, *, num_buckets: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,8 +253,8 @@ def candidates_nt_triton(
     B, T = a.shape
     index = torch.empty((B, 1, top_k), dtype=torch.int64, device=a.device)
     valid = torch.empty((B, 1, top_k), dtype=torch.bool, device=a.device)
-    if B == 0:
-        return index, valid
+    if B == 0 or T == 1:
+        return _no_records(index, valid)
     block = max(32, min(_NT_MAX_BLOCK, triton.next_power_of_2(max(T - 1, 1))))
     _nt_scan_kernel[(B,)](
         a,
@@ -292,8 +299,8 @@ def candidates_ar_triton(
         raise ValueError(f"T·K = {T * top_k} overflows the kernel's int32 in-row offsets")
     index = torch.empty((B, T, top_k), dtype=torch.int64, device=a.device)
     valid = torch.empty((B, T, top_k), dtype=torch.bool, device=a.device)
-    if B == 0:
-        return index, valid
+    if B == 0 or T == 1:
+        return _no_records(index, valid)
     sorted_addr, perm = torch.sort(a, dim=-1, stable=True)
     k_pad = triton.next_power_of_2(top_k)
     block = _tile_block(k_pad, T)
