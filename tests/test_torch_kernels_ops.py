@@ -170,6 +170,17 @@ def test_route_context_with_kernels_equals_the_spec(policy, mode):
     addr = spec_addresses(tokens, 1, 5)
     qpos = records.query_positions(40, mode)
     want = spec_routing.route_context(addr, qpos, 4, policy)
-    got = route_context(torch.from_numpy(addr), torch.from_numpy(qpos), 4, policy, kernels=True)
-    np.testing.assert_array_equal(got.index.numpy(), want.index)
-    np.testing.assert_array_equal(got.valid.numpy(), want.valid)
+    # With the layout read back from query_pos, and with it stated as the models state it (no read-back).
+    for layout in (None, mode):
+        got = route_context(torch.from_numpy(addr), torch.from_numpy(qpos), 4, policy, kernels=True,
+                            query_layout=layout)
+        np.testing.assert_array_equal(got.index.numpy(), want.index)
+        np.testing.assert_array_equal(got.valid.numpy(), want.valid)
+
+
+def test_route_context_rejects_an_unknown_query_layout():
+    from backends.torch.routing import route_context
+
+    addr = torch.zeros(1, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="query_layout 'full' is unknown"):
+        route_context(addr, torch.arange(8), 2, "recent", kernels=True, query_layout="full")

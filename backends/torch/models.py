@@ -304,7 +304,7 @@ class PCAFModel(CanonicalLM):
                 cand, topk_dense = routing.route_context_topk_score(
                     addr, qpos, mcfg.top_k, select, strategy=self.topk_strategy, sparse_window=self.sparse_window)
             else:
-                cand = routing.route_context(addr, qpos, mcfg.top_k, mcfg.candidate_policy)
+                cand = routing.route_context(addr, qpos, mcfg.top_k, mcfg.candidate_policy, query_layout=mode)
         if mcfg.route in ("semantic", "hybrid"):
             probs = router_probs.detach()  # ranking is not differentiated; the route term of the score is
             if mcfg.semantic_index == "dense":
@@ -314,7 +314,8 @@ class PCAFModel(CanonicalLM):
                                                    mcfg.top_k,
                                                    target_leak=prof.semantic_ar_target_leak and mode == "ar")
             else:
-                sem = routing.route_semantic_bucketed(routing.semantic_buckets(probs), qpos, mcfg.top_k)
+                sem = routing.route_semantic_bucketed(routing.semantic_buckets(probs), qpos, mcfg.top_k,
+                                                      query_layout=mode)
             cand = sem if cand is None else routing.combine_hybrid(cand, sem, dedup=prof.hybrid_dedup)
         return addr, cand, topk_dense
 

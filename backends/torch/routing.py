@@ -264,6 +264,7 @@ def route_context(
     sparse_window: int | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
     kernels: bool | None = None,
+    query_layout: str | None = None,
 ) -> Candidates:
     """Context (exact-hash) route: earlier records in the query's bucket, at most K of them.
 
@@ -277,6 +278,9 @@ def route_context(
         strategy, sparse_window: see :func:`route_context_topk_score`.
         kernels: select ``recent``/``first`` candidates with the Triton kernels of
             :mod:`backends.torch.kernels` (same candidates, tested); ``None`` = on CUDA tensors only.
+        query_layout: ``"nt"`` when ``query_pos`` is ``[T-1]``, ``"ar"`` when it is ``arange(T)`` (what
+            ``records.query_positions`` gives for the mode), so the kernels are chosen without reading
+            ``query_pos`` back from the device; ``None`` reads it.
     Returns:
         :class:`Candidates` of width K. No ``[T, T]`` tensor for ``recent``/``first``; for ``topk_score``
         only the queries the sparse proof does not cover are scored densely, in bounded chunks.
@@ -289,7 +293,7 @@ def route_context(
         return route_context_topk_score(addresses, query_pos, top_k, select, strategy=strategy,
                                         sparse_window=sparse_window, chunk_elements=chunk_elements)[0]
     if kernels if kernels is not None else addresses.is_cuda:
-        picked = _kernel_candidates(addresses, query_pos, top_k, policy)
+        picked = _kernel_candidates(addresses, query_pos, top_k, policy, query_layout)
         if picked is not None:
             return picked
     layout = bucket_layout(addresses)
@@ -299,15 +303,26 @@ def route_context(
     return _first_slots(layout, start, count, top_k)
 
 
-def _kernel_candidates(addresses: torch.Tensor, query_pos: torch.Tensor, top_k: int, policy: str) -> Candidates | None:
-    """The Triton kernels cover the two query layouts the models use: NT (only T-1) and AR (every t)."""
+def _kernel_candidates(
+    addresses: torch.Tensor, query_pos: torch.Tensor, top_k: int, policy: str, query_layout: str | None
+) -> Candidates | None:
+    """The Triton kernels cover the two query layouts the models use: NT (only T-1) and AR (every t).
+    A stated layout is trusted; otherwise ``query_pos`` is read back, a device sync (and, compiled, a
+    graph break) on every call."""
     from backends.torch.kernels import candidates_ar, candidates_nt
 
     T = addresses.shape[1]
-    if len(query_pos) == 1 and int(query_pos[0]) == T - 1:
+    if query_layout is None:
+        if len(query_pos) == 1 and int(query_pos[0]) == T - 1:
+            query_layout = "nt"
+        elif len(query_pos) == T and torch.equal(query_pos.cpu(), torch.arange(T)):
+            query_layout = "ar"
+    if query_layout == "nt":
         return Candidates(*candidates_nt(addresses, top_k, policy))
-    if len(query_pos) == T and torch.equal(query_pos.cpu(), torch.arange(T)):
+    if query_layout == "ar":
         return Candidates(*candidates_ar(addresses, top_k, policy))
+    if query_layout is not None:
+        raise ValueError(f"query_layout {query_layout!r} is unknown: expected 'nt', 'ar' or None")
     return None
 
 
@@ -386,9 +401,12 @@ def semantic_buckets(router_probs: torch.Tensor) -> torch.Tensor:
     return torch.argmax(router_probs, dim=-1).to(torch.int64)
 
 
-def route_semantic_bucketed(sem_buckets: torch.Tensor, query_pos: torch.Tensor, top_k: int) -> Candidates:
-    """Bucketed semantic route: the K most recent earlier records with the query's semantic bucket."""
-    return route_context(sem_buckets, query_pos, top_k, "recent")
+def route_semantic_bucketed(
+    sem_buckets: torch.Tensor, query_pos: torch.Tensor, top_k: int, *, query_layout: str | None = None
+) -> Candidates:
+    """Bucketed semantic route: the K most recent earlier records with the query's semantic bucket
+    (``query_layout``: see :func:`route_context`)."""
+    return route_context(sem_buckets, query_pos, top_k, "recent", query_layout=query_layout)
 
 
 def combine_hybrid(context: Candidates, semantic: Candidates, *, dedup: bool) -> Candidates:
