@@ -1,7 +1,7 @@
 """Per-row training-step cost of a table at a scale: what a budget is calibrated from before a table is run.
 
     python -m experiments.step_cost --table wt103-nt-ablations --scale cpu [--backend torch] [--rows globs]
-                                    [--warmup 2] [--steps 4] [--csv FILE] [overrides...]
+                                    [--warmup 2] [--steps 4] [--device cpu] [--csv FILE] [overrides...]
 
 Each row is composed exactly as ``experiments.reproduce`` composes it (scale, row overrides, command-line
 overrides), its backend built as a run builds it, and fed windows of the row's own training text (the row's
@@ -45,11 +45,12 @@ def row_windows(cfg, batch: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: list[str], warmup: int,
-                steps: int) -> dict:
-    """The step cost of one row (its first seed entry); see the module docstring."""
+                steps: int, device: str = "cpu") -> dict:
+    """The step cost of one row (its first seed entry) on ``device`` (``cpu``, ``auto``, or the backend's
+    accelerator name: ``cuda`` for torch, ``gpu`` for JAX); see the module docstring."""
     cfg = compose_row(table, row, scale, backend_name, overrides)[0].run
     module, cls = BACKEND_CLASSES[backend_name]
-    backend = getattr(importlib.import_module(module), cls)("cpu")
+    backend = getattr(importlib.import_module(module), cls)(device)
     state = backend.init(cfg)
     B, T = cfg.train.batch_size, cfg.train.seq_len
     inputs, targets = row_windows(cfg, B, T)
@@ -66,7 +67,7 @@ def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: 
             "policy": cfg.memory.candidate_policy, "profile": cfg.profile.name, "precision": cfg.train.precision,
             "step_ms": round(step_s * 1e3, 2), "unit": "target" if cfg.train.mode == "nt" else "token",
             "ms_per_unit": round(step_s * 1e3 / unit, 4), "steps": cfg.train.steps,
-            "train_s": round(step_s * cfg.train.steps, 1), "timed_steps": steps}
+            "train_s": round(step_s * cfg.train.steps, 1), "timed_steps": steps, "device": backend.device}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="*", help="glob over row ids, comma-separated (default: all rows)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default), auto (the accelerator when there is one), cuda (torch), gpu (JAX)")
     parser.add_argument("--csv", default="", help="also write the rows here")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every row (key=value)")
     args = parser.parse_intermixed_args(argv)
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = []
         for row in select_rows(args.table, args.rows):
-            r = measure_row(args.table, row, args.scale, args.backend, args.overrides, args.warmup, args.steps)
+            r = measure_row(args.table, row, args.scale, args.backend, args.overrides, args.warmup, args.steps,
+                            args.device)
             results.append(r)
             print(f"{row:34} {r['mode']:2} T={r['T']:<5} B={r['batch']:<4} {r['step_ms']:9.1f} ms/step "
                   f"{r['ms_per_unit']:8.3f} ms/{r['unit']:6} x {r['steps']} steps = {r['train_s']:8.1f} s",
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     total = sum(r["train_s"] for r in results)
-    print(f"[{args.table} scale={args.scale} backend={args.backend}] training time at these costs: {total:.0f} s "
+    label = f"{args.table} scale={args.scale} backend={args.backend} device={results[0]['device']}"
+    print(f"[{label}] training time at these costs: {total:.0f} s "
           f"({total / 60:.1f} min; evaluation and start-up not included)")
     if args.csv:
         Path(args.csv).parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ def test_step_cost_times_each_row_on_its_own_text_and_shapes(tmp_path, capsys):
     [row] = list(csv.DictReader(open(out)))
     assert (row["mode"], row["unit"], row["steps"], row["profile"]) == ("nt", "target", "7", "reference_torch")
     assert float(row["step_ms"]) > 0
+    assert row["device"].startswith("cpu") and "device=cpu" in lines[-1]  # the CPU unless told otherwise
     assert abs(float(row["ms_per_unit"]) * int(row["batch"]) - float(row["step_ms"])) < 0.01
 
 
