@@ -96,13 +96,13 @@ def torch_route_step(route: str, x: dict):
         else:
             probs = None
             if route == "recent":
-                cand = route_context(x["addr"], qpos, K, "recent")
+                cand = route_context(x["addr"], qpos, K, "recent", query_layout="ar")
             elif route == "topk_score":
                 select = SelectionInputs(q.detach(), k.detach(), x["rec"], float(rho.detach()))
-                cand = route_context(x["addr"], qpos, K, "topk_score", select)
+                cand = route_context(x["addr"], qpos, K, "topk_score", select, query_layout="ar")
             else:
                 probs = torch.softmax(z / TAU, dim=-1)
-                cand = route_semantic_bucketed(semantic_buckets(probs.detach()), qpos, K)
+                cand = route_semantic_bucketed(semantic_buckets(probs.detach()), qpos, K, query_layout="ar")
             s = candidate_scores(q, k, x["rec"], rho, cand, router_probs=probs, query_router_probs=probs,
                                  semantic_score_scale=LAMBDA if probs is not None else 0.0)
             w = cache_weights(s, cand.valid)
@@ -156,7 +156,7 @@ def jax_route_loss(route: str):
     import jax.numpy as jnp
 
     from backends.jax.mixture import cache_weights, candidate_scores
-    from backends.jax.routing import route_context, route_semantic_bucketed, semantic_buckets
+    from backends.jax.routing import bucket_layout, route_context, route_semantic_bucketed, semantic_buckets
     from pcaf_core.routing import SelectionInputs
 
     def loss(q, k, z, rho, addr, rec, coeff):
@@ -169,17 +169,22 @@ def jax_route_loss(route: str):
             vals, _ = jax.lax.top_k(jnp.where(allowed, score, MASKED_SCORE), K)
             w = cache_weights(vals[None], vals[None] > MASKED_SCORE / 10)
         else:
-            probs = None
+            # As the models do: full-AR recent slots are scored from their bucket layout (the band).
+            probs = band = None
             if route == "recent":
-                cand = route_context(addr, qpos, K, "recent")
+                band = bucket_layout(addr)
+                cand = route_context(addr, qpos, K, "recent", query_layout="ar", layout=band)
             elif route == "topk_score":
                 sg = jax.lax.stop_gradient
-                cand = route_context(addr, qpos, K, "topk_score", SelectionInputs(sg(q), sg(k), rec, sg(rho)))
+                cand = route_context(addr, qpos, K, "topk_score", SelectionInputs(sg(q), sg(k), rec, sg(rho)),
+                                     query_layout="ar")
             else:
                 probs = jax.nn.softmax(z / TAU, axis=-1)
-                cand = route_semantic_bucketed(semantic_buckets(jax.lax.stop_gradient(probs)), qpos, K)
+                sem = semantic_buckets(jax.lax.stop_gradient(probs))
+                band = bucket_layout(sem)
+                cand = route_semantic_bucketed(sem, qpos, K, query_layout="ar", layout=band)
             s = candidate_scores(q, k, rec, rho, cand, router_probs=probs, query_router_probs=probs,
-                                 semantic_score_scale=LAMBDA if probs is not None else 0.0)
+                                 semantic_score_scale=LAMBDA if probs is not None else 0.0, band=band)
             w = cache_weights(s, cand.valid)
         return jnp.sum(w * coeff)
 

@@ -76,9 +76,9 @@ def test_recent_first_and_bucketed_semantic_are_linear_in_T() -> None:
 def test_topk_score_sparse_path_is_below_quadratic_and_dense_branch_is_chunked() -> None:
     """Measured peaks at T = 8192, K = 16, M = 64, d = 16: outside the fallback, the ``[1, 4096, 64, 16]``
     gather chunk of ``gather_dot`` (4.2M elements = ``CHUNK_ELEMENTS``); the fallback branch, one
-    ``[1, 512, 8192]`` score chunk (4.2M); T² would be 67M. With ``chunk_elements = 16·T`` both fall to
-    the ``[1, T, 65]`` window (532480 elements) and one ``[1, 16, 8192]`` score chunk (131072): the
-    fallback is bounded by the chunk, not by T²."""
+    ``[1, 32, 8192]`` score chunk (262144: at most ``_FALLBACK_CHUNK`` queries a step); T² would be 67M.
+    With ``chunk_elements = 16·T`` both fall to the ``[1, T, 65]`` window (532480 elements) and one
+    ``[1, 16, 8192]`` score chunk (131072): the fallback is bounded by the chunk, not by T²."""
     addr, qpos, q, k, rec = _inputs()
 
     def route(chunk: int):
@@ -92,7 +92,8 @@ def test_topk_score_sparse_path_is_below_quadratic_and_dense_branch_is_chunked()
         keep_sparse, dense_fallback = conds[0]
         assert max(peak, keep_sparse) <= max(chunk, T * (4 * K + 1)) < T * T // 8, (chunk, peak, keep_sparse)
         assert dense_fallback <= chunk, (chunk, dense_fallback)
-        assert dense_fallback >= min(chunk, T * T) // 2  # it really scores whole rows of T records
+        rows = min(chunk // T, jr._FALLBACK_CHUNK)
+        assert dense_fallback >= rows * T // 2  # it really scores whole rows of T records
 
     # strategy="dense" is the fallback on its own: same chunk bound, no cond.
     def dense(a, qp, qq, kk, r, rho):

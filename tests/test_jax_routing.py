@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.jax import routing as jr
-from backends.jax.ops import batch_gather, gather_dot
+from backends.jax.ops import banded_dot, batch_gather, gather_dot
 from pcaf_core import hashing, mixture, records, routing
 
 # ----------------------------------------------------------------------------- helpers
@@ -141,15 +141,20 @@ def _run_topk(addr, qpos, rec, query, keys, rho, K, configs=((),)):
     return [_topk_one(*args, K=K, config=c) for c in configs]
 
 
+_BANDED = (("query_layout", "ar"),)  # full AR: window scores read off blocked GEMMs, not gathered
+
+
 def _topk_configs(T: int, mode: str, K: int) -> tuple:
-    """Default, forced dense, and (AR, T = 200) the smallest window M = K with one query per dense chunk.
+    """Default, forced dense, and (AR, T = 200) the smallest window M = K with one query per dense chunk;
+    in AR also the banded window scores (default window, and M = K at T = 200, where M does not divide T).
     Each is a compilation, so the redundant ones are left out: K = 50 (above the occupancy of most
-    buckets) needs only the default; the property test below covers other small windows."""
+    buckets) needs only the default (and, AR, banded); the property test below covers other small windows."""
+    banded = (_BANDED,) if mode == "ar" else ()
     if K > 3:
-        return ((),)
-    configs = ((), (("strategy", "dense"),))
+        return ((), *banded)
+    configs = ((), (("strategy", "dense"),), *banded)
     if T == 200 and mode == "ar":
-        configs += ((("sparse_window", K), ("chunk_elements", T)),)
+        configs += ((("sparse_window", K), ("chunk_elements", T)), (("sparse_window", K), *_BANDED))
     return configs
 
 
@@ -172,10 +177,11 @@ def test_topk_score_sparse_proof_branch_is_taken_and_exact() -> None:
     # recency gap between the K-th and the (M+1)-th most recent record exceed 2/√d, so the proof holds.
     with jax.enable_x64(True):
         addr, qpos, rec, query, keys = _topk_case(200, "ar", 8, seed=1)
-        ((got, dense),) = _run_topk(addr, qpos, rec, query, keys, 40.0, 3)
         assert (_counts(addr, qpos) > 12).sum() > 300  # the proof was needed for most queries...
-        assert not np.asarray(dense).any()  # ...and it held for all of them
-        _assert_same(got, routing.route_context(addr, qpos, 3, "topk_score", _spec_select(query, keys, rec, 40.0)))
+        ref = routing.route_context(addr, qpos, 3, "topk_score", _spec_select(query, keys, rec, 40.0))
+        for got, dense in _run_topk(addr, qpos, rec, query, keys, 40.0, 3, ((), _BANDED)):
+            assert not np.asarray(dense).any()  # ...and it held for all of them
+            _assert_same(got, ref)
 
 
 @pytest.mark.parametrize("rho", [-0.5, 0.0])
@@ -224,7 +230,7 @@ def test_topk_score_ties_go_to_the_lower_index() -> None:
     with jax.enable_x64(True):
         for rho in (0.0, 1.0):
             ref = routing.route_context(addr, qpos, 5, "topk_score", _spec_select(query, keys, rec, rho))
-            configs = ((), (("strategy", "dense"),))
+            configs = ((), (("strategy", "dense"),), _BANDED)
             for cfg, (got, _) in zip(configs, _run_topk(addr, qpos, rec, query, keys, rho, 5, configs)):
                 _assert_same(got, ref, f"rho={rho} {cfg}")
 
@@ -241,8 +247,9 @@ def test_topk_score_property(nb: int, rho: float, seed: int) -> None:
     query = _EXACT_UNITS[rng.integers(0, len(_EXACT_UNITS), (2, T))]
     ref = routing.route_context(addr, qpos, K, "topk_score", _spec_select(query, keys, rec, rho))
     with jax.enable_x64(True):
-        ((got, _),) = _run_topk(addr, qpos, rec, query, keys, rho, K, ((("sparse_window", K + 1),),))
-    _assert_same(got, ref)
+        configs = ((("sparse_window", K + 1),), (("sparse_window", K + 1), *_BANDED))
+        for got, _ in _run_topk(addr, qpos, rec, query, keys, rho, K, configs):
+            _assert_same(got, ref)
 
 
 def test_topk_score_float32_selection_matches_spec() -> None:
@@ -286,6 +293,60 @@ def test_route_context_argument_errors() -> None:
     sel = jr.SelectionInputs(jnp.zeros((1, 4, 2)), jnp.zeros((1, 4, 2)), jnp.zeros(4), 1.0)
     with pytest.raises(ValueError, match="strategy"):
         jr.route_context_topk_score(addr, q, 2, sel, strategy="sparse")
+    with pytest.raises(ValueError, match="query_layout 'full' is unknown"):
+        jr.route_context(addr, q, 2, "recent", query_layout="full")
+    with pytest.raises(ValueError, match="query_layout 'ar' needs 4 query positions, got 1"):
+        jr.route_context_topk_score(addr, jnp.array([3]), 2, sel, query_layout="ar")
+
+
+def _band_case(T: int = 75, W: int = 8, d: int = 6, seed: int = 11):
+    """Addresses in 3 buckets (each holding more than W records, T not a multiple of W), rows, and the
+    ``recent`` slots of every position: the layout :func:`banded_dot` reads."""
+    rng = np.random.default_rng(seed)
+    addr = rng.integers(0, 3, (2, T))
+    x, y = rng.normal(size=(2, T, d)), rng.normal(size=(2, T, d))
+    layout = jr.bucket_layout(jnp.asarray(addr))
+    slot, _, count = jr._query_slots(layout, jnp.arange(T))
+    return layout, x, y, jr._recent_slots(layout, slot, count, W)
+
+
+def test_banded_dot_equals_gather_dot_on_the_recent_slots() -> None:
+    """Values and gradients of banded_dot equal gather_dot's on every valid slot (f64, so exactly enough)."""
+    W = 8
+    with jax.enable_x64(True):
+        layout, x, y, win = _band_case(W=W)
+        ok = np.asarray(win.valid)
+        assert ok.sum() > 500 and (~ok).sum() > 100
+        idx = jnp.maximum(win.index, 0)
+        cot = jnp.where(win.valid, jnp.asarray(np.random.default_rng(1).normal(size=ok.shape)), 0.0)
+
+        def banded(x, y):
+            return banded_dot(layout.order, layout.rank, x, y, W)
+
+        def gathered(x, y):
+            return gather_dot(x, y, idx)
+
+        np.testing.assert_allclose(np.asarray(banded(x, y))[ok], np.asarray(gathered(x, y))[ok], rtol=1e-12)
+        for f, g in zip(jax.grad(lambda x, y: jnp.sum(banded(x, y) * cot), argnums=(0, 1))(x, y),
+                        jax.grad(lambda x, y: jnp.sum(gathered(x, y) * cot), argnums=(0, 1))(x, y)):
+            np.testing.assert_allclose(np.asarray(f), np.asarray(g), rtol=1e-10, atol=1e-12)
+
+
+def test_candidate_scores_with_a_band_equal_the_gathered_scores() -> None:
+    """The scores the models compute for full-AR recent / bucketed semantic slots, with and without the
+    band, router term included."""
+    from backends.jax.mixture import candidate_scores
+
+    W = 8
+    with jax.enable_x64(True):
+        layout, q, k, win = _band_case(W=W, d=5)
+        rng = np.random.default_rng(3)
+        probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(2, 75, 4))), axis=-1)
+        rec = jnp.asarray(records.recency(75, "ar"))
+        args = (jnp.asarray(q), jnp.asarray(k), rec, 0.7, win, probs, probs, 1.0)
+        ok = np.asarray(win.valid)
+        np.testing.assert_allclose(np.asarray(candidate_scores(*args, band=layout))[ok],
+                                   np.asarray(candidate_scores(*args))[ok], rtol=1e-12)
 
 
 @settings(max_examples=15, deadline=None)

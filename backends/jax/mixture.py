@@ -17,8 +17,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from backends.jax.ops import batch_gather, gather_dot
-from backends.jax.routing import Candidates
+from backends.jax.ops import banded_dot, batch_gather, gather_dot
+from backends.jax.routing import BucketLayout, Candidates
 from pcaf_core.mixture import AR_PROB_FLOOR, GATE_CLIP, MASKED_SCORE, NT_CACHE_FLOOR, SEMANTIC_OVERLAP_FLOOR
 
 
@@ -42,6 +42,8 @@ def candidate_scores(
     router_probs: jax.Array | None = None,
     query_router_probs: jax.Array | None = None,
     semantic_score_scale: float = 0.0,
+    *,
+    band: BucketLayout | None = None,
 ) -> jax.Array:
     """Score of each slot: ``q·k_s/√d + ρ·r_s [+ λ_sem·log(max(m_s, 1e-6))]``, ``[B, Q, C]``.
 
@@ -49,14 +51,23 @@ def candidate_scores(
     sit at their own positions, as in a receptive-field sub-sequence). The route term (semantic and hybrid
     routes) needs ``router_probs`` ``[B, T, S]`` and the queries' ``query_router_probs`` ``[B, Q, S]``; the
     overlap ``m_s = r̃_q·r̃_s`` is computed for the selected slots only. Empty slots hold junk; mask them.
+
+    ``band``: the bucket layout ``cand`` was read from when its slots are the ``recent`` slots of full-AR
+    queries (slot c = the query's (c+1)-th sorted predecessor); the products are then blocked GEMMs
+    (:func:`backends.jax.ops.banded_dot`) instead of row gathers. Same values on the valid slots.
     """
     idx = jnp.maximum(cand.index, 0)
     rec = recency[idx] if recency.ndim == 1 else batch_gather(recency, idx)
-    s = gather_dot(query, keys, idx) / math.sqrt(query.shape[-1]) + rho * rec
+    C = idx.shape[-1]
+
+    def dot(x: jax.Array, y: jax.Array) -> jax.Array:
+        return gather_dot(x, y, idx) if band is None else banded_dot(band.order, band.rank, x, y, C)
+
+    s = dot(query, keys) / math.sqrt(query.shape[-1]) + rho * rec
     if router_probs is not None:
         if query_router_probs is None:
             raise ValueError("the semantic route term needs query_router_probs [B, Q, S] with router_probs")
-        m = gather_dot(query_router_probs, router_probs, idx)
+        m = dot(query_router_probs, router_probs)
         s = s + semantic_score_scale * jnp.log(jnp.maximum(m, SEMANTIC_OVERLAP_FLOOR))
     return s
 

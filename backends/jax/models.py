@@ -42,7 +42,7 @@ from backends.jax.layers import (
     wide,
 )
 from backends.jax.ops import batch_gather
-from backends.jax.routing import Candidates, SelectionInputs
+from backends.jax.routing import BucketLayout, Candidates, SelectionInputs
 from pcaf_core.config import (
     PCAF_VARIANTS,
     TRANSFORMER_VARIANTS,
@@ -147,12 +147,16 @@ def check_inputs(model: ModelConfig, profile: ProfileConfig, tokens: Any, target
 # the routing's hundreds of small ops, and configurations that share K or a policy share the programs.
 # Under an outer jax.jit they are inlined.
 _addresses = jax.jit(hashing.addresses, static_argnums=(1, 2), static_argnames=("int32_wraparound",))
-_route_context = jax.jit(routing.route_context, static_argnums=(2, 3))
-_route_context_topk_score = jax.jit(routing.route_context_topk_score, static_argnums=(2,))
+_route_context = jax.jit(routing.route_context, static_argnums=(2, 3), static_argnames=("query_layout",))
+_route_context_topk_score = jax.jit(routing.route_context_topk_score, static_argnums=(2,),
+                                    static_argnames=("query_layout",))
 _route_semantic_dense = jax.jit(routing.route_semantic_dense, static_argnums=(4,), static_argnames=("target_leak",))
 _route_semantic_bucketed = jax.jit(
-    lambda probs, qpos, top_k: routing.route_semantic_bucketed(routing.semantic_buckets(probs), qpos, top_k),
+    lambda probs, qpos, top_k, layout=None: routing.route_semantic_bucketed(
+        routing.semantic_buckets(probs), qpos, top_k, layout=layout),
     static_argnums=(2,))
+_bucket_layout = jax.jit(routing.bucket_layout)
+_semantic_layout = jax.jit(lambda probs: routing.bucket_layout(routing.semantic_buckets(probs)))
 _combine_hybrid = jax.jit(routing.combine_hybrid, static_argnames=("dedup",))
 
 
@@ -174,9 +178,12 @@ def select_candidates(
     target_leak: bool,
     dedup: bool,
     mode: str,
-) -> tuple[jax.Array, Candidates, jax.Array | None]:
-    """Addresses ``[B, T]`` int32, the selected :class:`Candidates` of every query (spec slot order) and,
-    for the ``topk_score`` context route, which queries it scored densely (``[B, Q]`` bool, else None).
+) -> tuple[jax.Array, Candidates, jax.Array | None, BucketLayout | None]:
+    """Addresses ``[B, T]`` int32, the selected :class:`Candidates` of every query (spec slot order), for
+    the ``topk_score`` context route which queries it scored densely (``[B, Q]`` bool, else None), and the
+    band: the :class:`BucketLayout` the candidates are the ``recent`` slots of, where the route reads them
+    so in full AR (``recent`` context or bucketed semantic route, not hybrid), for
+    :func:`mixture.candidate_scores` to score them with blocked GEMMs; else None.
 
     tokens ``[B, T]``; query ``[B, Q, d]`` and keys ``[B, T, d]`` unit vectors; router_probs ``[B, T, S]``
     (semantic and hybrid routes, else None); recency ``[T]``; rho the recency scale. Selection is integer
@@ -188,21 +195,25 @@ def select_candidates(
     query, keys, rho = (jax.lax.stop_gradient(x) for x in (query, keys, rho))
     addr = _addresses(tokens, context_order, num_buckets, int32_wraparound=int32_wraparound)
     cand: Candidates | None = None
-    topk_dense = None
+    topk_dense = band = None
     if route in ("context", "hybrid"):
         if policy == "topk_score":
             select = SelectionInputs(query, keys, recency, rho)
-            cand, topk_dense = _route_context_topk_score(addr, qpos, top_k, select)
+            cand, topk_dense = _route_context_topk_score(addr, qpos, top_k, select, query_layout=mode)
         else:
-            cand = _route_context(addr, qpos, top_k, policy)
+            if mode == "ar" and policy == "recent" and route == "context":
+                band = _bucket_layout(addr)
+            cand = _route_context(addr, qpos, top_k, policy, query_layout=mode, layout=band)
     if route in ("semantic", "hybrid"):
         probs = jax.lax.stop_gradient(router_probs)
         if semantic_index == "dense":
             sem = _route_semantic_dense(probs, recency, rho, qpos, top_k, target_leak=target_leak)
         else:
-            sem = _route_semantic_bucketed(probs, qpos, top_k)
+            if mode == "ar" and route == "semantic":
+                band = _semantic_layout(probs)
+            sem = _route_semantic_bucketed(probs, qpos, top_k, band)
         cand = sem if cand is None else _combine_hybrid(cand, sem, dedup=dedup)
-    return addr, cand, topk_dense
+    return addr, cand, topk_dense, band
 
 class CanonicalLM(nn.Module):
     """Shared checks, head and forward of every model; subclasses provide ``hidden_states`` and, for
@@ -384,17 +395,17 @@ class PCAFModel(CanonicalLM):
         keys, query = self.memory.project(h, h_q, self.profile.l2norm)
         semantic = mcfg.route in ("semantic", "hybrid")
         router_probs = self.memory.router_probs(h, mcfg.semantic_temperature) if semantic else None
-        addr, cand, topk_dense = self._select(tokens, query, keys, router_probs, rec, mode)
+        addr, cand, topk_dense, band = self._select(tokens, query, keys, router_probs, rec, mode)
         query_router = None
         if router_probs is not None:
             query_router = router_probs[:, T - 1:] if mode == "nt" else router_probs
         if self.is_initializing() and not semantic and self.memory.with_router:
             self.memory.router_probs(h, mcfg.semantic_temperature)
         return self._read(tokens, addr, cand, topk_dense, query, keys, rec, router_probs, query_router, h_q, mode,
-                          need_p_cache)
+                          need_p_cache, band=band)
 
     def _select(self, tokens: jax.Array, query: jax.Array | None, keys: jax.Array | None,
-                router_probs: jax.Array | None, rec: jax.Array, mode: str) -> tuple[jax.Array, Candidates, Any]:
+                router_probs: jax.Array | None, rec: jax.Array, mode: str) -> tuple[jax.Array, Candidates, Any, Any]:
         """:func:`select_candidates` with this model's configuration."""
         mcfg, prof = self.memory_config, self.profile
         rho = self.memory.recency_scale.astype(wide(self.dtype))
@@ -410,17 +421,21 @@ class PCAFModel(CanonicalLM):
         query: jax.Array, keys: jax.Array, rec: jax.Array, router_probs: jax.Array | None,
         query_router_probs: jax.Array | None, h_q: jax.Array, mode: str, need_p_cache: bool,
         slots: Candidates | None = None, trace_router_probs: jax.Array | None = None,
+        band: BucketLayout | None = None,
     ) -> tuple[JaxMemoryTrace, jax.Array]:
         """Scores, cache weights, p_cache and gate of the selected candidates ``cand`` (window positions).
 
         ``keys`` / ``rec`` / ``router_probs`` are indexed by ``slots`` (default ``cand``): the window's own
-        arrays, or those of a receptive-field sub-sequence whose positions ``slots`` names."""
+        arrays, or those of a receptive-field sub-sequence whose positions ``slots`` names. ``band``: see
+        :func:`select_candidates` (only with the window's own arrays)."""
         mcfg, prof = self.memory_config, self.profile
         work = wide(self.dtype)
         rho = self.memory.recency_scale.astype(work)
         slots = cand if slots is None else slots
+        if band is not None and slots is not cand:
+            raise ValueError("a band scores the window's own slots; receptive-field slots have none")
         scores = mixture.candidate_scores(query, keys, rec, rho, slots, router_probs, query_router_probs,
-                                          mcfg.semantic_score_scale)
+                                          mcfg.semantic_score_scale, band=band)
         alpha = mixture.cache_weights(scores, cand.valid)
         values = routing.gather_records(records.successor_values(tokens), cand)
         p_cache = None
@@ -480,7 +495,7 @@ class PCAFModel(CanonicalLM):
             keys_full, query_full = self.memory.project(h_full, h_full[:, T - 1:], prof.l2norm)
             if semantic:
                 router_full = self.memory.router_probs(h_full, mcfg.semantic_temperature)
-        addr, cand, topk_dense = self._select(tokens, query_full, keys_full, router_full, rec_full, "nt")
+        addr, cand, topk_dense, _ = self._select(tokens, query_full, keys_full, router_full, rec_full, "nt")
         C = cand.index.shape[-1]
         positions = jnp.concatenate([qpos, jnp.maximum(cand.index[:, 0], 0).astype(jnp.int32)], axis=1)
         h = self.states_at(tokens, positions, deterministic)  # [B, 1 + C, d]

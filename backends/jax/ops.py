@@ -5,6 +5,9 @@ at once costs ``B·Q·C·d`` elements, and reverse-mode autodiff would keep that
 the backward pass. :func:`gather_dot` therefore gathers a fixed-size chunk of queries at a time
 (``jax.lax.map``, static shapes) under ``jax.checkpoint``, so only the inputs and the integer index are
 kept and the gather is recomputed chunk by chunk in the backward pass.
+
+Where the slots are each query's sorted predecessors in a bucket layout (the ``recent`` slots of full-AR
+queries), :func:`banded_dot` computes the same products with blocked GEMMs and no row gathers at all.
 """
 
 from __future__ import annotations
@@ -92,3 +95,38 @@ def gather_dot(
         return jnp.einsum("bqd,bqcd->bqc", xc, batch_gather(y, ic), precision=precision)
 
     return map_query_chunks(chunk_dot, Q, query_chunk(Q, B * C * d, chunk_elements), x, index)
+
+
+def banded_dot(order: jax.Array, rank: jax.Array, x: jax.Array, y: jax.Array, width: int,
+               *, precision: jax.lax.PrecisionLike = None) -> jax.Array:
+    """``out[b, t, j] = x[b, t] · y[b, order[b, rank[b, t] - 1 - j]]`` for j < ``width``: every position's
+    products with its ``width`` predecessors in a sorted layout.
+
+    Args:
+        order: ``[B, T]`` int position stored at each sorted slot; rank: ``[B, T]`` its inverse.
+        x: ``[B, T, d]`` one row per position (full-AR queries); y: ``[B, T, d]`` per-position rows.
+        width: W, the predecessors per position (static).
+    Returns:
+        ``[B, T, W]``, differentiable in ``x`` and ``y``. Entries whose slot ``rank - 1 - j`` is negative are
+        junk for the caller to mask (as are slots outside a query's bucket segment).
+
+    In sorted order the products form a band of ``x_sorted · y_sortedᵀ``: blocks of W sorted rows of x
+    are multiplied by the 2W sorted rows of y that end with their own block (one batched GEMM,
+    ``2·T·2W·d`` FLOPs) and the band is read off the ``[W, 2W]`` products. The backward pass is the same
+    GEMMs and a scatter into the small ``[W, 2W]`` blocks; no ``[T, W, d]`` array exists in either.
+    """
+    B, T, d = x.shape
+    W = width
+    nb = -(-T // W)
+    pad = nb * W - T
+    xs = jnp.pad(jnp.take_along_axis(x, order[..., None], axis=1), ((0, 0), (0, pad), (0, 0)))
+    ys = jnp.pad(jnp.take_along_axis(y, order[..., None], axis=1), ((0, 0), (W, pad), (0, 0)))  # W zero rows first
+    xb = xs.reshape(B, nb, W, d)
+    yb = jnp.concatenate([ys[:, : nb * W].reshape(B, nb, W, d), ys[:, W:].reshape(B, nb, W, d)], axis=2)
+    prod = jnp.einsum("bnqd,bnkd->bnqk", xb, yb, precision=precision)  # [B, nb, W, 2W]
+    # Row r of a block is column W + r of its y rows; its j-th predecessor is column W + r - 1 - j.
+    r = jnp.arange(W, dtype=jnp.int32)[:, None]
+    j = jnp.arange(W, dtype=jnp.int32)[None, :]
+    band = jnp.take_along_axis(prod, jnp.broadcast_to(W - 1 + r - j, (B, nb, W, W)), axis=3)
+    by_slot = band.reshape(B, nb * W, W)[:, :T]
+    return jnp.take_along_axis(by_slot, rank[..., None], axis=1)

@@ -31,11 +31,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from backends.jax.ops import CHUNK_ELEMENTS, batch_gather, gather_dot, map_query_chunks, query_chunk
+from backends.jax.ops import CHUNK_ELEMENTS, banded_dot, batch_gather, gather_dot, map_query_chunks, query_chunk
 from pcaf_core.config import CANDIDATE_POLICIES
 from pcaf_core.routing import SEMANTIC_TIE_BREAK, BucketLayout, Candidates, SelectionInputs
 
 TOPK_STRATEGIES = ("auto", "dense")
+_FALLBACK_CHUNK = 32  # queries per step of the dense topk_score fallback
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -159,7 +160,9 @@ def _dense_context_topk_for(
     Selection is not differentiated, so the loop sees its inputs through ``stop_gradient``."""
     B, T = addresses.shape
     Q = query_pos.shape[0]
-    c = query_chunk(Q, B * T, chunk_elements)
+    # Few queries usually fail the proof (33 of 16,384 in the routing benchmark's text), and a chunk costs
+    # its full c·T scores and top-k whatever its occupancy, so chunks stay small.
+    c = min(query_chunk(Q, B * T, chunk_elements), _FALLBACK_CHUNK)
     padded = Q + (-Q) % c
     scale = math.sqrt(select.query.shape[-1])
     col = jnp.arange(T, dtype=jnp.int32)
@@ -197,6 +200,7 @@ def route_context_topk_score(
     sparse_window: int | None = None,
     layout: BucketLayout | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
+    query_layout: str | None = None,
 ) -> tuple[Candidates, jax.Array]:
     """``topk_score`` context route; also returns which queries took the dense path.
 
@@ -213,11 +217,16 @@ def route_context_topk_score(
         top_k: K (static); select: the ranking inputs (float32, or wider if given wider).
         layout: a precomputed :func:`bucket_layout` of ``addresses`` (optional).
         chunk_elements: at most this many scores / gathered elements exist at a time.
+        query_layout: ``"ar"`` states that ``query_pos`` is ``arange(T)`` (the full-AR layout
+            ``records.query_positions`` gives); the window scores are then read off blocked GEMMs in the
+            sorted layout (:func:`backends.jax.ops.banded_dot`) instead of gathering ``[Q, M, d]`` key rows.
+            ``None`` or ``"nt"``: the gather path, right for any ``query_pos``.
     Returns:
         :class:`Candidates` of width K, and ``[B, Q]`` bool: True where the dense path was taken.
     """
     if strategy not in TOPK_STRATEGIES:
         raise ValueError(f"topk_score strategy {strategy!r} is unknown: expected one of {list(TOPK_STRATEGIES)}")
+    _check_query_layout(query_layout, query_pos, addresses)
     addresses, query_pos = _as_int32(addresses), _as_int32(query_pos)
     select = _exact_selection(select)
     B, Q, K = addresses.shape[0], query_pos.shape[0], top_k
@@ -232,7 +241,10 @@ def route_context_topk_score(
     idx_m, ok_m = win.index[..., :M], win.valid[..., :M]
     safe_m = jnp.maximum(idx_m, 0)
     d = select.query.shape[-1]
-    score = gather_dot(select.query, select.keys, safe_m, chunk_elements=chunk_elements, precision=_HIGHEST)
+    if query_layout == "ar":
+        score = banded_dot(layout.order, layout.rank, select.query, select.keys, M, precision=_HIGHEST)
+    else:
+        score = gather_dot(select.query, select.keys, safe_m, chunk_elements=chunk_elements, precision=_HIGHEST)
     score = jnp.where(ok_m, score / math.sqrt(d) + select.rho * select.recency[safe_m], -jnp.inf)
     # The window is most recent first; reversed, it is in ascending record index, so top_k's
     # lower-index tie rule is the spec's.
@@ -251,7 +263,10 @@ def route_context_topk_score(
                  * jnp.max(jnp.linalg.norm(select.keys, axis=-1), axis=-1, keepdims=True))
     bound = (dot_bound * (1.0 + 4.0 * d * eps) / math.sqrt(d)
              + rho * select.recency[left_out] + 4.0 * eps * (1.0 + jnp.abs(rho)))
-    proven = (vals[..., K - 1] > bound) & (rho >= 0)
+    # top_k's values descend, so their minimum is the K-th; reading vals[..., K-1] instead makes XLA:CPU
+    # replace the top-k with a full sort (191 against 119 ms for the route's first half at T = 16,384).
+    kth = jnp.min(vals, axis=-1)
+    proven = (kth > bound) & (rho >= 0)
     dense = overflow & ~proven
 
     def with_dense() -> Candidates:
@@ -261,6 +276,14 @@ def route_context_topk_score(
 
     out = jax.lax.cond(jnp.any(dense), with_dense, lambda: sparse)
     return out, dense
+
+
+def _check_query_layout(query_layout: str | None, query_pos: jax.Array, addresses: jax.Array) -> None:
+    if query_layout not in (None, "nt", "ar"):
+        raise ValueError(f"query_layout {query_layout!r} is unknown: expected 'nt', 'ar' or None")
+    want = {"nt": 1, "ar": addresses.shape[1]}.get(query_layout)
+    if want is not None and query_pos.shape[0] != want:
+        raise ValueError(f"query_layout {query_layout!r} needs {want} query positions, got {query_pos.shape[0]}")
 
 
 def route_context(
@@ -273,6 +296,8 @@ def route_context(
     strategy: str = "auto",
     sparse_window: int | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
+    query_layout: str | None = None,
+    layout: BucketLayout | None = None,
 ) -> Candidates:
     """Context (exact-hash) route: earlier records in the query's bucket, at most K of them.
 
@@ -283,7 +308,7 @@ def route_context(
         policy: which K a full bucket keeps (static): ``topk_score`` (highest ``q·k/√d + ρ·r``),
             ``recent`` (largest s) or ``first`` (smallest s).
         select: the ranking inputs; needed by ``topk_score``.
-        strategy, sparse_window, chunk_elements: see :func:`route_context_topk_score`.
+        strategy, sparse_window, chunk_elements, query_layout, layout: see :func:`route_context_topk_score`.
     Returns:
         :class:`Candidates` of width K. No ``[T, T]`` array for ``recent``/``first``; for ``topk_score``
         only the dense fallback branch scores all records, in bounded chunks.
@@ -294,8 +319,10 @@ def route_context(
         if select is None:
             raise ValueError("policy 'topk_score' needs select=SelectionInputs(query, keys, recency, rho)")
         return route_context_topk_score(addresses, query_pos, top_k, select, strategy=strategy,
-                                        sparse_window=sparse_window, chunk_elements=chunk_elements)[0]
-    layout = bucket_layout(addresses)
+                                        sparse_window=sparse_window, chunk_elements=chunk_elements,
+                                        query_layout=query_layout, layout=layout)[0]
+    _check_query_layout(query_layout, query_pos, addresses)
+    layout = bucket_layout(addresses) if layout is None else layout
     slot, start, count = _query_slots(layout, query_pos)
     if policy == "recent":
         return _recent_slots(layout, slot, count, top_k)
@@ -367,9 +394,13 @@ def semantic_buckets(router_probs: jax.Array) -> jax.Array:
     return jnp.argmax(router_probs, axis=-1).astype(jnp.int32)
 
 
-def route_semantic_bucketed(sem_buckets: jax.Array, query_pos: jax.Array, top_k: int) -> Candidates:
-    """Bucketed semantic route: the K most recent earlier records with the query's semantic bucket."""
-    return route_context(sem_buckets, query_pos, top_k, "recent")
+def route_semantic_bucketed(
+    sem_buckets: jax.Array, query_pos: jax.Array, top_k: int, *, query_layout: str | None = None,
+    layout: BucketLayout | None = None,
+) -> Candidates:
+    """Bucketed semantic route: the K most recent earlier records with the query's semantic bucket
+    (``query_layout``, ``layout``: see :func:`route_context_topk_score`)."""
+    return route_context(sem_buckets, query_pos, top_k, "recent", query_layout=query_layout, layout=layout)
 
 
 def combine_hybrid(context: Candidates, semantic: Candidates, *, dedup: bool) -> Candidates:
