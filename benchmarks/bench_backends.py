@@ -154,8 +154,12 @@ def worker(backend_name: str, case: int, warmup: int, steps: int) -> dict:
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         losses.append(loss)
+    from pcaf_core.flops import train_step_flops
+
     compiled = "jit" if backend_name == "jax" else ("inductor" if "torch.compile" in backend.device else "eager")
+    flops = train_step_flops(cfg.model, cfg.memory, cfg.train.mode, T, B)  # full-window count (bench_models')
     return {"step_s": statistics.median(times), "tokens": B * T, "mode": cfg.train.mode, "T": T, "batch": B,
+            "model_mflops_per_token": round(flops / (B * T) / 1e6, 3),
             "dropout": cfg.profile.dropout, "profile": cfg.profile.name, "first_loss": losses[0],
             "d": cfg.model.d_model, "layers": cfg.model.n_layers, "V": V, "policy": _policy(cfg),
             "compile": compiled, "device": backend.device, "versions": backend.versions()}
@@ -318,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                "overrides": " ".join(c.overrides), "mode": first["mode"], "T": first["T"], "batch": first["batch"],
                "d": first["d"], "layers": first["layers"], "V": first["V"], "policy": first["policy"],
                "precision": c.precision, "profile": first["profile"], "dropout": first["dropout"],
-               "torch_compile": samples[(case, "torch")][0]["compile"] if "torch" in med else ""}
+               "torch_compile": samples[(case, "torch")][0]["compile"] if "torch" in med else "",
+               "model_mflops_per_token": first["model_mflops_per_token"]}
         for n in BACKENDS:
             row[f"{n}_step_ms"] = round(med[n] * 1e3, 1) if n in med else ""
             row[f"{n}_tokens_per_s"] = round(first["tokens"] / med[n], 1) if n in med else ""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.bench_report import render
 from benchmarks.common import write_csv
 
@@ -113,6 +115,22 @@ def test_renderer_judges_every_target_from_the_csvs(tmp_path):
     assert "not measured here" in text  # the paper code's 41M figure is quoted, not measured here
     for name in ("bench_routing.png", "bench_models.png", "bench_routing.csv", "bench_backends.csv"):
         assert (md.parent / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("jax_tps, mflops, verdict", [
+    (280.0, 100.0, "missed by 2.57x (against 2x360) (needs 60%-72% of the GEMM peak)"),
+    (280.0, 208.0, "missed by 2.57x (against 2x360) (impossible on this CPU: 481 at 100% of the GEMM peak)"),
+    (280.0, "", "missed by 2.57x (against 2x360)"),  # no FLOP count: no bound to state
+])
+def test_41m_target_states_the_bound_the_gemm_peak_sets(tmp_path, jax_tps, mflops, verdict):
+    """The 41M step's FLOPs a token against the fastest fp32 GEMM of the same run (100 GFLOP/s here)
+    bound the tokens/s any code can reach; the verdict says what fraction of it the target needs."""
+    from benchmarks.bench_report import backend_targets
+
+    row = {**_backend("PCAF-semantic 41M", "41M", "", jax_tps=jax_tps), "model_mflops_per_token": mflops}
+    [target] = [t for t in backend_targets([row], _gemm()) if "41M shape" in t.target]
+    assert target.verdict == verdict
+    assert ("allows at most" in target.evidence) == (mflops != "")
 
 
 def test_missing_csvs_and_cases_leave_targets_not_measured(tmp_path):
