@@ -27,7 +27,7 @@ help:
 	@echo "make figures - re-render tables and figures from existing run records"
 	@echo "make params  - paper-scale parameter counts from the instantiated models"
 	@echo "make bench   - the benchmark report docs/results/bench.md (routing vs T, throughput and fraction of peak,"
-	@echo "               torch beside JAX; CSV and plots under bench/); 1,471 s (24.5 min) for the committed report, idle machine;"
+	@echo "               torch beside JAX; CSV and plots under bench/); 1,349 s (22.5 min) for the committed report, idle machine;"
 	@echo "               BENCH=quick (make bench-quick): ~3 min, renders bench/bench.md"
 	@echo "make bench-decode | bench-kernels | bench-train-step | bench-precision | bench-data - the other benchmarks"
 

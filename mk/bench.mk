@@ -5,8 +5,8 @@
 # The benchmark report: routing cost against T, training throughput and fraction of the matmul peak, torch
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
 # run one after another (never in parallel: they time the whole machine); run it on an otherwise idle machine.
-# Measured on the 2-core CPU for the committed report: 1,471 s = 24.5 minutes (routing 171 s, models 593 s, backends
-# 697 s: 2 rounds, each one worker process per backend over every case).
+# Measured on the 2-core CPU for the committed report: 1,349 s = 22.5 minutes (routing 134 s, models 580 s, backends
+# 628 s: 2 rounds, each one worker process per backend over every case).
 # BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in about 3 minutes and renders bench/bench.md
 # instead, leaving the committed report alone.
 BENCH ?= full
