@@ -7,7 +7,7 @@
 # run one after another (never in parallel: they time the whole machine); run it on an otherwise idle machine.
 # Measured on the 2-core CPU for the committed report: 1,349 s = 22.5 minutes (routing 134 s, models 580 s, backends
 # 628 s: 2 rounds, each one worker process per backend over every case).
-# BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in about 3 minutes and renders bench/bench.md
+# BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in about 1.5 minutes (92 s) and renders bench/bench.md
 # instead, leaving the committed report alone.
 BENCH ?= full
 ifeq ($(BENCH),quick)
