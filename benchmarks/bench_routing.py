@@ -14,11 +14,12 @@ queries, keys, ρ (and the router for the semantic route):
 - ``semantic_bucketed``: ``route_semantic_bucketed`` on the argmax buckets of a router distribution
   (S = 256, τ = 0.2) and the route term ``λ·log m`` (λ = 1) in the scores.
 
-Every (route, T) of a backend runs in one fresh process per backend, routes interleaved within a T, each
-timed as the median of ``--repeats`` runs after one warm-up (JAX: ``jax.jit`` of the value-and-gradient,
-compiled in the warm-up). Memory is the peak of intermediate buffers, inputs excluded: torch, the live
-bytes of every op output (``benchmarks/torch_memory.py``: forward and backward, freed buffers subtracted);
-JAX, XLA's buffer assignment for the compiled step (``memory_analysis().temp_size_in_bytes``). A route that
+Each (backend, T) runs in a fresh process (so no case is timed in a heap a larger one grew), the sparse
+routes first and the dense route last, each timed as the median of ``--repeats`` runs after its warm-up
+runs (:func:`schedule`; JAX: ``jax.jit`` of the value-and-gradient, compiled before them). Memory is the
+peak of intermediate buffers, inputs excluded: torch, the live bytes of every op output
+(``benchmarks/torch_memory.py``: forward and backward, freed buffers subtracted); JAX, XLA's buffer
+assignment for the compiled step (``memory_analysis().temp_size_in_bytes``). A route that
 runs out of memory is recorded as such and its larger T skipped.
 
     python -m benchmarks.bench_routing [--quick] [--out bench/routing.csv] [--backends torch,jax]
@@ -44,8 +45,26 @@ from pcaf_core.mixture import MASKED_SCORE
 SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 QUICK_SEQ_LENS = (256, 512, 1024)
 ROUTES = ("dense", "recent", "topk_score", "semantic_bucketed")
+MEASURE_ORDER = ("recent", "topk_score", "semantic_bucketed", "dense")
+"""Within a T the dense route runs last, so the sparse routes are not timed in a heap its ``[T, T]`` buffers grew."""
 BACKENDS = ("torch", "jax")
 D, K, S, NUM_BUCKETS, TAU, LAMBDA = 224, 32, 256, 32768, 0.2, 1.0
+
+
+SPARSE_WARMUP = 8
+"""Untimed runs before a sparse route is timed: a jitted JAX step runs 1.5-2x slower for its first few calls
+(fresh buffers), and at T = 16,384 a sparse step takes 0.1-0.4 s, so 8 cost little."""
+
+
+def schedule(route: str, T: int, repeats: int) -> tuple[int, int]:
+    """(warm-up runs, timed runs) of ``route`` at ``T``: the dense route, seconds a step at T >= 8,192, two
+    warm-ups and at most 2 timed there; sparse routes :data:`SPARSE_WARMUP` and ``repeats``; one each in
+    ``--quick`` (``repeats`` = 1)."""
+    if repeats == 1:
+        return 1, 1
+    if route == "dense":
+        return 2, min(repeats, 2) if T >= 8192 else repeats
+    return SPARSE_WARMUP, repeats
 
 
 def inputs(T: int) -> dict[str, np.ndarray | str]:
@@ -111,19 +130,19 @@ def torch_route_step(route: str, x: dict):
     return step
 
 
-def torch_worker(seq_lens: tuple[int, ...], repeats: int) -> list[dict]:
+def torch_worker(seq_lens: tuple[int, ...], repeats: int, skip: tuple[str, ...] = ()) -> list[dict]:
     import torch
 
     from benchmarks.torch_memory import PeakLiveBytes, storage_frees_are_seen
 
     method = ("torch: peak live bytes of op outputs (TorchDispatchMode), inputs excluded"
               if storage_frees_are_seen() else "torch: largest single op output (frees not observable)")
-    rows, dead = [], set()
+    rows, dead = [], set(skip)
     for T in seq_lens:
         raw = inputs(T)
         x = {n: torch.from_numpy(v) for n, v in raw.items() if isinstance(v, np.ndarray)}
         x["rho"] = torch.tensor(1.0)
-        for route in ROUTES:
+        for route in MEASURE_ORDER:
             if route in dead:
                 continue
             row = {"backend": "torch", "route": route, "T": T, "batch": 1, "d": D, "K": K, "dtype": "fp32",
@@ -132,11 +151,11 @@ def torch_worker(seq_lens: tuple[int, ...], repeats: int) -> list[dict]:
                 step = torch_route_step(route, x)
                 with PeakLiveBytes() as probe:
                     step()
-                reps = min(repeats, 2) if route == "dense" and T >= 8192 else repeats
-                sec, _ = median_seconds(step, 1, reps)
+                warm, reps = schedule(route, T, repeats)
+                sec, _ = median_seconds(step, warm, reps)
                 peak = probe.peak_bytes if "peak" in method else probe.largest_bytes
                 row.update(status="ok", fwd_bwd_ms=round(sec * 1e3, 3), peak_mb=round(peak / 2**20, 3),
-                           largest_buffer_mb=round(probe.largest_bytes / 2**20, 3), repeats=reps)
+                           largest_buffer_mb=round(probe.largest_bytes / 2**20, 3), warmup=warm, repeats=reps)
             except (MemoryError, RuntimeError) as exc:
                 if not _out_of_memory(exc):
                     raise
@@ -156,8 +175,8 @@ def jax_route_loss(route: str):
     import jax.numpy as jnp
 
     from backends.jax.mixture import cache_weights, candidate_scores
-    from backends.jax.routing import bucket_layout, route_context, route_semantic_bucketed, semantic_buckets
-    from pcaf_core.routing import SelectionInputs
+    from backends.jax.routing import ScoreBand, bucket_layout, route_context, route_semantic_bucketed, semantic_buckets
+    from pcaf_core.routing import SelectionInputs, topk_sparse_window
 
     def loss(q, k, z, rho, addr, rec, coeff):
         T = addr.shape[1]
@@ -169,20 +188,21 @@ def jax_route_loss(route: str):
             vals, _ = jax.lax.top_k(jnp.where(allowed, score, MASKED_SCORE), K)
             w = cache_weights(vals[None], vals[None] > MASKED_SCORE / 10)
         else:
-            # As the models do: full-AR recent slots are scored from their bucket layout (the band).
-            probs = band = None
+            # As the models do: full-AR candidates are scored from the bucket layout their route read (the band).
+            probs = None
             if route == "recent":
-                band = bucket_layout(addr)
-                cand = route_context(addr, qpos, K, "recent", query_layout="ar", layout=band)
+                band = ScoreBand(bucket_layout(addr))
+                cand = route_context(addr, qpos, K, "recent", query_layout="ar", layout=band.layout)
             elif route == "topk_score":
                 sg = jax.lax.stop_gradient
+                band = ScoreBand(bucket_layout(addr), topk_sparse_window(K))
                 cand = route_context(addr, qpos, K, "topk_score", SelectionInputs(sg(q), sg(k), rec, sg(rho)),
-                                     query_layout="ar")
+                                     query_layout="ar", layout=band.layout)
             else:
                 probs = jax.nn.softmax(z / TAU, axis=-1)
                 sem = semantic_buckets(jax.lax.stop_gradient(probs))
-                band = bucket_layout(sem)
-                cand = route_semantic_bucketed(sem, qpos, K, query_layout="ar", layout=band)
+                band = ScoreBand(bucket_layout(sem))
+                cand = route_semantic_bucketed(sem, qpos, K, query_layout="ar", layout=band.layout)
             s = candidate_scores(q, k, rec, rho, cand, router_probs=probs, query_router_probs=probs,
                                  semantic_score_scale=LAMBDA if probs is not None else 0.0, band=band)
             w = cache_weights(s, cand.valid)
@@ -200,17 +220,17 @@ def _xla_temp_bytes(compiled) -> int | None:
     return getattr(stats, "temp_size_in_bytes", None) if stats is not None else None
 
 
-def jax_worker(seq_lens: tuple[int, ...], repeats: int) -> list[dict]:
+def jax_worker(seq_lens: tuple[int, ...], repeats: int, skip: tuple[str, ...] = ()) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
     method = "jax: XLA buffer assignment of the compiled step (temp_size_in_bytes), inputs excluded"
-    rows, dead = [], set()
+    rows, dead = [], set(skip)
     for T in seq_lens:
         raw = inputs(T)
         args = (jnp.asarray(raw["q"]), jnp.asarray(raw["k"]), jnp.asarray(raw["z"]), jnp.float32(1.0),
                 jnp.asarray(raw["addr"], jnp.int32), jnp.asarray(raw["rec"]), jnp.asarray(raw["coeff"]))
-        for route in ROUTES:
+        for route in MEASURE_ORDER:
             if route in dead:
                 continue
             row = {"backend": "jax", "route": route, "T": T, "batch": 1, "d": D, "K": K, "dtype": "fp32",
@@ -221,11 +241,11 @@ def jax_worker(seq_lens: tuple[int, ...], repeats: int) -> list[dict]:
                 compiled = grad.lower(*args).compile()
                 compile_s = time.perf_counter() - t0
                 peak = _xla_temp_bytes(compiled)
-                reps = min(repeats, 2) if route == "dense" and T >= 8192 else repeats
-                sec, _ = median_seconds(lambda c=compiled, a=args: jax.block_until_ready(c(*a)), 1, reps)
+                warm, reps = schedule(route, T, repeats)
+                sec, _ = median_seconds(lambda c=compiled, a=args: jax.block_until_ready(c(*a)), warm, reps)
                 row.update(status="ok", fwd_bwd_ms=round(sec * 1e3, 3),
                            peak_mb=round(peak / 2**20, 3) if peak is not None else "",
-                           compile_s=round(compile_s, 2), repeats=reps)
+                           compile_s=round(compile_s, 2), warmup=warm, repeats=reps)
             except (MemoryError, RuntimeError) as exc:  # XlaRuntimeError is a RuntimeError
                 if not _out_of_memory(exc):
                     raise
@@ -268,12 +288,14 @@ def routing_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _sample(backend: str, seq_lens: tuple[int, ...], repeats: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "benchmarks.bench_routing", "--worker", backend, "--seq-lens",
-           ",".join(map(str, seq_lens)), "--repeats", str(repeats)]
+def _sample(backend: str, T: int, repeats: int, skip: set[str]) -> list[dict]:
+    """Every route of ``backend`` at ``T`` in a fresh worker process, except the ``skip`` routes (out of
+    memory at a smaller T)."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_routing", "--worker", backend, "--seq-lens", str(T),
+           "--repeats", str(repeats), "--skip", ",".join(sorted(skip))]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     if out.returncode != 0:
-        raise RuntimeError(f"the {backend} routing worker failed (exit {out.returncode}); its stderr is above")
+        raise RuntimeError(f"the {backend} routing worker at T={T} failed (exit {out.returncode}); its stderr is above")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -281,23 +303,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/routing.csv")
     parser.add_argument("--quick", action="store_true", help="T = 256, 512, 1024, one repeat")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--seq-lens", default="", help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
+    parser.add_argument("--skip", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     seq_lens = tuple(int(t) for t in args.seq_lens.split(",")) if args.seq_lens else (
         QUICK_SEQ_LENS if args.quick else SEQ_LENS)
     repeats = 1 if args.quick else args.repeats
     if args.worker:
-        rows = (torch_worker if args.worker == "torch" else jax_worker)(seq_lens, repeats)
+        skip = tuple(r for r in args.skip.split(",") if r)
+        rows = (torch_worker if args.worker == "torch" else jax_worker)(seq_lens, repeats, skip)
         print(json.dumps(rows))
         return 0
     start = time.perf_counter()
     labels = environment_labels()
     rows = []
     for backend in args.backends.split(","):
-        rows += [{**r, **labels} for r in _sample(backend, seq_lens, repeats)]
+        dead: set[str] = set()
+        for T in seq_lens:
+            sample = _sample(backend, T, repeats, dead)
+            dead |= {r["route"] for r in sample if r["status"] != "ok"}
+            rows += [{**r, **labels} for r in sample]
     wall = round(time.perf_counter() - start, 1)
     for r in rows:
         r["section_wall_s"] = wall

@@ -66,6 +66,12 @@ class BucketLayout(NamedTuple):
     seg_start: Any
 
 
+def topk_sparse_window(top_k: int, sparse_window: int | None = None) -> int:
+    """M, the most recent same-bucket records the sparse backends' ``topk_score`` route scores for each
+    query before proving that no older record enters the top K: ``sparse_window``, by default 4K, at least K."""
+    return max(sparse_window if sparse_window is not None else 4 * top_k, top_k)
+
+
 def _empty(batch: int, n_queries: int, width: int) -> Candidates:
     return Candidates(
         index=np.full((batch, n_queries, width), -1, dtype=np.int64),

@@ -151,3 +151,21 @@ def test_slow_model_cases_are_timed_fewer_times_but_at_least_once():
     assert timed_steps(3, 0.2) == 3  # a cheap step keeps its budget
     assert timed_steps(3, TIMED_SECONDS / 2) == 2
     assert timed_steps(3, 27.0) == 1  # a dense T=4096 step: once, after its warm-up and memory steps
+
+
+def test_routing_bench_runs_each_T_in_its_own_worker_and_skips_routes_out_of_memory(tmp_path, monkeypatch) -> None:
+    """One worker per (backend, T); a route out of memory at one T is not tried at a larger T."""
+    from benchmarks import bench_routing
+
+    calls = []
+
+    def fake_sample(backend: str, T: int, repeats: int, skip: set[str]) -> list[dict]:
+        calls.append((backend, T, set(skip)))
+        return [{"backend": backend, "route": r, "T": T, "status": "out of memory" if (r, T) == ("dense", 2) else "ok",
+                 "fwd_bwd_ms": 1.0, "peak_mb": 1.0} for r in bench_routing.MEASURE_ORDER if r not in skip]
+
+    monkeypatch.setattr(bench_routing, "_sample", fake_sample)
+    monkeypatch.setattr(bench_routing, "environment_labels", lambda: {"machine": "test"})
+    assert bench_routing.main(["--seq-lens", "1,2,4", "--backends", "torch,jax", "--out", str(tmp_path / "r.csv")]) == 0
+    assert calls == [(b, T, set() if T < 4 else {"dense"}) for b in ("torch", "jax") for T in (1, 2, 4)]
+    assert bench_routing.MEASURE_ORDER[-1] == "dense" and set(bench_routing.MEASURE_ORDER) == set(bench_routing.ROUTES)

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.jax import routing as jr
-from backends.jax.ops import banded_dot, batch_gather, gather_dot
+from backends.jax.ops import band_gather_dot, banded_dot, batch_gather, gather_dot
 from pcaf_core import hashing, mixture, records, routing
 
 # ----------------------------------------------------------------------------- helpers
@@ -345,8 +345,75 @@ def test_candidate_scores_with_a_band_equal_the_gathered_scores() -> None:
         rec = jnp.asarray(records.recency(75, "ar"))
         args = (jnp.asarray(q), jnp.asarray(k), rec, 0.7, win, probs, probs, 1.0)
         ok = np.asarray(win.valid)
-        np.testing.assert_allclose(np.asarray(candidate_scores(*args, band=layout))[ok],
+        np.testing.assert_allclose(np.asarray(candidate_scores(*args, band=jr.ScoreBand(layout)))[ok],
                                    np.asarray(candidate_scores(*args))[ok], rtol=1e-12)
+
+
+def _scattered_slots(T: int = 75, W: int = 8, C: int = 5, seed: int = 5):
+    """A bucket layout and, for every position, C slots drawn from all its earlier same-bucket records (so
+    many lie further back than W sorted slots), some empty: the shape of ``topk_score`` candidates with
+    dense-fallback queries among them."""
+    layout, x, y, _ = _band_case(T=T, W=W, seed=seed)
+    order, rank, start = (np.array(a) for a in layout)
+    rng = np.random.default_rng(seed)
+    index = np.full((2, T, C), -1)
+    for b in range(2):
+        for t in range(T):
+            earlier = order[b, start[b, rank[b, t]]:rank[b, t]]
+            pick = rng.permutation(earlier)[:C]
+            index[b, t, :len(pick)] = pick
+    return layout, x, y, jnp.asarray(index)
+
+
+@pytest.mark.parametrize("outside_pairs", [4096, 7], ids=["compact", "every-slot"])
+def test_band_gather_dot_equals_gather_dot(outside_pairs: int) -> None:
+    """Values and gradients on every non-empty slot, inside the band and outside it: outside pairs gathered
+    compactly, or (more of them than ``outside_pairs``) every slot gathered."""
+    W = 8
+    with jax.enable_x64(True):
+        layout, x, y, index = _scattered_slots(W=W)
+        ok = np.asarray(index) >= 0
+        offset = np.asarray(layout.rank)[..., None] - 1 - np.take_along_axis(
+            np.asarray(layout.rank), np.maximum(np.asarray(index), 0).reshape(2, -1), axis=1).reshape(index.shape)
+        assert (ok & (offset < W)).sum() > 300 and (ok & (offset >= W)).sum() > 100 and (~ok).sum() > 20
+        cot = jnp.where(ok, jnp.asarray(np.random.default_rng(2).normal(size=ok.shape)), 0.0)
+
+        def banded(x, y):
+            return band_gather_dot(layout.order, layout.rank, x, y, index, W, outside_pairs=outside_pairs)
+
+        def gathered(x, y):
+            return gather_dot(x, y, jnp.maximum(index, 0))
+
+        np.testing.assert_allclose(np.asarray(banded(x, y))[ok], np.asarray(gathered(x, y))[ok], rtol=1e-12)
+        for f, g in zip(jax.grad(lambda x, y: jnp.sum(banded(x, y) * cot), argnums=(0, 1))(x, y),
+                        jax.grad(lambda x, y: jnp.sum(gathered(x, y) * cot), argnums=(0, 1))(x, y)):
+            np.testing.assert_allclose(np.asarray(f), np.asarray(g), rtol=1e-10, atol=1e-12)
+
+
+def test_topk_score_candidates_scored_with_a_band_equal_the_gathered_scores() -> None:
+    """Full-AR ``topk_score`` as the models run it (M = 4K, the route's band), with queries the proof
+    cannot cover (ρ < 0 sends every overflowing query to the dense fallback): the banded scores equal the
+    gathered ones on every valid slot, and some of those slots lie outside the M-window."""
+    from backends.jax.mixture import candidate_scores
+
+    T, K, d = 120, 2, 4
+    M = routing.topk_sparse_window(K)
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(7)
+        addr = jnp.asarray(rng.integers(0, 2, (1, T)))
+        q, k = (jnp.asarray(rng.normal(size=(1, T, d))) for _ in range(2))
+        rec = jnp.asarray(records.recency(T, "ar"))
+        layout = jr.bucket_layout(addr)
+        for rho in (0.5, -0.5):
+            cand, dense = jr.route_context_topk_score(addr, jnp.arange(T), K, jr.SelectionInputs(q, k, rec, rho),
+                                                      query_layout="ar", layout=layout)
+            ok = np.asarray(cand.valid)
+            args = (q, k, rec, rho, cand)
+            np.testing.assert_allclose(np.asarray(candidate_scores(*args, band=jr.ScoreBand(layout, M)))[ok],
+                                       np.asarray(candidate_scores(*args))[ok], rtol=1e-12)
+        rank = np.asarray(layout.rank)[0]
+        offset = rank[:, None] - 1 - rank[np.maximum(np.asarray(cand.index)[0], 0)]
+        assert np.asarray(dense).any() and (ok[0] & (offset >= M)).any()
 
 
 @settings(max_examples=15, deadline=None)

@@ -17,8 +17,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from backends.jax.ops import banded_dot, batch_gather, gather_dot
-from backends.jax.routing import BucketLayout, Candidates
+from backends.jax.ops import band_gather_dot, banded_dot, batch_gather, gather_dot
+from backends.jax.routing import Candidates, ScoreBand
 from pcaf_core.mixture import AR_PROB_FLOOR, GATE_CLIP, MASKED_SCORE, NT_CACHE_FLOOR, SEMANTIC_OVERLAP_FLOOR
 
 
@@ -43,7 +43,7 @@ def candidate_scores(
     query_router_probs: jax.Array | None = None,
     semantic_score_scale: float = 0.0,
     *,
-    band: BucketLayout | None = None,
+    band: ScoreBand | None = None,
 ) -> jax.Array:
     """Score of each slot: ``q·k_s/√d + ρ·r_s [+ λ_sem·log(max(m_s, 1e-6))]``, ``[B, Q, C]``.
 
@@ -52,16 +52,23 @@ def candidate_scores(
     routes) needs ``router_probs`` ``[B, T, S]`` and the queries' ``query_router_probs`` ``[B, Q, S]``; the
     overlap ``m_s = r̃_q·r̃_s`` is computed for the selected slots only. Empty slots hold junk; mask them.
 
-    ``band``: the bucket layout ``cand`` was read from when its slots are the ``recent`` slots of full-AR
-    queries (slot c = the query's (c+1)-th sorted predecessor); the products are then blocked GEMMs
-    (:func:`backends.jax.ops.banded_dot`) instead of row gathers. Same values on the valid slots.
+    ``band``: for full-AR queries, the :class:`ScoreBand` of the layout ``cand`` was read from; the products
+    are then blocked GEMMs (:func:`backends.jax.ops.banded_dot`, :func:`backends.jax.ops.band_gather_dot`)
+    instead of row gathers. Same values on the valid slots.
     """
     idx = jnp.maximum(cand.index, 0)
     rec = recency[idx] if recency.ndim == 1 else batch_gather(recency, idx)
     C = idx.shape[-1]
 
     def dot(x: jax.Array, y: jax.Array) -> jax.Array:
-        return gather_dot(x, y, idx) if band is None else banded_dot(band.order, band.rank, x, y, C)
+        if band is None:
+            return gather_dot(x, y, idx)
+        order, rank = band.layout.order, band.layout.rank
+        if band.width is None:
+            return banded_dot(order, rank, x, y, C)
+        # The route scored this same window at HIGHEST precision (its proof needs exact float32); the same
+        # precision here makes the two forward GEMMs identical, so XLA computes them once inside a jitted step.
+        return band_gather_dot(order, rank, x, y, cand.index, band.width, precision=jax.lax.Precision.HIGHEST)
 
     s = dot(query, keys) / math.sqrt(query.shape[-1]) + rho * rec
     if router_probs is not None:

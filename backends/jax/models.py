@@ -42,7 +42,7 @@ from backends.jax.layers import (
     wide,
 )
 from backends.jax.ops import batch_gather
-from backends.jax.routing import BucketLayout, Candidates, SelectionInputs
+from backends.jax.routing import Candidates, ScoreBand, SelectionInputs
 from pcaf_core.config import (
     PCAF_VARIANTS,
     TRANSFORMER_VARIANTS,
@@ -52,6 +52,7 @@ from pcaf_core.config import (
 )
 from pcaf_core.mixture import mixture_rule
 from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
+from pcaf_core.routing import topk_sparse_window
 
 Dtype = Any
 
@@ -178,12 +179,12 @@ def select_candidates(
     target_leak: bool,
     dedup: bool,
     mode: str,
-) -> tuple[jax.Array, Candidates, jax.Array | None, BucketLayout | None]:
+) -> tuple[jax.Array, Candidates, jax.Array | None, ScoreBand | None]:
     """Addresses ``[B, T]`` int32, the selected :class:`Candidates` of every query (spec slot order), for
     the ``topk_score`` context route which queries it scored densely (``[B, Q]`` bool, else None), and the
-    band: the :class:`BucketLayout` the candidates are the ``recent`` slots of, where the route reads them
-    so in full AR (``recent`` context or bucketed semantic route, not hybrid), for
-    :func:`mixture.candidate_scores` to score them with blocked GEMMs; else None.
+    band: in full AR, for the ``recent`` and ``topk_score`` context routes and the bucketed semantic route
+    (not hybrid), the :class:`ScoreBand` of the layout the route read, for :func:`mixture.candidate_scores`
+    to score the candidates with blocked GEMMs; else None.
 
     tokens ``[B, T]``; query ``[B, Q, d]`` and keys ``[B, T, d]`` unit vectors; router_probs ``[B, T, S]``
     (semantic and hybrid routes, else None); recency ``[T]``; rho the recency scale. Selection is integer
@@ -197,21 +198,23 @@ def select_candidates(
     cand: Candidates | None = None
     topk_dense = band = None
     if route in ("context", "hybrid"):
+        banded = mode == "ar" and route == "context" and policy in ("recent", "topk_score")
+        layout = _bucket_layout(addr) if banded else None
         if policy == "topk_score":
             select = SelectionInputs(query, keys, recency, rho)
-            cand, topk_dense = _route_context_topk_score(addr, qpos, top_k, select, query_layout=mode)
+            cand, topk_dense = _route_context_topk_score(addr, qpos, top_k, select, query_layout=mode, layout=layout)
+            band = ScoreBand(layout, topk_sparse_window(top_k)) if banded else None
         else:
-            if mode == "ar" and policy == "recent" and route == "context":
-                band = _bucket_layout(addr)
-            cand = _route_context(addr, qpos, top_k, policy, query_layout=mode, layout=band)
+            cand = _route_context(addr, qpos, top_k, policy, query_layout=mode, layout=layout)
+            band = ScoreBand(layout) if banded else None
     if route in ("semantic", "hybrid"):
         probs = jax.lax.stop_gradient(router_probs)
         if semantic_index == "dense":
             sem = _route_semantic_dense(probs, recency, rho, qpos, top_k, target_leak=target_leak)
         else:
-            if mode == "ar" and route == "semantic":
-                band = _semantic_layout(probs)
-            sem = _route_semantic_bucketed(probs, qpos, top_k, band)
+            layout = _semantic_layout(probs) if mode == "ar" and route == "semantic" else None
+            sem = _route_semantic_bucketed(probs, qpos, top_k, layout)
+            band = ScoreBand(layout) if layout is not None else None
         cand = sem if cand is None else _combine_hybrid(cand, sem, dedup=dedup)
     return addr, cand, topk_dense, band
 
@@ -421,7 +424,7 @@ class PCAFModel(CanonicalLM):
         query: jax.Array, keys: jax.Array, rec: jax.Array, router_probs: jax.Array | None,
         query_router_probs: jax.Array | None, h_q: jax.Array, mode: str, need_p_cache: bool,
         slots: Candidates | None = None, trace_router_probs: jax.Array | None = None,
-        band: BucketLayout | None = None,
+        band: ScoreBand | None = None,
     ) -> tuple[JaxMemoryTrace, jax.Array]:
         """Scores, cache weights, p_cache and gate of the selected candidates ``cand`` (window positions).
 

@@ -7,7 +7,9 @@ the backward pass. :func:`gather_dot` therefore gathers a fixed-size chunk of qu
 kept and the gather is recomputed chunk by chunk in the backward pass.
 
 Where the slots are each query's sorted predecessors in a bucket layout (the ``recent`` slots of full-AR
-queries), :func:`banded_dot` computes the same products with blocked GEMMs and no row gathers at all.
+queries), :func:`banded_dot` computes the same products with blocked GEMMs and no row gathers at all;
+:func:`band_gather_dot` does so for any slots of full-AR queries that lie within a window of sorted
+predecessors (the ``topk_score`` candidates), gathering only the few that lie further back.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import jax
 import jax.numpy as jnp
 
 CHUNK_ELEMENTS = 1 << 22  # elements per temporary chunk (16 MiB in float32)
+OUTSIDE_PAIRS = 4096
+"""(query, slot) pairs :func:`band_gather_dot` gathers compactly when they lie outside its band; more than
+this and it gathers every slot (:func:`gather_dot`)."""
 
 
 def batch_gather(values: jax.Array, index: jax.Array) -> jax.Array:
@@ -112,8 +117,8 @@ def banded_dot(order: jax.Array, rank: jax.Array, x: jax.Array, y: jax.Array, wi
 
     In sorted order the products form a band of ``x_sorted · y_sortedᵀ``: blocks of W sorted rows of x
     are multiplied by the 2W sorted rows of y that end with their own block (one batched GEMM,
-    ``2·T·2W·d`` FLOPs) and the band is read off the ``[W, 2W]`` products. The backward pass is the same
-    GEMMs and a scatter into the small ``[W, 2W]`` blocks; no ``[T, W, d]`` array exists in either.
+    ``2·T·2W·d`` FLOPs) and the band is read off the ``[W, 2W]`` products by a skewing reshape. The backward
+    pass is the same GEMMs and the reshape's transpose; no ``[T, W, d]`` array exists in either.
     """
     B, T, d = x.shape
     W = width
@@ -124,9 +129,55 @@ def banded_dot(order: jax.Array, rank: jax.Array, x: jax.Array, y: jax.Array, wi
     xb = xs.reshape(B, nb, W, d)
     yb = jnp.concatenate([ys[:, : nb * W].reshape(B, nb, W, d), ys[:, W:].reshape(B, nb, W, d)], axis=2)
     prod = jnp.einsum("bnqd,bnkd->bnqk", xb, yb, precision=precision)  # [B, nb, W, 2W]
-    # Row r of a block is column W + r of its y rows; its j-th predecessor is column W + r - 1 - j.
-    r = jnp.arange(W, dtype=jnp.int32)[:, None]
-    j = jnp.arange(W, dtype=jnp.int32)[None, :]
-    band = jnp.take_along_axis(prod, jnp.broadcast_to(W - 1 + r - j, (B, nb, W, W)), axis=3)
-    by_slot = band.reshape(B, nb * W, W)[:, :T]
+    # Row r of a block is column W + r of its y rows; its j-th predecessor is column W + r - 1 - j, i.e.
+    # columns r .. r + W - 1 reversed. Row r is shifted left by r by re-reading the flat [W, 2W] block with
+    # rows of 2W + 1 (a reshape, not a gather: its backward is a reshape too, not a scatter).
+    flat = jnp.pad(prod.reshape(B, nb, W * 2 * W), ((0, 0), (0, 0), (0, W)))
+    shifted = flat.reshape(B, nb, W, 2 * W + 1)[..., :W]  # [r, c] = prod[r, r + c]
+    by_slot = shifted[..., ::-1].reshape(B, nb * W, W)[:, :T]
     return jnp.take_along_axis(by_slot, rank[..., None], axis=1)
+
+
+def band_gather_dot(order: jax.Array, rank: jax.Array, x: jax.Array, y: jax.Array, index: jax.Array, width: int,
+                    *, precision: jax.lax.PrecisionLike = None, outside_pairs: int = OUTSIDE_PAIRS,
+                    chunk_elements: int = CHUNK_ELEMENTS) -> jax.Array:
+    """``out[b, t, c] = x[b, t] · y[b, index[b, t, c]]`` for full-AR queries (query t at position t), read off
+    :func:`banded_dot` of ``width`` W wherever ``index`` is one of t's W sorted predecessors.
+
+    Args:
+        order, rank: ``[B, T]`` the sorted layout (:class:`pcaf_core.routing.BucketLayout`).
+        x: ``[B, T, d]`` queries, one per position; y: ``[B, T, d]`` per-position rows.
+        index: ``[B, T, C]`` int positions, -1 = empty (its output is junk for the caller to mask).
+        width: W (static); outside_pairs: how many non-empty slots further back than W sorted slots are
+            gathered one pair at a time (compacted to a fixed size); when more lie outside, every slot is
+            gathered with :func:`gather_dot` (same values, slower).
+    Returns:
+        ``[B, T, C]``, differentiable in ``x`` and ``y``.
+
+    A slot holding position s is t's predecessor number ``rank[t] - 1 - rank[s]`` in sorted order, so its
+    product is that column of the band. The ``topk_score`` route picks its candidates from exactly such a
+    window, except for the queries its dense fallback routes, whose few older candidates are the pairs
+    gathered here.
+    """
+    B, T, C = index.shape
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    safe = jnp.maximum(index, 0)
+    offset = rank[..., None] - 1 - batch_gather(rank, safe)  # [B, T, C]
+    inside = (offset >= 0) & (offset < width)
+    band = banded_dot(order, rank, x, y, width, precision=precision)
+    from_band = jnp.take_along_axis(band, jnp.clip(offset, 0, width - 1), axis=2)
+    outside = (index >= 0) & ~inside
+    n = B * T * C
+
+    def compact() -> jax.Array:
+        pair = jnp.nonzero(outside.reshape(n), size=outside_pairs, fill_value=n)[0]
+        at = jnp.minimum(pair, n - 1)
+        b, t = at // (T * C), (at // C) % T
+        dots = jnp.einsum("pd,pd->p", x[b, t], y[b, safe.reshape(n)[at]], precision=precision)
+        return jnp.zeros(n, dots.dtype).at[pair].set(dots, mode="drop").reshape(B, T, C)
+
+    def every_slot() -> jax.Array:
+        return gather_dot(x, y, safe, chunk_elements=chunk_elements, precision=precision)
+
+    rest = jax.lax.cond(jnp.sum(outside) <= outside_pairs, compact, every_slot)
+    return jnp.where(inside, from_band, rest)

@@ -27,17 +27,32 @@ gradients flow through the scores of the selected slots, computed by the caller.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from backends.jax.ops import CHUNK_ELEMENTS, banded_dot, batch_gather, gather_dot, map_query_chunks, query_chunk
 from pcaf_core.config import CANDIDATE_POLICIES
-from pcaf_core.routing import SEMANTIC_TIE_BREAK, BucketLayout, Candidates, SelectionInputs
+from pcaf_core.routing import SEMANTIC_TIE_BREAK, BucketLayout, Candidates, SelectionInputs, topk_sparse_window
 
 TOPK_STRATEGIES = ("auto", "dense")
 _FALLBACK_CHUNK = 32  # queries per step of the dense topk_score fallback
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class ScoreBand(NamedTuple):
+    """Where full-AR candidates lie in the sorted layout their route read, so that their scores are read off
+    blocked GEMMs (:func:`backends.jax.ops.banded_dot`) instead of gathered rows.
+
+    layout: that :class:`BucketLayout`. width: None when slot c is each query's (c+1)-th sorted predecessor
+    (the ``recent`` slots); else W, a Python int: the slots lie among each query's W sorted predecessors
+    but for a few (the ``topk_score`` window; :func:`backends.jax.ops.band_gather_dot`). Built inside traced
+    code, never passed to ``jax.jit`` as an argument (``width`` must stay static).
+    """
+
+    layout: BucketLayout
+    width: int | None = None
 
 
 def _work_dtype(dtype: jnp.dtype) -> jnp.dtype:
@@ -234,7 +249,7 @@ def route_context_topk_score(
         dense = jnp.ones((B, Q), bool)
         return _dense_context_topk(addresses, query_pos, K, select, chunk_elements), dense
 
-    M = max(sparse_window if sparse_window is not None else 4 * K, K)
+    M = topk_sparse_window(K, sparse_window)
     layout = bucket_layout(addresses) if layout is None else layout
     slot, _, count = _query_slots(layout, query_pos)
     win = _recent_slots(layout, slot, count, M + 1)  # slot M: the most recent record left out

@@ -28,7 +28,7 @@ import torch
 
 from backends.torch.ops import CHUNK_ELEMENTS, batch_gather, gather_dot
 from pcaf_core.config import CANDIDATE_POLICIES
-from pcaf_core.routing import SEMANTIC_TIE_BREAK, BucketLayout, Candidates, SelectionInputs
+from pcaf_core.routing import SEMANTIC_TIE_BREAK, BucketLayout, Candidates, SelectionInputs, topk_sparse_window
 
 TOPK_STRATEGIES = ("auto", "dense")
 
@@ -215,7 +215,7 @@ def _route_context_topk_score(
         out = _empty(B, Q, K, device)
         dense = torch.ones((B, Q), dtype=torch.bool, device=device)
     else:
-        M = max(sparse_window if sparse_window is not None else 4 * K, K)
+        M = topk_sparse_window(K, sparse_window)
         layout = bucket_layout(addresses) if layout is None else layout
         slot, _, count = _query_slots(layout, query_pos)
         win = _recent_slots(layout, slot, count, M + 1)  # slot M: the most recent record left out
