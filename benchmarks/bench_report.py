@@ -35,6 +35,9 @@ from benchmarks.common import read_csv
 ROUTING_RATIO_TARGETS = {8192: 10.0, 16384: 20.0}
 EXPONENT_TARGET = 1.2
 NT_PEAK_TARGET, AR_PEAK_TARGET, BF16_TARGET, NT_RATIO_TARGET = 60.0, 80.0, 2.5, 6.1
+COMPILE_TIE = 0.03
+"""Compiled and eager steps whose tokens/s differ by at most this fraction count as equally fast (the spread of
+repeated side-by-side measurements of one case here), so either default is right for them."""
 PAPER_JAX_41M = (300.0, 360.0)  # tokens/s quoted for the paper's JAX code, measured on another 2-core machine
 CSV_NAMES = ("routing", "models", "gemm", "backends")
 
@@ -187,12 +190,13 @@ def model_targets(rows: list[dict] | None, gemm: list[dict] | None) -> list[Targ
         eager = [x for x in rows if x["compile"] == "eager" and all(x[k] == r[k] for k in (
             "model", "mode", "T", "batch", "dropout", "dtype"))]
         if eager:
-            faster = _f(r["tokens_per_s"]) > _f(eager[0]["tokens_per_s"])
+            x = _f(r["tokens_per_s"]) / _f(eager[0]["tokens_per_s"])
             auto = str(r["auto_compiles"]) == "True"
-            pairs.append((r, _f(r["tokens_per_s"]) / _f(eager[0]["tokens_per_s"]), faster == auto, auto))
+            pairs.append((r, x, abs(x - 1.0) <= COMPILE_TIE or (x > 1.0) == auto, auto))
     if pairs:
-        parts = [f"{r['model']} {r['mode']} T={r['T']}: compiled/eager {x:.2f}, auto "
-                 f"{'compiles' if a else 'stays eager'}" for r, x, _, a in pairs]
+        parts = [f"{r['model']} {r['mode']} T={r['T']}: compiled/eager {x:.2f}"
+                 f"{' (a tie: within ' + format(COMPILE_TIE, '.0%') + ')' if abs(x - 1.0) <= COMPILE_TIE else ''}, "
+                 f"auto {'compiles' if a else 'stays eager'}" for r, x, _, a in pairs]
         verdict = "met" if all(ok for _, _, ok, _ in pairs) else "missed: auto disagrees with the measurement"
         out.append(Target(name, "; ".join(parts), verdict,
                           "same losses as eager: tests/test_torch_compile.py (every PCAF variant, both modes)"))

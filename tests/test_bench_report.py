@@ -169,3 +169,18 @@ def test_routing_bench_runs_each_T_in_its_own_worker_and_skips_routes_out_of_mem
     assert bench_routing.main(["--seq-lens", "1,2,4", "--backends", "torch,jax", "--out", str(tmp_path / "r.csv")]) == 0
     assert calls == [(b, T, set() if T < 4 else {"dense"}) for b in ("torch", "jax") for T in (1, 2, 4)]
     assert bench_routing.MEASURE_ORDER[-1] == "dense" and set(bench_routing.MEASURE_ORDER) == set(bench_routing.ROUTES)
+
+
+@pytest.mark.parametrize("compiled, auto, verdict", [
+    (1100, True, "met"), (1100, False, "missed: auto disagrees with the measurement"),
+    (1020, False, "met"), (980, True, "met"), (900, True, "missed: auto disagrees with the measurement"),
+    (900, False, "met")])
+def test_compile_default_verdict_counts_a_difference_within_the_tie_band_as_a_tie(compiled, auto, verdict) -> None:
+    from benchmarks.bench_report import COMPILE_TIE, model_targets
+
+    P = "PCAF-context"
+    rows = [_model(P, "ar", 1024, 1000, batch=1, auto=auto),
+            _model(P, "ar", 1024, compiled, compile="inductor", batch=1, auto=auto)]
+    target = next(t for t in model_targets(rows, None) if "compiled training step" in t.target)
+    assert target.verdict == verdict
+    assert ("a tie" in target.measured) == (abs(compiled / 1000 - 1) <= COMPILE_TIE)

@@ -3,9 +3,9 @@
 Compiling fuses what an eager step spends most of its non-matmul time on: LayerNorm, GELU, dropout's
 masks and multiplies, the depthwise conv (as shifted multiply-adds, :func:`backends.torch.layers.
 causal_depthwise_conv`) and their backward passes. It costs a one-off compile of about a minute on a
-2-core CPU, so ``train.compile=auto`` compiles only runs long enough to repay it, and only where it measured
-faster (:func:`compile_pays_off`); ``on`` / ``off`` force the choice. Evaluation stays eager (a small share
-of a run, which would compile a second graph).
+2-core CPU, so ``train.compile=auto`` compiles only runs long enough to repay it
+(:func:`compile_min_steps`), and only where it measured faster (:func:`compile_pays_off`); ``on`` / ``off``
+force the choice. Evaluation stays eager (a small share of a run, which would compile a second graph).
 
 Dropout under compile draws its masks with ATen's generator (``fallback_random``): inductor's in-kernel
 random numbers are slower than ATen's vectorised Bernoulli on CPU, and the ATen path draws the same masks
@@ -21,24 +21,31 @@ from backends.torch.layers import ConvBlock
 from pcaf_core.config import RunConfig
 
 COMPILE_MIN_STEPS = 1000
-"""``train.compile=auto`` compiles runs of at least this many steps (the one-off compile then costs a few
-percent of the run at most)."""
+"""``train.compile=auto`` compiles next-token runs of at least this many steps (the one-off compile then
+costs a few percent of the run at most)."""
+
+COMPILE_MIN_STEPS_AR = 5000
+"""... and full-AR runs of at least this many: compiling gains them only 1-8% a step (the vocabulary head's
+products are most of the work), so a 20-70 s compile is repaid only by a long run (a paper-shape step takes
+about 1 s, a cpu-scale one 0.12 s)."""
 
 
 def compile_pays_off(cfg: RunConfig) -> bool:
-    """Where compiling measured faster than eager (2-core CPU, side by side in one process):
+    """Where compiling measured faster than eager (2-core CPU, steps interleaved in one process):
 
     - next-token steps of the conv-backbone models (PCAF family, local conv): 1.13x at the WikiText-2 paper
       shape with dropout 0.1, single thread;
-    - not full-AR steps, where the vocabulary head's matrix products are most of the work: the dense
-      Transformer 0.86x at V=8,000 (1.19x at V=20,000), PCAF slower still;
+    - full-AR steps of the same models: eager/compiled 1.01-1.05 (PCAF-context), 1.06 (PCAF-semantic
+      bucketed), 1.07 (local conv) at the paper shape (T=1,024, batch 1, V=20,000, dropout 0.1; 16 rounds);
+      1.04-1.08 for PCAF-context ``recent`` at the cpu scale (T=256, batch 2, V=8,000; 20 rounds);
+    - not the Transformers (the dense one 0.86x at V=8,000);
     - not routes that rank with ρ as a host number (``topk_score``, the dense semantic route): Dynamo
       specialises on the value, which every optimiser step changes, and recompiles each step (5.5 s a step
       against 0.35 s eager).
     """
     from pcaf_core.config import PCAF_VARIANTS
 
-    if cfg.train.mode != "nt" or cfg.model.variant not in (*PCAF_VARIANTS, "local_conv"):
+    if cfg.model.variant not in (*PCAF_VARIANTS, "local_conv"):
         return False
     mem = cfg.memory
     host_rho = (mem.route in ("context", "hybrid") and mem.candidate_policy == "topk_score") or (
@@ -47,12 +54,18 @@ def compile_pays_off(cfg: RunConfig) -> bool:
     return not (ranks and host_rho)
 
 
+def compile_min_steps(cfg: RunConfig) -> int:
+    """The shortest run ``train.compile=auto`` compiles: :data:`COMPILE_MIN_STEPS` next-token,
+    :data:`COMPILE_MIN_STEPS_AR` full AR."""
+    return COMPILE_MIN_STEPS if cfg.train.mode == "nt" else COMPILE_MIN_STEPS_AR
+
+
 def use_compile(cfg: RunConfig) -> bool:
     """Whether the training step of ``cfg`` is compiled: ``train.compile`` on/off; ``auto`` for runs of at
-    least :data:`COMPILE_MIN_STEPS` steps where :func:`compile_pays_off`."""
+    least :func:`compile_min_steps` steps where :func:`compile_pays_off`."""
     mode = cfg.train.compile
     if mode == "auto":
-        return cfg.train.steps >= COMPILE_MIN_STEPS and compile_pays_off(cfg)
+        return cfg.train.steps >= compile_min_steps(cfg) and compile_pays_off(cfg)
     return mode == "on"
 
 
