@@ -75,3 +75,19 @@ def test_one_worker_process_measures_several_cases_in_turn(capsys):
 def test_a_failing_case_is_named():
     with pytest.raises(RuntimeError, match=rf"(?s)torch worker failed on case #{len(CASES)} .*IndexError"):
         _samples("torch", [len(CASES)], warmup=0, steps=1, heading="round 1/1")
+
+
+def test_jax_gemm_floor_times_the_head_products_and_counts_the_rest_at_the_best_rate():
+    from types import SimpleNamespace
+
+    from benchmarks.bench_backends import jax_gemm_floor
+
+    cfg = SimpleNamespace(train=SimpleNamespace(batch_size=2, seq_len=16), model=SimpleNamespace(d_hidden=8,
+                                                                                                vocab_size=64))
+    head = 3 * 2.0 * 32 * 8 * 64
+    only_head = jax_gemm_floor(cfg, head, repeats=1)
+    rates = [float(r) * 1e9 for r in only_head["jax_head_gemm_gflops"].split("/")]
+    assert len(rates) == 3 and all(r > 0 for r in rates)
+    more = jax_gemm_floor(cfg, head + 1e12, repeats=1)  # a teraFLOP more, counted at that run's best rate
+    best = max(float(r) for r in more["jax_head_gemm_gflops"].split("/")) + 0.05  # rates are printed to 0.1
+    assert more["jax_gemm_floor_s"] >= 1e12 / (best * 1e9) > only_head["jax_gemm_floor_s"]
