@@ -24,8 +24,8 @@ both sides alike. Each case takes ``--warmup`` steps (default 10: JIT compilatio
 and thread pool warming up; JAX's first ~8 steps after compilation run 2-4x slower than its steady
 state here) and then ``--steps`` timed steps (default 12); their median is one sample, and the table
 reports the median over rounds. Exceptions, each written on its case: the 41M case (JAX alone, 5-7 s a
-step) takes 6 + 3 steps in the first round only, then times XLA's own products of its head's shapes
-(:func:`jax_gemm_floor`: the least time any step of its arithmetic can take here); the bf16 demonstration
+step) takes 6 + 3 steps in the first round only, then times work any such step must do with XLA
+(:func:`jax_step_floor`: the least time a step of that model can take here); the bf16 demonstration
 case on a CPU without a bf16 unit (torch ~0.9 s a step) takes 3 + 5. Both sides run
 with the same environment (the glibc tunables of ``experiments.allocator`` when launched by make,
 dropout as the row's profile says, every core of the machine: torch intra-op threads = cores, XLA's
@@ -159,7 +159,7 @@ def worker(backend_name: str, case: int, warmup: int, steps: int) -> dict:
 
     compiled = "jit" if backend_name == "jax" else ("inductor" if "torch.compile" in backend.device else "eager")
     flops = train_step_flops(cfg.model, cfg.memory, cfg.train.mode, T, B)  # full-window count (bench_models')
-    floor = jax_gemm_floor(cfg, flops) if CASES[case].kind == "41M" and backend_name == "jax" else {}
+    floor = jax_step_floor(cfg, flops, state) if CASES[case].kind == "41M" and backend_name == "jax" else {}
     return {"step_s": statistics.median(times), "tokens": B * T, "mode": cfg.train.mode, "T": T, "batch": B,
             "model_mflops_per_token": round(flops / (B * T) / 1e6, 3), **floor,
             "dropout": cfg.profile.dropout, "profile": cfg.profile.name, "first_loss": losses[0],
@@ -167,14 +167,18 @@ def worker(backend_name: str, case: int, warmup: int, steps: int) -> dict:
             "compile": compiled, "device": backend.device, "versions": backend.versions()}
 
 
-def jax_gemm_floor(cfg, step_flops: float, repeats: int = 3) -> dict:
-    """A lower bound on a full-AR JAX step's time from XLA:CPU's own matrix-product speed, measured here.
+def jax_step_floor(cfg, step_flops: float, state=None, repeats: int = 3) -> dict:
+    """A lower bound on a full-AR JAX step's time, from work any such step must do, each timed here with XLA.
 
-    The vocabulary head's ``[B·T, h] @ [h, V]`` product and the two of its backward pass (``g @ Wᵀ``,
-    ``xᵀ @ g``), most of a large-vocabulary step's FLOPs, are timed as jitted products of exactly those shapes;
-    the rest of the step's FLOPs (``step_flops`` less those three) are counted at the fastest rate measured.
-    No step that does at least this arithmetic on this CPU, with XLA's products, can take less time.
-    Returns ``jax_gemm_floor_s`` and ``jax_head_gemm_gflops`` (the three rates, ``/``-separated).
+    - the vocabulary head's ``[B·T, h] @ [h, V]`` product and the two of its backward pass (``g @ Wᵀ``,
+      ``xᵀ @ g``), most of a large-vocabulary step's FLOPs, as jitted products of exactly those shapes;
+    - the rest of the step's FLOPs (``step_flops`` less those three) at the fastest of those rates;
+    - with ``state`` (a :class:`backends.jax.backend.JaxState`): the run's own optimiser update over every
+      parameter, and the loss's log-sum-exp over the ``[B·T, V]`` logits with its gradient.
+
+    LayerNorm, GELU, dropout, the conv's and the routes' non-product work count nothing, so no step of this
+    model can take less time on this CPU with XLA. Returns ``jax_step_floor_s``, ``jax_floor_parts`` (the
+    parts in seconds) and ``jax_head_gemm_gflops`` (the three rates, ``/``-separated).
     """
     import jax
     import jax.numpy as jnp
@@ -184,14 +188,30 @@ def jax_gemm_floor(cfg, step_flops: float, repeats: int = 3) -> dict:
     x = jnp.asarray(rng.normal(size=(n, h)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(h, V)), jnp.float32)
     g = jnp.asarray(rng.normal(size=(n, V)), jnp.float32)
-    products = [(jax.jit(lambda a, b: a @ b), x, w), (jax.jit(lambda a, b: a @ b.T), g, w),
-                (jax.jit(lambda a, b: a.T @ b), x, g)]
-    seconds = [median_seconds(lambda f=f, a=a, b=b: jax.block_until_ready(f(a, b)), 1, repeats)[0]
-               for f, a, b in products]
+
+    def timed(f, *args) -> float:
+        return median_seconds(lambda: jax.block_until_ready(f(*args)), 1, repeats)[0]
+
+    seconds = [timed(jax.jit(lambda a, b: a @ b), x, w), timed(jax.jit(lambda a, b: a @ b.T), g, w),
+               timed(jax.jit(lambda a, b: a.T @ b), x, g)]
     one = 2.0 * n * h * V
     rates = [one / sec for sec in seconds]
-    floor = sum(seconds) + max(step_flops - 3 * one, 0.0) / max(rates)
-    return {"jax_gemm_floor_s": round(floor, 3), "jax_head_gemm_gflops": "/".join(f"{r / 1e9:.1f}" for r in rates)}
+    parts = {"head products": sum(seconds), "other products": max(step_flops - 3 * one, 0.0) / max(rates)}
+    if state is not None:
+        import optax
+
+        from backends.jax.optim import build_optimizer
+
+        tx = build_optimizer(cfg.train, cfg.profile, state.params)
+        # Any gradient values do: the update's cost does not depend on them.
+        parts["optimiser update"] = timed(jax.jit(lambda p, o: optax.apply_updates(p, tx.update(p, o, p)[0])),
+                                          state.params, state.opt_state)
+        targets = jnp.asarray(rng.integers(0, V, n))
+        parts["log-sum-exp"] = timed(jax.jit(jax.grad(lambda z: jnp.sum(
+            jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, targets[:, None], axis=-1)[:, 0]))), g)
+    return {"jax_step_floor_s": round(sum(parts.values()), 3),
+            "jax_floor_parts": "; ".join(f"{k} {v:.3g} s" for k, v in parts.items()),
+            "jax_head_gemm_gflops": "/".join(f"{r / 1e9:.1f}" for r in rates)}
 
 
 def _policy(cfg) -> str:
@@ -355,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                "precision": c.precision, "profile": first["profile"], "dropout": first["dropout"],
                "torch_compile": samples[(case, "torch")][0]["compile"] if "torch" in med else "",
                "model_mflops_per_token": first["model_mflops_per_token"],
-               **{k: first.get(k, "") for k in ("jax_gemm_floor_s", "jax_head_gemm_gflops")}}
+               **{k: first.get(k, "") for k in ("jax_step_floor_s", "jax_floor_parts", "jax_head_gemm_gflops")}}
         for n in BACKENDS:
             row[f"{n}_step_ms"] = round(med[n] * 1e3, 1) if n in med else ""
             row[f"{n}_tokens_per_s"] = round(first["tokens"] / med[n], 1) if n in med else ""

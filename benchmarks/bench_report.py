@@ -272,20 +272,20 @@ def backend_targets(rows: list[dict] | None, gemm: list[dict] | None = None) -> 
             top, gflops, per_token = ceiling
             evidence += (f"; at {per_token / 1e6:,.0f} MFLOPs a token (pcaf_core.flops) the fastest fp32 GEMM of "
                          f"this run ({gflops:.2f} GFLOP/s) allows at most {top:,.0f} tokens/s")
-        floor = _f(big[0].get("jax_gemm_floor_s") or "nan")
+        floor = _f(big[0].get("jax_step_floor_s") or "nan")
         if floor > 0:
             tokens = _f(big[0]["T"]) * _f(big[0]["batch"])
             top = tokens / floor
             rest = tokens / tps - floor
-            evidence += (f"; XLA's own products of the head's shapes ran at {big[0]['jax_head_gemm_gflops']} GFLOP/s "
-                         f"in this run, so the step's arithmetic takes at least {floor:.2f} s: at most {top:,.0f} "
-                         f"tokens/s, with the rest of the step (now {rest:.2f} s) free "
-                         f"(benchmarks.bench_backends.jax_gemm_floor)")
+            evidence += (f"; timed with XLA in the same process, work any such step must do takes at least "
+                         f"{floor:.2f} s ({big[0]['jax_floor_parts']}; the head's products at "
+                         f"{big[0]['jax_head_gemm_gflops']} GFLOP/s): at most {top:,.0f} tokens/s, with the rest of "
+                         f"the step (now {rest:.2f} s) free (benchmarks.bench_backends.jax_step_floor)")
             if top < lo:
-                verdict += f" (impossible on this CPU: at most {top:,.0f} tokens/s from XLA's products alone)"
+                verdict += f" (impossible on this CPU: at most {top:,.0f} tokens/s from the work it must do)"
             elif top < hi:
-                verdict += (f" (against 2x360 impossible on this CPU: at most {top:,.0f} tokens/s from XLA's "
-                            f"products alone; 2x300 needs the rest of the step in {tokens / lo - floor:.2f} s, "
+                verdict += (f" (against 2x360 impossible on this CPU: at most {top:,.0f} tokens/s from the work "
+                            f"it must do; 2x300 needs the rest of the step in {tokens / lo - floor:.2f} s, "
                             f"now {rest:.2f} s)") if tps < hi else ""
             elif tps < hi:
                 verdict += f" (needs the rest of the step in {tokens / hi - floor:.2f} s, now {rest:.2f} s)"

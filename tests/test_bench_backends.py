@@ -77,17 +77,21 @@ def test_a_failing_case_is_named():
         _samples("torch", [len(CASES)], warmup=0, steps=1, heading="round 1/1")
 
 
-def test_jax_gemm_floor_times_the_head_products_and_counts_the_rest_at_the_best_rate():
-    from types import SimpleNamespace
+def test_jax_step_floor_times_the_work_a_step_must_do():
+    """The head's three products, the other FLOPs at the best rate, and with a state the run's own optimiser
+    update and the loss's log-sum-exp: each part positive, the total their sum."""
+    from benchmarks.bench_backends import CASES, _backend, _run_config, jax_step_floor
 
-    from benchmarks.bench_backends import jax_gemm_floor
-
-    cfg = SimpleNamespace(train=SimpleNamespace(batch_size=2, seq_len=16), model=SimpleNamespace(d_hidden=8,
-                                                                                                vocab_size=64))
-    head = 3 * 2.0 * 32 * 8 * 64
-    only_head = jax_gemm_floor(cfg, head, repeats=1)
-    rates = [float(r) * 1e9 for r in only_head["jax_head_gemm_gflops"].split("/")]
-    assert len(rates) == 3 and all(r > 0 for r in rates)
-    more = jax_gemm_floor(cfg, head + 1e12, repeats=1)  # a teraFLOP more, counted at that run's best rate
-    best = max(float(r) for r in more["jax_head_gemm_gflops"].split("/")) + 0.05  # rates are printed to 0.1
-    assert more["jax_gemm_floor_s"] >= 1e12 / (best * 1e9) > only_head["jax_gemm_floor_s"]
+    cfg = _run_config(CASES[0])  # a cheap full-AR case (cpu scale)
+    backend = _backend("jax")
+    state = backend.init(cfg)
+    n, h, V = cfg.train.batch_size * cfg.train.seq_len, cfg.model.d_hidden, cfg.model.vocab_size
+    head = 3 * 2.0 * n * h * V
+    out = jax_step_floor(cfg, head + 1e12, state, repeats=1)  # a teraFLOP more than the head's products
+    parts = dict(p.rsplit(" ", 2)[0:2] for p in out["jax_floor_parts"].split("; "))
+    assert set(parts) == {"head products", "other products", "optimiser update", "log-sum-exp"}
+    assert all(float(v) > 0 for v in parts.values())
+    assert out["jax_step_floor_s"] == pytest.approx(sum(float(v) for v in parts.values()), abs=0.03)
+    best = max(float(r) for r in out["jax_head_gemm_gflops"].split("/")) + 0.05  # rates are printed to 0.1
+    assert float(parts["other products"]) >= 1e12 / (best * 1e9) - 0.01
+    assert "optimiser update" not in jax_step_floor(cfg, head, None, repeats=1)["jax_floor_parts"]
