@@ -5,9 +5,9 @@
 # The benchmark report: routing cost against T, training throughput and fraction of the matmul peak, torch
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
 # run one after another (never in parallel: they time the whole machine); run it on an otherwise idle machine.
-# Measured on the 2-core CPU for the committed report: 1,349 s = 22.5 minutes (routing 134 s, models 580 s, backends
-# 628 s: 2 rounds, each one worker process per backend over every case).
-# BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in about 1.5 minutes (92 s) and renders bench/bench.md
+# Measured on the 2-core CPU for the committed report: 1,354 s = 22.6 minutes (routing 191 s, models 510 s, backends
+# 646 s: 2 rounds, each one worker process per backend over every case).
+# BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in under 2 minutes (103 s) and renders bench/bench.md
 # instead, leaving the committed report alone.
 BENCH ?= full
 ifeq ($(BENCH),quick)
