@@ -153,6 +153,17 @@ def test_slow_model_cases_are_timed_fewer_times_but_at_least_once():
     assert timed_steps(3, 27.0) == 1  # a dense T=4096 step: once, after its warm-up and memory steps
 
 
+def test_a_compiled_case_is_timed_after_a_steady_warm_up_step():
+    """A compiled case's first step is its compile (20-70 s): were it the last warm-up step, the timed-step
+    count would be cut to one step, taken right after compiling."""
+    from benchmarks.bench_models import Case, step_budget
+
+    assert step_budget(Case("PCAF-context", "ar", 1024, 1, 0.1, "inductor"), 2, 5) == (2, 3)
+    assert step_budget(Case("PCAF-context", "ar", 1024, 1, 0.1), 2, 5) == (1, 3)
+    assert step_budget(Case("PCAF-context", "nt", 1024, 8, 0.1, "inductor"), 1, 5) == (2, 5)
+    assert step_budget(Case("PCAF-context", "nt", 1024, 8, 0.1), 1, 5) == (1, 5)
+
+
 def test_routing_bench_runs_each_T_in_its_own_worker_and_skips_routes_out_of_memory(tmp_path, monkeypatch) -> None:
     """One worker per (backend, T); a route out of memory at one T is not tried at a larger T."""
     from benchmarks import bench_routing
