@@ -91,7 +91,7 @@ def test_jax_step_floor_times_the_work_a_step_must_do():
     parts = dict(p.rsplit(" ", 2)[0:2] for p in out["jax_floor_parts"].split("; "))
     assert set(parts) == {"head products", "other products", "optimiser update", "log-sum-exp"}
     assert all(float(v) > 0 for v in parts.values())
-    assert out["jax_step_floor_s"] == pytest.approx(sum(float(v) for v in parts.values()), abs=0.03)
+    assert out["jax_step_floor_s"] == pytest.approx(sum(float(v) for v in parts.values()), rel=0.01)  # parts: 3 digits
     best = max(float(r) for r in out["jax_head_gemm_gflops"].split("/")) + 0.05  # rates are printed to 0.1
     assert float(parts["other products"]) >= 1e12 / (best * 1e9) - 0.01
     assert "optimiser update" not in jax_step_floor(cfg, head, None, repeats=1)["jax_floor_parts"]
