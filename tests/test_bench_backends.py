@@ -92,6 +92,7 @@ def test_jax_step_floor_times_the_work_a_step_must_do():
     assert set(parts) == {"head products", "other products", "optimiser update", "log-sum-exp"}
     assert all(float(v) > 0 for v in parts.values())
     assert out["jax_step_floor_s"] == pytest.approx(sum(float(v) for v in parts.values()), rel=0.01)  # parts: 3 digits
-    best = max(float(r) for r in out["jax_head_gemm_gflops"].split("/")) + 0.05  # rates are printed to 0.1
-    assert float(parts["other products"]) >= 1e12 / (best * 1e9) - 0.01
+    best = max(float(r) for r in out["jax_head_gemm_gflops"].split("/"))  # printed to 0.1 GFLOP/s
+    # the other FLOPs at the fastest head rate; rel=0.006 covers printing to 3 digits (10.24 s shows as 10.2)
+    assert float(parts["other products"]) == pytest.approx(1e12 / (best * 1e9), rel=0.006)
     assert "optimiser update" not in jax_step_floor(cfg, head, None, repeats=1)["jax_floor_parts"]
