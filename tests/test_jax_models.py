@@ -174,6 +174,31 @@ def test_bf16_compute_is_close_to_fp32(case) -> None:
         assert leaf.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(leaf)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_affine_vjp_matches_autodiff_of_the_plain_product(dtype) -> None:
+    """``layers.affine``'s own backward (``∂b`` as one more row of ``[x, 1]ᵀ @ g``) gives what autodiff of
+    ``x @ w + b`` gives, for a batched ``[B, T, in]`` input, in the compute dtype it was given."""
+    from backends.jax.layers import affine
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 5, 7)), dtype)
+    w = jnp.asarray(rng.normal(size=(7, 11)), dtype)
+    b = jnp.asarray(rng.normal(size=(11,)), jnp.float32)
+    c = jnp.asarray(rng.normal(size=(2, 5, 11)), jnp.float32)  # a cotangent with no symmetry
+
+    def plain(x, w, b):
+        return jnp.sum(c * (jnp.matmul(x, w, preferred_element_type=jnp.float32) + b))
+
+    got = jax.grad(lambda *a: jnp.sum(c * affine(*a)), argnums=(0, 1, 2))(x, w, b)
+    want = jax.grad(plain, argnums=(0, 1, 2))(x, w, b)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for g, r, like in zip(got, want, (x, w, b)):
+        assert g.dtype == like.dtype and g.shape == like.shape
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=tol, atol=tol)
+    # ∂b is the cotangent's column sum
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(c.sum(axis=(0, 1))), rtol=tol, atol=tol)
+
+
 def _tree_shapes(tree) -> dict[str, tuple[int, ...]]:
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:

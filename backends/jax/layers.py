@@ -72,6 +72,35 @@ def embed_normal(key: jax.Array, shape: tuple[int, ...], dtype: Dtype = jnp.floa
 # --------------------------------------------------------------------------- basic modules
 
 
+@jax.custom_vjp
+def affine(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    """``x @ w + b`` accumulated in ``b.dtype``: x ``[..., in]`` and w ``[in, out]`` in the compute dtype,
+    b ``[out]`` in ``wide(compute dtype)`` -> ``[..., out]`` in ``b.dtype``.
+
+    A custom VJP because XLA:CPU's own backward for the bias, a column sum of the ``[N, out]`` cotangent,
+    is slow for a large head: at the 41M shape (N=2,048, out=32,000) the head's gradient took 3.5 s with it
+    and 2.2 s without. Here ``∂b`` is one more row of the ``∂w`` product, ``[x, 1]ᵀ @ g``.
+    """
+    return jnp.matmul(x, w, preferred_element_type=b.dtype) + b
+
+
+def _affine_fwd(x: jax.Array, w: jax.Array, b: jax.Array) -> tuple[jax.Array, tuple]:
+    return affine(x, w, b), (x, w, b)
+
+
+def _affine_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    x, w, b = res
+    g = g.astype(x.dtype)  # the products run in the compute dtype, as the forward's do
+    dx = jnp.matmul(g, w.T, preferred_element_type=b.dtype).astype(x.dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    x1 = jnp.concatenate([x2, jnp.ones((x2.shape[0], 1), x.dtype)], axis=1)
+    dwb = jnp.matmul(x1.T, g.reshape(-1, g.shape[-1]), preferred_element_type=b.dtype)
+    return dx, dwb[:-1].astype(w.dtype), dwb[-1].astype(b.dtype)
+
+
+affine.defvjp(_affine_fwd, _affine_bwd)
+
+
 class Dense(nn.Module):
     """``y = x @ weight + bias`` with ``weight [in, out]``; operands in ``dtype``, returns ``dtype``.
 
@@ -90,11 +119,11 @@ class Dense(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.param("weight", fan_in_normal, (x.shape[-1], self.features), self.param_dtype)
         acc = wide(self.dtype)
-        y = jnp.matmul(x.astype(self.dtype), w.astype(self.dtype), preferred_element_type=acc)
-        if self.use_bias:
-            b = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
-            y = y + b.astype(acc)
-        return y.astype(self.dtype)
+        x, w = x.astype(self.dtype), w.astype(self.dtype)
+        if not self.use_bias:
+            return jnp.matmul(x, w, preferred_element_type=acc).astype(self.dtype)
+        b = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+        return affine(x, w, b.astype(acc)).astype(self.dtype)
 
 
 class LayerNorm(nn.Module):
