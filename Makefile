@@ -27,8 +27,8 @@ help:
 	@echo "make figures - re-render tables and figures from existing run records"
 	@echo "make params  - paper-scale parameter counts from the instantiated models"
 	@echo "make bench   - the benchmark report docs/results/bench.md (routing vs T, throughput and fraction of peak,"
-	@echo "               torch beside JAX; CSV and plots under bench/); 1,354 s (22.6 min) for the committed report, idle machine;"
-	@echo "               BENCH=quick (make bench-quick): ~2 min (103 s here), renders bench/bench.md"
+	@echo "               torch beside JAX; CSV and plots under bench/); 1,638 s (27.3 min) here, idle machine;"
+	@echo "               BENCH=quick (make bench-quick): ~2 min (115 s here), renders bench/quick/bench.md"
 	@echo "make bench-decode | bench-kernels | bench-train-step | bench-precision | bench-data - the other benchmarks"
 
 $(VENV)/.installed: pyproject.toml

@@ -167,7 +167,7 @@ def worker(backend_name: str, case: int, warmup: int, steps: int) -> dict:
             "compile": compiled, "device": backend.device, "versions": backend.versions()}
 
 
-def jax_step_floor(cfg, step_flops: float, state=None, repeats: int = 3) -> dict:
+def jax_step_floor(cfg, step_flops: float, state=None, repeats: int = 5) -> dict:
     """A lower bound on a full-AR JAX step's time, from work any such step must do, each timed here with XLA.
 
     - the vocabulary head's ``[B·T, h] @ [h, V]`` product and the two of its backward pass (``g @ Wᵀ``,
@@ -177,8 +177,10 @@ def jax_step_floor(cfg, step_flops: float, state=None, repeats: int = 3) -> dict
       parameter, and the loss's log-sum-exp over the ``[B·T, V]`` logits with its gradient.
 
     LayerNorm, GELU, dropout, the conv's and the routes' non-product work count nothing, so no step of this
-    model can take less time on this CPU with XLA. Returns ``jax_step_floor_s``, ``jax_floor_parts`` (the
-    parts in seconds) and ``jax_head_gemm_gflops`` (the three rates, ``/``-separated).
+    model can take less time on this CPU with XLA. Each part is its fastest of ``repeats`` timings after one
+    warm-up (a bound takes the best reading: on this machine one product's time moves 10-20% between calls).
+    Returns ``jax_step_floor_s``, ``jax_floor_parts`` (the parts in seconds) and ``jax_head_gemm_gflops`` (the
+    three rates, ``/``-separated).
     """
     import jax
     import jax.numpy as jnp
@@ -190,7 +192,7 @@ def jax_step_floor(cfg, step_flops: float, state=None, repeats: int = 3) -> dict
     g = jnp.asarray(rng.normal(size=(n, V)), jnp.float32)
 
     def timed(f, *args) -> float:
-        return median_seconds(lambda: jax.block_until_ready(f(*args)), 1, repeats)[0]
+        return min(median_seconds(lambda: jax.block_until_ready(f(*args)), 1, repeats)[1])
 
     seconds = [timed(jax.jit(lambda a, b: a @ b), x, w), timed(jax.jit(lambda a, b: a @ b.T), g, w),
                timed(jax.jit(lambda a, b: a.T @ b), x, g)]
@@ -363,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for case, s in _samples(name, mine, args.warmup, args.steps, f"round {r + 1}/{args.rounds}").items():
                 samples.setdefault((case, name), []).append(s)
-    labels = environment_labels()
+    labels = environment_labels(quick=args.quick)
     rows = []
     for case in cases:
         c = CASES[case]

@@ -21,9 +21,12 @@ runs one step under ``benchmarks.torch_memory``:
 ``step_peak_mb`` is the peak of the buffers a step allocates (activations, saved tensors, gradients,
 temporaries); ``state_mb`` is the weights and AdamW moments (16 bytes a parameter).
 
-Fraction of peak: the fp32 matmul FLOP/s of two GEMMs measured in the same run (the head's product
-``[B·T, h] @ [h, V]`` and the block MLP's ``[B·T, d] @ [d, h]``; the larger is the peak) against
-``pcaf_core.flops.train_step_flops`` per step / step seconds. Next-token steps get two figures:
+Fraction of peak: the fp32 matmul FLOP/s of two GEMMs (the head's product ``[B·T, h] @ [h, V]`` and the block
+MLP's ``[B·T, d] @ [d, h]``; the larger is the peak) against ``pcaf_core.flops.train_step_flops`` per step /
+step seconds. The GEMMs are timed once at the start (``gemm.csv``) and again after every round of a group's
+timed steps; a fp32 row's ``peak_gflops`` is the median of its group's readings (``peak_readings`` of them),
+so the fraction compares the step with the GEMM on the machine as it was while the step ran (one reading at
+the start differed from the run's typical one by up to 20%). Next-token steps get two figures:
 ``model_pct`` counts the full-window formulation (the backbone over all B·T positions, as the paper's code
 computes it) and ``executed_pct`` the receptive-field step's actual work (``PCAFModel.nt_receptive_read``);
 the first exceeds 100% when the step skips work the formulation counts.
@@ -83,7 +86,7 @@ class Case:
 
 def cases(quick: bool, bf16_unit: bool) -> list[Case]:
     """The measured matrix (pruned to fit about 10 minutes on 2 cores; docs/EXPERIMENTS.md says what was left
-    out): compiled only next-token (T=1024) and full-AR (T=1024) PCAF-context, each compile costing 20-70 s.
+    out): compiled only next-token (T=1024) and full-AR (T=1024, 2048) PCAF-context, each compile costing 20-70 s.
     ``quick``: T=256 stand-ins of the main cases, no compile, no bf16."""
     P, S, L, D, W = MODELS
     if quick:
@@ -98,7 +101,7 @@ def cases(quick: bool, bf16_unit: bool) -> list[Case]:
         out += [Case(P, "ar", T, 1, 0.1), Case(D, "ar", T, 1, 0.1)]
     out += [Case(P, "nt", 1024, 8, 0.1, "inductor"), Case(W, "nt", 1024, 8, 0.1), Case(W, "nt", 2048, 8, 0.1)]
     out += [Case(P, "ar", 1024, 1, 0.0), Case(P, "ar", 1024, 1, 0.1, "inductor"), Case(S, "ar", 1024, 1, 0.1),
-            Case(L, "ar", 1024, 1, 0.1), Case(W, "ar", 1024, 1, 0.1)]
+            Case(L, "ar", 1024, 1, 0.1), Case(W, "ar", 1024, 1, 0.1), Case(P, "ar", 2048, 1, 0.1, "inductor")]
     if bf16_unit:
         out += [Case(P, "ar", T, 1, 0.1, precision="bf16") for T in (1024, 2048)]
         out += [Case(D, "ar", 1024, 1, 0.1, precision="bf16"), Case(P, "nt", 1024, 8, 0.1, precision="bf16")]
@@ -128,11 +131,35 @@ def gemm_flops_per_s(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) -
     return 2.0 * m * k * n / sec
 
 
+def peak_shapes(quick: bool) -> list[tuple[str, int, int, int]]:
+    """(name, m, k, n) of the fraction-of-peak GEMMs: the head's and the block MLP's products."""
+    tokens = 256 if quick else 1024
+    return [("head", tokens, 1000, 20000), ("block MLP", 8 * tokens, 256, 1000)]
+
+
+class PeakProbe:
+    """The fp32 peak GEMMs with operands allocated once, read between a group's timed steps: each
+    :meth:`read` times every shape once and returns the largest FLOP/s."""
+
+    def __init__(self, quick: bool) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.operands = [(torch.randn(m, k, generator=g), torch.randn(k, n, generator=g))
+                         for _, m, k, n in peak_shapes(quick)]
+        self.read()  # warm-up: first touch of the operands and of the GEMM's buffers
+
+    def read(self) -> float:
+        best = 0.0
+        for a, b in self.operands:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2.0 * a.shape[0] * a.shape[1] * b.shape[1] / (time.perf_counter() - t0))
+        return best
+
+
 def matmul_peaks(quick: bool, bf16_unit: bool) -> list[dict]:
     """The GEMMs of the fraction of peak: head and block-MLP shapes in fp32 (bf16 too: full shapes with a bf16
     matrix unit, one small shape without)."""
-    tokens = 256 if quick else 1024
-    shapes = [("head", tokens, 1000, 20000), ("block MLP", 8 * tokens, 256, 1000)]
+    shapes = peak_shapes(quick)
     rows = []
     for name, m, k, n in shapes:
         rows.append({"gemm": name, "dtype": "fp32", "m": m, "k": k, "n": n,
@@ -204,10 +231,10 @@ def timed_steps(budget: int, step_s: float) -> int:
     return max(1, min(budget, round(TIMED_SECONDS / max(step_s, 1e-9))))
 
 
-def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path | None, profile_T: int
-                  ) -> list[dict]:
+def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path | None, profile_T: int,
+                  peak_probe: PeakProbe | None = None) -> list[dict]:
     """Build every case of ``group`` (one mode and T), warm each up, then time their steps interleaved
-    (:func:`step_budget` says how many)."""
+    (:func:`step_budget` says how many), with a ``peak_probe`` reading of the fp32 GEMM peak after every round."""
     from backends.torch.backend import TorchBackend
     from backends.torch.compile import compile_pays_off
     from benchmarks.torch_memory import PeakLiveBytes
@@ -249,6 +276,7 @@ def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path 
         entries.append([case, cfg, backend, state, x, y, row, [], case_steps])
         print(f"[models {case.model} {case.mode} T={case.T} batch={case.batch} p={case.dropout} {case.compile} "
               f"{case.precision}] ready (first step {row['first_step_s']} s)", file=sys.stderr, flush=True)
+    readings = []
     for _ in range(max(e[8] for e in entries)):
         for entry in entries:
             case, cfg, backend, state, x, y, row, times, n = entry
@@ -257,7 +285,13 @@ def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path 
             t0 = time.perf_counter()
             entry[3], _ = backend.train_step(state, x, y, 1e-4)
             times.append(time.perf_counter() - t0)
-    return [finish(case, cfg, row, times) for case, cfg, _, _, _, _, row, times, _ in entries]
+        if peak_probe is not None:
+            readings.append(peak_probe.read())
+    rows = [finish(case, cfg, row, times) for case, cfg, _, _, _, _, row, times, _ in entries]
+    if readings:
+        for row in rows:
+            row.update(peak_gflops=round(float(np.median(readings)) / 1e9, 2), peak_readings=len(readings))
+    return rows
 
 
 def sdpa_kernel(dropout: float, masked: bool) -> str:
@@ -323,20 +357,22 @@ def main(argv: list[str] | None = None) -> int:
     bf16_unit = cpu_has_bf16_matmul()
     steps = args.steps or (2 if args.quick else 5)
     warmup = args.warmup or (1 if args.quick else 2)
-    labels = environment_labels(torch.get_num_threads())
+    labels = environment_labels(torch.get_num_threads(), quick=args.quick)
     peaks = matmul_peaks(args.quick, bf16_unit)
-    fp32_peak = max(r["gflops"] for r in peaks if r["dtype"] == "fp32")
     bf16_peak = max(r["gflops"] for r in peaks if r["dtype"] == "bf16")
     groups: dict[tuple, list[Case]] = {}
     for case in cases(args.quick, bf16_unit):
         groups.setdefault((case.mode, case.T), []).append(case)
     rows = []
+    probe = PeakProbe(args.quick)
     for group in groups.values():
         rows += measure_group(group, warmup, steps, Path(args.profile_dir) if args.profile_dir else None,
-                              PROFILED_T_QUICK if args.quick else PROFILED_T)
+                              PROFILED_T_QUICK if args.quick else PROFILED_T, probe)
     wall = round(time.perf_counter() - start, 1)
     for r in rows:
-        peak = fp32_peak if r["dtype"] == "fp32" else bf16_peak
+        peak = r["peak_gflops"] if r["dtype"] == "fp32" else bf16_peak
+        if r["dtype"] != "fp32":
+            r["peak_readings"] = 1  # the start-of-run bf16 GEMM
         r.update(peak_gflops=peak, model_pct=round(100 * r["model_gflops"] / peak, 1),
                  executed_pct=round(100 * r["executed_gflops"] / peak, 1), section_wall_s=wall, **labels)
         print(f"[models {r['model']} {r['mode']} T={r['T']} batch={r['batch']} {r['dtype']} p={r['dropout']} "

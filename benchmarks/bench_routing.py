@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows))
         return 0
     start = time.perf_counter()
-    labels = environment_labels()
+    labels = environment_labels(quick=args.quick)
     rows = []
     for backend in args.backends.split(","):
         dead: set[str] = set()

@@ -53,9 +53,10 @@ def package_version(name: str) -> str:
         return "absent"
 
 
-def environment_labels(threads: int | None = None) -> dict[str, object]:
+def environment_labels(threads: int | None = None, quick: bool = False) -> dict[str, object]:
     """The labels every benchmark row carries (module docstring). ``threads``: the intra-op thread count the
-    process runs with (default: every core)."""
+    process runs with (default: every core); ``quick``: the row comes from a ``--quick`` stand-in run
+    (``bench_set`` quick, else full), which the report renderer never mixes with a full run."""
     flags = cpu_flags()
     return {
         "machine": machine_label(),
@@ -64,6 +65,7 @@ def environment_labels(threads: int | None = None) -> dict[str, object]:
         "jax": package_version("jax"),
         "threads": threads if threads is not None else os.cpu_count(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "unset"),
+        "bench_set": "quick" if quick else "full",
     }
 
 

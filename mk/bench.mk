@@ -5,17 +5,20 @@
 # The benchmark report: routing cost against T, training throughput and fraction of the matmul peak, torch
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
 # run one after another (never in parallel: they time the whole machine); run it on an otherwise idle machine.
-# Measured on the 2-core CPU for the committed report: 1,354 s = 22.6 minutes (routing 191 s, models 510 s, backends
-# 646 s: 2 rounds, each one worker process per backend over every case).
-# BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in under 2 minutes (103 s) and renders bench/bench.md
-# instead, leaving the committed report alone.
+# Measured on the 2-core CPU (full run): 1,638 s = 27.3 minutes (routing 229 s, models 695 s, backends
+# 704 s: 2 rounds, each one worker process per backend over every case).
+# BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in under 2 minutes (115 s), writing its CSVs and
+# report under bench/quick/ (rows labelled bench_set=quick), so the full run's CSVs and the committed report are
+# left alone; the renderer refuses to mix the two kinds of run or to put quick rows in docs/results.
 BENCH ?= full
 ifeq ($(BENCH),quick)
 BENCH_FLAGS := --quick
-BENCH_REPORT ?= bench/bench.md
-BENCH_RESULTS := bench
+BENCH_DIR := bench/quick
+BENCH_REPORT ?= bench/quick/bench.md
+BENCH_RESULTS := bench/quick
 else
 BENCH_FLAGS :=
+BENCH_DIR := bench
 BENCH_REPORT ?= docs/results/bench.md
 BENCH_RESULTS := docs/results
 endif
@@ -33,14 +36,14 @@ bench-quick:
 
 # Full-AR routing forward + backward, dense reference-style against the sparse routes, T=1K-16K, torch and JAX.
 bench-routing: $(VENV)/.installed
-	$(PY) -m benchmarks.bench_routing $(BENCH_FLAGS) --out bench/routing.csv
+	$(PY) -m benchmarks.bench_routing $(BENCH_FLAGS) --out $(BENCH_DIR)/routing.csv
 
 # Training throughput, step memory and fraction of the fp32 matmul peak at the WikiText-2 paper shapes (torch).
 bench-models: $(VENV)/.installed
-	$(PY) -m benchmarks.bench_models $(BENCH_FLAGS) --out bench/models.csv --profile-dir bench
+	$(PY) -m benchmarks.bench_models $(BENCH_FLAGS) --out $(BENCH_DIR)/models.csv --profile-dir $(BENCH_DIR)
 
 bench-report: $(VENV)/.installed
-	$(PY) -m benchmarks.bench_report --bench-dir bench --out $(BENCH_REPORT)
+	$(PY) -m benchmarks.bench_report --bench-dir $(BENCH_DIR) --out $(BENCH_REPORT)
 
 bench-kernels: $(VENV)/.installed
 	$(PY) benchmarks/bench_kernels.py --out bench/kernels.csv
@@ -60,7 +63,7 @@ bench-precision: $(VENV)/.installed data
 BACKENDS_RESULTS ?= bench
 BACKENDS_ROUNDS ?= 2
 bench-backends: $(VENV)/.installed
-	$(PY) -m benchmarks.bench_backends $(BENCH_FLAGS) --rounds $(BACKENDS_ROUNDS) --out bench/backends.csv \
+	$(PY) -m benchmarks.bench_backends $(BENCH_FLAGS) --rounds $(BACKENDS_ROUNDS) --out $(BENCH_DIR)/backends.csv \
 		--results-dir $(BACKENDS_RESULTS)
 
 # Decode cost per generated token against context (1K-64K), batch 1 and 8: PCAF-context, the dense

@@ -164,6 +164,40 @@ def test_a_compiled_case_is_timed_after_a_steady_warm_up_step():
     assert step_budget(Case("PCAF-context", "nt", 1024, 8, 0.1), 1, 5) == (1, 5)
 
 
+def test_fraction_of_peak_uses_the_gemm_readings_taken_between_the_groups_steps(monkeypatch):
+    """A row's peak is the median of the GEMM readings taken after each round of its group's timed steps, not
+    one reading at the start of the run."""
+    from benchmarks import bench_models
+
+    class FakeBackend:  # the step's cost is not under test: no model is built
+        def __init__(self, device: str) -> None:
+            self.device = device
+
+        def init(self, cfg):
+            return 0
+
+        def train_step(self, state, x, y, lr):
+            return state + 1, 1.0
+
+        def param_count(self, state) -> int:
+            return 10
+
+    class FakeProbe:
+        def __init__(self) -> None:
+            self.values = iter([100e9, 300e9, 200e9, 900e9])
+
+        def read(self) -> float:
+            return next(self.values)
+
+    monkeypatch.setattr("backends.torch.backend.TorchBackend", FakeBackend)
+    case = bench_models.Case("PCAF-context", "ar", 128, 1, 0.1)
+    assert bench_models.step_budget(case, 2, 5) == (1, 3)  # three timed rounds, so three readings
+    (row,) = bench_models.measure_group([case], 2, 5, None, 1024, FakeProbe())
+    assert row["steps"] == 3 and row["peak_readings"] == 3
+    assert row["peak_gflops"] == 200.0  # the median of 100, 300 and 200 GFLOP/s
+    assert bench_models.PeakProbe(quick=True).read() > 1e8  # the real probe reads a positive FLOP/s
+
+
 def test_routing_bench_runs_each_T_in_its_own_worker_and_skips_routes_out_of_memory(tmp_path, monkeypatch) -> None:
     """One worker per (backend, T); a route out of memory at one T is not tried at a larger T."""
     from benchmarks import bench_routing
@@ -176,7 +210,7 @@ def test_routing_bench_runs_each_T_in_its_own_worker_and_skips_routes_out_of_mem
                  "fwd_bwd_ms": 1.0, "peak_mb": 1.0} for r in bench_routing.MEASURE_ORDER if r not in skip]
 
     monkeypatch.setattr(bench_routing, "_sample", fake_sample)
-    monkeypatch.setattr(bench_routing, "environment_labels", lambda: {"machine": "test"})
+    monkeypatch.setattr(bench_routing, "environment_labels", lambda quick=False: {"machine": "test"})
     assert bench_routing.main(["--seq-lens", "1,2,4", "--backends", "torch,jax", "--out", str(tmp_path / "r.csv")]) == 0
     assert calls == [(b, T, set() if T < 4 else {"dense"}) for b in ("torch", "jax") for T in (1, 2, 4)]
     assert bench_routing.MEASURE_ORDER[-1] == "dense" and set(bench_routing.MEASURE_ORDER) == set(bench_routing.ROUTES)
@@ -197,21 +231,59 @@ def test_compile_default_verdict_counts_a_difference_within_the_tie_band_as_a_ti
     assert ("a tie" in target.measured) == (abs(compiled / 1000 - 1) <= COMPILE_TIE)
 
 
-@pytest.mark.parametrize("floor_s, verdict", [
-    (4.0, "missed by 1.80x (against 2x360) (impossible on this CPU: at most 512 tokens/s from the work it must do)"),
-    (3.15, "missed by 1.80x (against 2x360) (against 2x360 impossible on this CPU: at most 650 tokens/s from the "
-           "work it must do; 2x300 needs the rest of the step in 0.26 s, now 1.97 s)"),
-    (2.5, "missed by 1.80x (against 2x360) (needs the rest of the step in 0.34 s, now 2.62 s)"),
+@pytest.mark.parametrize("floor_s, tps, verdict", [
+    (4.0, 400.0, "missed by 1.80x (against 2x360) (impossible on this CPU: at most 512 tokens/s from the work it "
+                 "must do)"),
+    (3.15, 400.0, "missed by 1.80x (against 2x360) (against 2x360 impossible on this CPU: at most 650 tokens/s from "
+                  "the work it must do; 2x300 needs the rest of the step in 0.26 s, now 1.97 s)"),
+    (3.15, 620.0, "met against 300, missed against 360 (against 2x360 impossible on this CPU: at most 650 tokens/s "
+                  "from the work it must do)"),
+    (2.5, 400.0, "missed by 1.80x (against 2x360) (needs the rest of the step in 0.34 s, now 2.62 s)"),
 ])
-def test_41m_target_states_the_floor_the_work_a_step_must_do_sets(floor_s, verdict):
+def test_41m_target_states_the_floor_the_work_a_step_must_do_sets(floor_s, tps, verdict):
     """With the work any such step must do timed in the run (``jax_step_floor_s``), the verdict says whether
     any step could meet the target, and how little time the rest of the step would have to take."""
     from benchmarks.bench_report import backend_targets
 
-    row = {**_backend("PCAF-semantic 41M", "41M", "", jax_tps=400.0), "T": 2048, "batch": 1,
+    row = {**_backend("PCAF-semantic 41M", "41M", "", jax_tps=tps), "T": 2048, "batch": 1,
            "model_mflops_per_token": 208.0, "jax_step_floor_s": floor_s, "jax_head_gemm_gflops": "124.0/143.0/144.0",
            "jax_floor_parts": "head products 2.50 s; optimiser update 0.23 s"}
     [target] = [t for t in backend_targets([row], _gemm()) if "41M shape" in t.target]
     assert target.verdict == verdict
     assert "124.0/143.0/144.0 GFLOP/s" in target.evidence and "allows at most" in target.evidence
     assert "optimiser update 0.23 s" in target.evidence
+
+
+def test_41m_target_claims_no_bound_when_the_step_beat_its_floor_timings():
+    """The floor's products are timed after the step; when they ran slower than the whole step did, the floor bounds
+    nothing, and the verdict must not call a measured speed impossible."""
+    from benchmarks.bench_report import backend_targets
+
+    row = {**_backend("PCAF-semantic 41M", "41M", "", jax_tps=628.0), "T": 2048, "batch": 1,
+           "model_mflops_per_token": 208.0, "jax_step_floor_s": 3.48, "jax_head_gemm_gflops": "114.2/128.6/133.3",
+           "jax_floor_parts": "head products 2.82 s; other products 0.556 s"}
+    [target] = [t for t in backend_targets([row], _gemm()) if "41M shape" in t.target]
+    assert target.verdict == "met against 300, missed against 360"
+    assert "more than the step itself (3.26 s)" in target.evidence and "no bound is claimed" in target.evidence
+
+
+def test_quick_stand_ins_are_labelled_never_mixed_with_a_full_run_and_never_committed(tmp_path):
+    from benchmarks.bench_report import COMMITTED_DIR, main
+
+    quick = tmp_path / "quick"
+    write_csv(quick / "routing.csv", [{**r, "bench_set": "quick"} for r in _routing()])
+    write_csv(quick / "models.csv", [{**r, "bench_set": "quick"} for r in _models()])
+    text = render(quick, quick / "bench.md").read_text()
+    assert "**Quick stand-ins**" in text
+    # the committed report is never rendered from quick rows: one line, exit status 2, nothing written
+    committed = COMMITTED_DIR / "bench.md"
+    before = committed.read_bytes() if committed.exists() else None
+    assert main(["--bench-dir", str(quick), "--out", str(committed)]) == 2
+    assert (committed.read_bytes() if committed.exists() else None) == before
+    # a full run's CSV beside a quick one (a quick run left over in the same folder) is refused
+    mixed = tmp_path / "mixed"
+    write_csv(mixed / "routing.csv", _routing())  # no label: a full run, as the committed CSVs are
+    write_csv(mixed / "models.csv", [{**r, "bench_set": "quick"} for r in _models()])
+    with pytest.raises(ValueError, match="mix quick and full runs"):
+        render(mixed, tmp_path / "mixed.md")
+    assert not (tmp_path / "mixed.md").exists()
