@@ -267,7 +267,8 @@ def parity_table(rows: list[dict]) -> list[str]:
 def labels_line(labels: dict) -> str:
     """The environment of a report in one line (``benchmarks.common.environment_labels``)."""
     return (f"machine: {labels['machine']} ({labels['cpu_flags']}); torch {labels['torch']}, jax {labels['jax']}; "
-            f"{labels['threads']} threads (torch intra-op, XLA CPU pool); GLIBC_TUNABLES {labels['glibc_tunables']}")
+            f"{labels['threads']} threads (torch intra-op, XLA CPU pool); GLIBC_TUNABLES {labels['glibc_tunables']}; "
+            f"PCAF_JAX_CPU_ASYNC_DISPATCH {labels.get('jax_cpu_async_dispatch', 'not recorded')}")
 
 
 def _steps_label(rows: list[dict]) -> str:

@@ -65,6 +65,8 @@ def environment_labels(threads: int | None = None, quick: bool = False) -> dict[
         "jax": package_version("jax"),
         "threads": threads if threads is not None else os.cpu_count(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "unset"),
+        # backends/jax/runtime.py: unset or 0 = synchronous XLA:CPU dispatch, 1 = JAX's asynchronous default
+        "jax_cpu_async_dispatch": os.environ.get("PCAF_JAX_CPU_ASYNC_DISPATCH", "unset"),
         "bench_set": "quick" if quick else "full",
     }
 

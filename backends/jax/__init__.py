@@ -4,6 +4,11 @@ weights I/O, Optax training (mirrors :mod:`pcaf_core` and :mod:`backends.torch` 
 ``backends.jax`` is a package of this project (never put ``backends/`` itself on ``sys.path``).
 """
 
+# ruff: noqa: E402, I001  (the dispatch setting must come before the modules that use JAX)
+from backends.jax.runtime import configure_cpu_dispatch
+
+configure_cpu_dispatch()  # before anything asks JAX for a device (backends/jax/runtime.py says why)
+
 from backends.jax.models import (
     CanonicalLM,
     JaxForwardOutput,
