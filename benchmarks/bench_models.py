@@ -31,7 +31,7 @@ the start differed from the run's typical one by up to 20%). Next-token steps ge
 computes it) and ``executed_pct`` the receptive-field step's actual work (``PCAFModel.nt_receptive_read``);
 the first exceeds 100% when the step skips work the formulation counts.
 
-bf16: on a CPU without a bf16 matrix unit (no AMX or AVX-512 BF16) bf16 products run in a scalar fallback,
+bf16: on a CPU without a bf16 matrix unit (AMX) bf16 products are slower than float32 (``pcaf_core.sysinfo``),
 so the bf16 cases shrink to one demonstration pair (full-AR PCAF-context, T=128, batch 1, fp32 beside bf16)
 and one small bf16 GEMM; with such a unit the main full-AR cases also run in bf16.
 

@@ -1,7 +1,7 @@
 """What every benchmark script shares: CSV writing, the machine/environment labels of a row, timing.
 
 The labels name everything that decides a CPU number: the CPU model and cores, the vector and matrix units
-that matter (AVX2, AVX-512, AMX / AVX-512 BF16), the library versions (read from package metadata, so a
+that matter (AVX2, AVX-512, AVX-512 BF16, AMX), the library versions (read from package metadata, so a
 torch-only process does not import JAX), the intra-op thread count and the glibc malloc tunables.
 """
 

@@ -13,9 +13,12 @@ def peak_rss_mb() -> float:
     return rss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
-BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")
-"""CPU flags of a bf16 matrix unit (Intel AMX, AVX-512 BF16). Without one, bf16 matrix products run in a
-scalar fallback: 2 GFLOP/s against 114 for float32 on a 2-core AMD EPYC (Zen 3)."""
+BF16_MATMUL_FLAGS = ("amx_bf16",)
+"""CPU flags of a bf16 matrix unit that makes bf16 products faster than float32: Intel AMX. Without it they are
+slower: a scalar fallback at 2 GFLOP/s against 114 for float32 on a 2-core AMD EPYC (Zen 3); AVX-512 BF16
+alone (``avx512_bf16``, a 2-core Xeon with AMX not exposed) gave torch 149 GFLOP/s against 222 in float32 on a
+``[2048, 1024] @ [1024, 4096]`` product, and a cpu-scale full-AR PCAF step took 0.11 s under bf16 autocast
+against 0.066 s in float32."""
 
 
 def _cpuinfo_field(name: str) -> str | None:

@@ -29,17 +29,17 @@ from pcaf_core.sysinfo import cpu_has_bf16_matmul, peak_rss_mb
 def auto_precision(device: str | torch.device | None = None) -> tuple[str, str]:
     """What ``train.precision=auto`` trains in on ``device`` (None: CUDA when present): ``(precision, why)``.
 
-    bf16 autocast where the hardware multiplies bf16 matrices (a CUDA device with bf16 support; a CPU with
-    AMX or AVX-512 BF16, where it was 1.8x faster than float32), float32 elsewhere: a CPU without a bf16
-    matrix unit runs bf16 products in a scalar fallback, about 50x slower than float32."""
+    bf16 autocast where the hardware multiplies bf16 matrices faster than float32 (a CUDA device with bf16
+    support; a CPU with AMX), float32 elsewhere: without AMX a CPU's bf16 products are slower than its
+    float32 ones (:data:`pcaf_core.sysinfo.BF16_MATMUL_FLAGS` has the measurements)."""
     dev = torch.device(device if device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
         if torch.cuda.is_bf16_supported():
             return "bf16", f"{torch.cuda.get_device_name(dev)} multiplies bf16 in hardware"
         return "fp32", f"{torch.cuda.get_device_name(dev)} has no bf16 support"
     if cpu_has_bf16_matmul():
-        return "bf16", "this CPU has a bf16 matrix unit (AMX or AVX-512 BF16)"
-    return "fp32", "this CPU has no bf16 matrix unit (AMX or AVX-512 BF16), so bf16 products would be ~50x slower"
+        return "bf16", "this CPU has a bf16 matrix unit (AMX)"
+    return "fp32", "this CPU has no bf16 matrix unit (AMX), so its bf16 products are slower than float32"
 
 
 class TrainingLoss(nn.Module):
