@@ -9,8 +9,9 @@
 # backends 554 s; the committed report), 1,638 s = 27.3 minutes on an AMD EPYC (routing 229, models 695, backends
 # 704 s; 2 rounds, each one worker process per backend over every case).
 # BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in under 2 minutes (72 s on the Xeon, 115 s on
-# the EPYC), writing its CSVs and report under bench/quick/ (rows labelled bench_set=quick), so the full run's CSVs and the committed report are
-# left alone; the renderer refuses to mix the two kinds of run or to put quick rows in docs/results.
+# the EPYC), writing its CSVs and report under bench/quick/ (rows labelled bench_set=quick), so the full run's
+# CSVs and the committed report are left alone; the renderer refuses to mix the two kinds of run or to put quick
+# rows in docs/results.
 BENCH ?= full
 ifeq ($(BENCH),quick)
 BENCH_FLAGS := --quick
