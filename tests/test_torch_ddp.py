@@ -103,3 +103,34 @@ def test_ddp_failure_is_raised_and_recorded(tmp_path, wt2_cache):  # noqa: F811
         launch_ddp(cfg, tmp_path, world_size=2, threads_per_rank=1)
     rec = read_metrics(tmp_path)
     assert rec.status == "failed" and "train.batch_size=3" in rec.error
+
+
+def test_a_rank_that_fails_first_still_leaves_a_failed_record(tmp_path, wt2_cache):  # noqa: F811
+    """When rank 1 fails before rank 0 can write the record, mp.spawn terminates rank 0: the parent marks
+    the run failed with rank 1's error, and never overwrites a failure rank 0 recorded itself."""
+    import dataclasses
+
+    from torch.multiprocessing.spawn import ProcessRaisedException
+
+    from backends.torch.ddp import _record_rank_failure
+    from pcaf_core.run_record import write_failed_record, write_record
+
+    cfg = tiny_cfg(wt2_cache, train={"steps": 2, "batch_size": 3})
+    trace = "Traceback (most recent call last):\n  File ...\nValueError: train.batch_size=3 is not divisible\n"
+    exc = ProcessRaisedException(trace, error_index=1, error_pid=123)
+    _record_rank_failure(tmp_path / "none", cfg, None, exc)  # no record at all
+    rec = read_metrics(tmp_path / "none")
+    assert rec.status == "failed" and rec.error == "rank 1: ValueError: train.batch_size=3 is not divisible"
+    assert rec.batch_size == 3 and rec.steps_planned == 2
+
+    running = tmp_path / "running"  # rank 0 was mid-run: its record keeps what it holds
+    write_record(running, dataclasses.replace(write_failed_record(running, None, "x", cfg=cfg), status="running",
+                                              error=None, steps_done=1))
+    _record_rank_failure(running, cfg, None, exc)
+    rec = read_metrics(running)
+    assert rec.status == "failed" and rec.steps_done == 1 and rec.error.startswith("rank 1: ValueError")
+
+    own = tmp_path / "own"  # rank 0 recorded its own failure first: left as it is
+    write_failed_record(own, None, "rank 0's own words", cfg=cfg)
+    _record_rank_failure(own, cfg, None, exc)
+    assert read_metrics(own).error == "rank 0's own words"

@@ -24,11 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from backends.torch.backend import TorchBackend
 from pcaf_core.config import RunConfig
 from pcaf_core.loop import run_training
-from pcaf_core.results import RunMetrics, read_metrics
+from pcaf_core.results import RunMetrics, SchemaError, read_metrics
+from pcaf_core.run_record import mark_failed
 
 
 def default_threads(world_size: int) -> int:
@@ -109,10 +111,31 @@ def launch_ddp(
     threads = threads_per_rank or default_threads(world_size)
     with tempfile.TemporaryDirectory(prefix="pcaf_ddp_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(
-            _spawned_worker,
-            args=(world_size, init_file, cfg, str(run_dir), resume, record, corpus, threads, use_cuda),
-            nprocs=world_size,
-            join=True,
-        )
+        try:
+            mp.spawn(
+                _spawned_worker,
+                args=(world_size, init_file, cfg, str(run_dir), resume, record, corpus, threads, use_cuda),
+                nprocs=world_size,
+                join=True,
+            )
+        except ProcessException as exc:
+            _record_rank_failure(run_dir, cfg, record, exc)
+            raise
     return read_metrics(run_dir)
+
+
+def _record_rank_failure(run_dir: Path, cfg: RunConfig, record: RunMetrics | None, exc: Exception) -> None:
+    """Make sure the run record says ``failed`` after a rank died.
+
+    Only rank 0 writes the record, and when another rank fails first ``mp.spawn`` terminates rank 0 before it
+    can (every rank raises the same config error, whichever is quicker wins): the parent then marks the run
+    failed with the failing rank's last error line, keeping whatever record rank 0 had written."""
+    try:
+        if read_metrics(run_dir).status == "failed":
+            return  # rank 0 recorded the failure itself, with its own context
+    except (FileNotFoundError, SchemaError):
+        pass
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    error = lines[-1] if lines else type(exc).__name__
+    rank = getattr(exc, "error_index", None)
+    mark_failed(run_dir, record, f"rank {rank}: {error}" if rank is not None else error, cfg=cfg)
