@@ -131,10 +131,11 @@ def _record_rank_failure(run_dir: Path, cfg: RunConfig, record: RunMetrics | Non
     can (every rank raises the same config error, whichever is quicker wins): the parent then marks the run
     failed with the failing rank's last error line, keeping whatever record rank 0 had written."""
     try:
-        if read_metrics(run_dir).status == "failed":
-            return  # rank 0 recorded the failure itself, with its own context
+        recorded = read_metrics(run_dir).status == "failed"  # rank 0's own record of it has more context
     except (FileNotFoundError, SchemaError):
-        pass
+        recorded = False  # no readable record: mark_failed writes a minimal one
+    if recorded:
+        return
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     error = lines[-1] if lines else type(exc).__name__
     rank = getattr(exc, "error_index", None)
