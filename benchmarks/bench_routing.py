@@ -98,8 +98,8 @@ def torch_route_step(route: str, x: dict):
     import torch
 
     from backends.torch.mixture import cache_weights, candidate_scores
-    from backends.torch.routing import route_context, route_semantic_bucketed, semantic_buckets
-    from pcaf_core.routing import SelectionInputs
+    from backends.torch.routing import bucket_layout, route_context, route_semantic_bucketed, semantic_buckets
+    from pcaf_core.routing import ScoreBand, SelectionInputs
 
     T = x["addr"].shape[1]
     qpos = torch.arange(T)
@@ -113,17 +113,22 @@ def torch_route_step(route: str, x: dict):
             vals, _ = torch.topk(torch.where(allowed, score, MASKED_SCORE), K, dim=-1)
             w = cache_weights(vals[None], vals[None] > MASKED_SCORE / 10)
         else:
-            probs = None
+            # As the models do: full-AR recent / semantic candidates are scored from the bucket layout their
+            # route read (the band); topk_score's picks are gathered (backends.torch.mixture says why).
+            probs = band = None
             if route == "recent":
-                cand = route_context(x["addr"], qpos, K, "recent", query_layout="ar")
+                band = ScoreBand(bucket_layout(x["addr"]))
+                cand = route_context(x["addr"], qpos, K, "recent", query_layout="ar", layout=band.layout)
             elif route == "topk_score":
                 select = SelectionInputs(q.detach(), k.detach(), x["rec"], float(rho.detach()))
                 cand = route_context(x["addr"], qpos, K, "topk_score", select, query_layout="ar")
             else:
                 probs = torch.softmax(z / TAU, dim=-1)
-                cand = route_semantic_bucketed(semantic_buckets(probs.detach()), qpos, K, query_layout="ar")
+                sem = semantic_buckets(probs.detach())
+                band = ScoreBand(bucket_layout(sem))
+                cand = route_semantic_bucketed(sem, qpos, K, query_layout="ar", layout=band.layout)
             s = candidate_scores(q, k, x["rec"], rho, cand, router_probs=probs, query_router_probs=probs,
-                                 semantic_score_scale=LAMBDA if probs is not None else 0.0)
+                                 semantic_score_scale=LAMBDA if probs is not None else 0.0, band=band)
             w = cache_weights(s, cand.valid)
         (w * x["coeff"]).sum().backward()
 
@@ -175,8 +180,8 @@ def jax_route_loss(route: str):
     import jax.numpy as jnp
 
     from backends.jax.mixture import cache_weights, candidate_scores
-    from backends.jax.routing import ScoreBand, bucket_layout, route_context, route_semantic_bucketed, semantic_buckets
-    from pcaf_core.routing import SelectionInputs, topk_sparse_window
+    from backends.jax.routing import bucket_layout, route_context, route_semantic_bucketed, semantic_buckets
+    from pcaf_core.routing import ScoreBand, SelectionInputs, topk_sparse_window
 
     def loss(q, k, z, rho, addr, rec, coeff):
         T = addr.shape[1]

@@ -66,6 +66,20 @@ class BucketLayout(NamedTuple):
     seg_start: Any
 
 
+class ScoreBand(NamedTuple):
+    """Where full-AR candidates lie in the sorted layout their route read, so that a backend reads their
+    scores off blocked GEMMs (each backend's ``ops.banded_dot``) instead of gathered rows.
+
+    layout: that :class:`BucketLayout`. width: None when slot c is each query's (c+1)-th sorted predecessor
+    (the ``recent`` slots); else W, a Python int: the slots lie among each query's W sorted predecessors
+    but for a few (the ``topk_score`` window; each backend's ``ops.band_gather_dot``). In JAX it is built
+    inside traced code, never passed to ``jax.jit`` as an argument (``width`` must stay static).
+    """
+
+    layout: BucketLayout
+    width: int | None = None
+
+
 def topk_sparse_window(top_k: int, sparse_window: int | None = None) -> int:
     """M, the most recent same-bucket records the sparse backends' ``topk_score`` route scores for each
     query before proving that no older record enters the top K: ``sparse_window``, by default 4K, at least K."""

@@ -345,7 +345,7 @@ def test_candidate_scores_with_a_band_equal_the_gathered_scores() -> None:
         rec = jnp.asarray(records.recency(75, "ar"))
         args = (jnp.asarray(q), jnp.asarray(k), rec, 0.7, win, probs, probs, 1.0)
         ok = np.asarray(win.valid)
-        np.testing.assert_allclose(np.asarray(candidate_scores(*args, band=jr.ScoreBand(layout)))[ok],
+        np.testing.assert_allclose(np.asarray(candidate_scores(*args, band=routing.ScoreBand(layout)))[ok],
                                    np.asarray(candidate_scores(*args))[ok], rtol=1e-12)
 
 
@@ -409,7 +409,7 @@ def test_topk_score_candidates_scored_with_a_band_equal_the_gathered_scores() ->
                                                       query_layout="ar", layout=layout)
             ok = np.asarray(cand.valid)
             args = (q, k, rec, rho, cand)
-            np.testing.assert_allclose(np.asarray(candidate_scores(*args, band=jr.ScoreBand(layout, M)))[ok],
+            np.testing.assert_allclose(np.asarray(candidate_scores(*args, band=routing.ScoreBand(layout, M)))[ok],
                                        np.asarray(candidate_scores(*args))[ok], rtol=1e-12)
         rank = np.asarray(layout.rank)[0]
         offset = rank[:, None] - 1 - rank[np.maximum(np.asarray(cand.index)[0], 0)]

@@ -166,8 +166,16 @@ def _topk_case(T: int, mode: str, nb: int, d: int, seed: int, kind: str = "rando
 
 
 def _route_topk(addr, qpos, rec, query, keys, rho, K, **kw):
+    """The torch route; for full-AR query positions it runs both window paths, the banded one
+    (``query_layout="ar"``, returned) and the gathered one, which must agree slot for slot."""
     sel = troute.SelectionInputs(torch.tensor(query), torch.tensor(keys), torch.tensor(rec), rho)
-    return troute.route_context_topk_score(torch.tensor(addr), torch.tensor(qpos), K, sel, **kw)
+    got = troute.route_context_topk_score(torch.tensor(addr), torch.tensor(qpos), K, sel, **kw)
+    if not np.array_equal(qpos, np.arange(addr.shape[1])):
+        return got
+    banded = troute.route_context_topk_score(torch.tensor(addr), torch.tensor(qpos), K, sel, query_layout="ar", **kw)
+    for a, b in zip((*got[0], got[1]), (*banded[0], banded[1])):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    return banded
 
 
 @pytest.mark.parametrize("T", [1, 2, 63, 200])
@@ -267,6 +275,31 @@ def test_topk_score_float32_selection_matches_spec() -> None:
     _assert_same(got, ref)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 12), st.integers(1, 7), st.integers(0, 2**16))
+def test_window_topk_matches_lexsort(n: int, M: int, k: int, seed: int) -> None:
+    """The k best window slots by descending score, ties to the older slot (larger j), and the k-th score,
+    on rows full of exact ties and empty (-inf) slots, so that ties straddle the k-th place. Which empty
+    slots fill a row with fewer than k others is left open (the route marks them empty)."""
+    k = min(k, M)
+    rng = np.random.default_rng(seed)
+    score = rng.integers(0, 4, (1, n, M)).astype(np.float64)
+    score[rng.random((1, n, M)) < 0.3] = -np.inf
+    j, kth = troute._window_topk(torch.tensor(score), k)
+    straddled = 0
+    for r in range(n):
+        row = score[0, r]
+        ref = np.lexsort((-np.arange(M), -row))[:k]  # the last key sorts first: score desc, then j desc
+        got = j[0, r].numpy()
+        finite = np.isfinite(row[ref])
+        np.testing.assert_array_equal(got[finite], ref[finite])
+        assert np.all(np.isneginf(row[got[~finite]])) and len(set(got.tolist())) == k
+        assert kth[0, r].item() == row[ref[-1]]
+        straddled += np.isfinite(row[ref[-1]]) and np.sum(row >= row[ref[-1]]) > k
+    if n >= 20 and M >= k + 3:
+        assert straddled > 0  # the re-pick of straddling rows ran (no such row: about 1e-6 here)
+
+
 def test_route_context_argument_errors() -> None:
     addr, q = torch.zeros(1, 4, dtype=torch.int64), torch.arange(4)
     with pytest.raises(ValueError, match="needs select"):
@@ -276,6 +309,10 @@ def test_route_context_argument_errors() -> None:
     sel = troute.SelectionInputs(torch.zeros(1, 4, 2), torch.zeros(1, 4, 2), torch.zeros(4), 1.0)
     with pytest.raises(ValueError, match="strategy"):
         troute.route_context_topk_score(addr, q, 2, sel, strategy="sparse")
+    with pytest.raises(ValueError, match="query_layout 'full' is unknown"):
+        troute.route_context(addr, q, 2, "recent", query_layout="full")
+    with pytest.raises(ValueError, match="query_layout 'ar' needs 4 query positions, got 1"):
+        troute.route_context_topk_score(addr, torch.tensor([3]), 2, sel, query_layout="ar")
 
 
 @settings(max_examples=30, deadline=None)
@@ -420,3 +457,50 @@ def test_gather_dot_takes_the_gather_path_in_bf16() -> None:
     assert not ops._sparse_path(x, y, idx) and ops._sparse_path(x.float(), y.float(), idx)
     torch.testing.assert_close(gather_dot(x, y, idx).float(), gather_dot(x.float(), y.float(), idx),
                                atol=0.1, rtol=0.02)
+
+
+def _band_case(T: int = 75, W: int = 8, d: int = 6, seed: int = 11):
+    """Addresses in 3 buckets (each holding more than W records, T not a multiple of W), rows, and the
+    ``recent`` slots of every position: the layout :func:`banded_dot` reads."""
+    rng = np.random.default_rng(seed)
+    layout = troute.bucket_layout(torch.tensor(rng.integers(0, 3, (2, T))))
+    x, y = torch.tensor(rng.normal(size=(2, T, d))), torch.tensor(rng.normal(size=(2, T, d)))
+    slot, _, count = troute._query_slots(layout, torch.arange(T))
+    return layout, x, y, troute._recent_slots(layout, slot, count, W)
+
+
+@pytest.mark.parametrize("T", [75, 80, 5])
+def test_banded_dot_equals_gather_dot_on_the_recent_slots(T: int) -> None:
+    """Values and gradients of banded_dot equal gather_dot's on every valid slot (float64), with T a multiple
+    of the width, not one, and shorter than it."""
+    from backends.torch.ops import banded_dot
+
+    W = 8
+    layout, x, y, win = _band_case(T=T, W=W)
+    ok = win.valid
+    assert T < W or (ok.sum() > 4 * T and (~ok).sum() > 20)
+    cot = torch.where(ok, torch.tensor(np.random.default_rng(1).normal(size=ok.shape)), 0.0)
+    grads = []
+    for f in (lambda a, b: banded_dot(layout.order, layout.rank, a, b, W),
+              lambda a, b: gather_dot(a, b, win.index.clamp(min=0))):
+        a, b = x.clone().requires_grad_(True), y.clone().requires_grad_(True)
+        out = f(a, b)
+        (out * cot).sum().backward()
+        grads.append((out[ok].detach(), a.grad, b.grad))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_candidate_scores_with_a_band_equal_the_gathered_scores() -> None:
+    """The scores the models compute for full-AR recent / bucketed semantic slots, with and without the
+    band, router term included; a topk_score window band is refused."""
+    from backends.torch.mixture import candidate_scores
+
+    layout, q, k, win = _band_case(W=8, d=5)
+    probs = torch.softmax(torch.tensor(np.random.default_rng(3).normal(size=(2, 75, 4))), dim=-1)
+    rec = torch.tensor(records.recency(75, "ar"))
+    args = (q, k, rec, 0.7, win, probs, probs, 1.0)
+    torch.testing.assert_close(candidate_scores(*args, band=routing.ScoreBand(layout))[win.valid],
+                               candidate_scores(*args)[win.valid], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="pass no band"):
+        candidate_scores(*args, band=routing.ScoreBand(layout, 12))

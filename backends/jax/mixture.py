@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from backends.jax.ops import band_gather_dot, banded_dot, batch_gather, gather_dot
-from backends.jax.routing import Candidates, ScoreBand
+from backends.jax.routing import Candidates
 from pcaf_core.mixture import AR_PROB_FLOOR, GATE_CLIP, MASKED_SCORE, NT_CACHE_FLOOR, SEMANTIC_OVERLAP_FLOOR
+from pcaf_core.routing import ScoreBand
 
 
 def safe_log(x: jax.Array) -> jax.Array:

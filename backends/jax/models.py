@@ -42,7 +42,7 @@ from backends.jax.layers import (
     wide,
 )
 from backends.jax.ops import batch_gather
-from backends.jax.routing import Candidates, ScoreBand, SelectionInputs
+from backends.jax.routing import Candidates, SelectionInputs
 from pcaf_core.config import (
     PCAF_VARIANTS,
     TRANSFORMER_VARIANTS,
@@ -52,7 +52,7 @@ from pcaf_core.config import (
 )
 from pcaf_core.mixture import mixture_rule
 from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
-from pcaf_core.routing import topk_sparse_window
+from pcaf_core.routing import ScoreBand, topk_sparse_window
 
 Dtype = Any
 

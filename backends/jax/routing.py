@@ -27,7 +27,6 @@ gradients flow through the scores of the selected slots, computed by the caller.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,20 +38,6 @@ from pcaf_core.routing import SEMANTIC_TIE_BREAK, BucketLayout, Candidates, Sele
 TOPK_STRATEGIES = ("auto", "dense")
 _FALLBACK_CHUNK = 32  # queries per step of the dense topk_score fallback
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-class ScoreBand(NamedTuple):
-    """Where full-AR candidates lie in the sorted layout their route read, so that their scores are read off
-    blocked GEMMs (:func:`backends.jax.ops.banded_dot`) instead of gathered rows.
-
-    layout: that :class:`BucketLayout`. width: None when slot c is each query's (c+1)-th sorted predecessor
-    (the ``recent`` slots); else W, a Python int: the slots lie among each query's W sorted predecessors
-    but for a few (the ``topk_score`` window; :func:`backends.jax.ops.band_gather_dot`). Built inside traced
-    code, never passed to ``jax.jit`` as an argument (``width`` must stay static).
-    """
-
-    layout: BucketLayout
-    width: int | None = None
 
 
 def _work_dtype(dtype: jnp.dtype) -> jnp.dtype:

@@ -16,9 +16,10 @@ import math
 
 import torch
 
-from backends.torch.ops import batch_gather, gather_dot
+from backends.torch.ops import banded_dot, batch_gather, gather_dot
 from backends.torch.routing import Candidates
 from pcaf_core.mixture import AR_PROB_FLOOR, GATE_CLIP, MASKED_SCORE, NT_CACHE_FLOOR, SEMANTIC_OVERLAP_FLOOR
+from pcaf_core.routing import ScoreBand
 
 
 def safe_log(x: torch.Tensor) -> torch.Tensor:
@@ -42,6 +43,8 @@ def candidate_scores(
     router_probs: torch.Tensor | None = None,
     query_router_probs: torch.Tensor | None = None,
     semantic_score_scale: float = 0.0,
+    *,
+    band: ScoreBand | None = None,
 ) -> torch.Tensor:
     """Score of each slot: ``q·k_s/√d + ρ·r_s [+ λ_sem·log(max(m_s, 1e-6))]``, ``[B, Q, C]``.
 
@@ -49,14 +52,30 @@ def candidate_scores(
     sit at their own positions, as in a receptive-field sub-sequence). The route term (semantic and hybrid
     routes) needs ``router_probs`` ``[B, T, S]`` and the queries' ``query_router_probs`` ``[B, Q, S]``; the
     overlap ``m_s = r̃_q·r̃_s`` is computed for the selected slots only. Empty slots hold junk; mask them.
+
+    ``band``: for full-AR queries whose slot c is each query's (c+1)-th sorted predecessor in the layout
+    ``cand`` was read from (the ``recent`` context and bucketed semantic routes: ``ScoreBand(layout)``), the
+    products are blocked GEMMs (:func:`backends.torch.ops.banded_dot`) instead of row gathers. Same values
+    on the valid slots. A band with a ``width`` (the ``topk_score`` window) is refused.
     """
     idx = cand.index.clamp(min=0)
     rec = recency[idx] if recency.dim() == 1 else batch_gather(recency, idx)
-    s = gather_dot(query, keys, idx) / math.sqrt(query.shape[-1]) + rho * rec
+    if band is not None and band.width is not None:
+        # The topk_score window (JAX reads its picks off the route's band, computed once inside a jitted
+        # step); torch's eager step would compute that band again, and its backward costs as much on the CPU
+        # as the sparse products of the K picks (M = 4K columns of GEMM against K gathered rows).
+        raise ValueError("torch scores topk_score candidates by gathering: pass no band (band.width is set)")
+
+    def dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if band is None:
+            return gather_dot(x, y, idx)
+        return banded_dot(band.layout.order, band.layout.rank, x, y, idx.shape[-1])
+
+    s = dot(query, keys) / math.sqrt(query.shape[-1]) + rho * rec
     if router_probs is not None:
         if query_router_probs is None:
             raise ValueError("the semantic route term needs query_router_probs [B, Q, S] with router_probs")
-        m = gather_dot(query_router_probs, router_probs, idx)
+        m = dot(query_router_probs, router_probs)
         s = s + semantic_score_scale * torch.log(torch.clamp(m, min=SEMANTIC_OVERLAP_FLOOR))
     return s
 

@@ -44,6 +44,7 @@ from pcaf_core.config import (
 )
 from pcaf_core.mixture import mixture_rule
 from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
+from pcaf_core.routing import ScoreBand
 
 
 @dataclass
@@ -277,15 +278,19 @@ class PCAFModel(CanonicalLM):
         query = l2_normalize(self.memory.query(h[:, qpos]), prof.l2norm)  # [B, Q, d]
         semantic = mcfg.route in ("semantic", "hybrid")
         router_probs = self.memory.router_probs(h, mcfg.semantic_temperature) if semantic else None
-        addr, cand, topk_dense = self.select_candidates(tokens, mode, query, keys, router_probs)
+        addr, cand, topk_dense, band = self.select_candidates(tokens, mode, query, keys, router_probs)
         return self._read(tokens, addr, cand, topk_dense, query, keys, rec, router_probs,
-                          None if router_probs is None else router_probs[:, qpos], h[:, qpos], mode, need_p_cache)
+                          None if router_probs is None else router_probs[:, qpos], h[:, qpos], mode, need_p_cache,
+                          band=band)
 
     def select_candidates(
         self, tokens: torch.Tensor, mode: str, query: torch.Tensor | None, keys: torch.Tensor | None,
         router_probs: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, Candidates, torch.Tensor | None]:
-        """Addresses ``[B, T]``, the candidates of every query and (``topk_score``) which queries went dense.
+    ) -> tuple[torch.Tensor, Candidates, torch.Tensor | None, ScoreBand | None]:
+        """Addresses ``[B, T]``, the candidates of every query, (``topk_score``) which queries went dense, and
+        the band: in full AR, for the ``recent`` context route and the bucketed semantic route (not hybrid),
+        the :class:`ScoreBand` of the layout the route read, for :func:`mixture.candidate_scores` to score the
+        candidates with blocked GEMMs; else None.
 
         query ``[B, Q, d]`` / keys ``[B, T, d]`` are read (detached) by ``topk_score`` only, router_probs
         ``[B, T, S]`` by the semantic routes only; selection is never differentiated."""
@@ -297,12 +302,17 @@ class PCAFModel(CanonicalLM):
         addr = hashing.addresses(tokens, mcfg.context_order, mcfg.num_buckets,
                                  int32_wraparound=prof.hash_int32_wraparound)
         cand: Candidates | None = None
-        topk_dense = None
+        topk_dense = band = None
         if mcfg.route in ("context", "hybrid"):
             if mcfg.candidate_policy == "topk_score":
                 select = SelectionInputs(query.detach(), keys.detach(), rec, float(self.memory.recency_scale.detach()))
                 cand, topk_dense = routing.route_context_topk_score(
-                    addr, qpos, mcfg.top_k, select, strategy=self.topk_strategy, sparse_window=self.sparse_window)
+                    addr, qpos, mcfg.top_k, select, strategy=self.topk_strategy, sparse_window=self.sparse_window,
+                    query_layout=mode)
+            elif mode == "ar" and mcfg.route == "context" and mcfg.candidate_policy == "recent":
+                layout = routing.bucket_layout(addr)
+                cand = routing.route_context(addr, qpos, mcfg.top_k, "recent", query_layout=mode, layout=layout)
+                band = ScoreBand(layout)
             else:
                 cand = routing.route_context(addr, qpos, mcfg.top_k, mcfg.candidate_policy, query_layout=mode)
         if mcfg.route in ("semantic", "hybrid"):
@@ -314,25 +324,31 @@ class PCAFModel(CanonicalLM):
                                                    mcfg.top_k,
                                                    target_leak=prof.semantic_ar_target_leak and mode == "ar")
             else:
-                sem = routing.route_semantic_bucketed(routing.semantic_buckets(probs), qpos, mcfg.top_k,
-                                                      query_layout=mode)
+                sem_buckets = routing.semantic_buckets(probs)
+                layout = routing.bucket_layout(sem_buckets) if mode == "ar" and mcfg.route == "semantic" else None
+                sem = routing.route_semantic_bucketed(sem_buckets, qpos, mcfg.top_k, query_layout=mode, layout=layout)
+                band = ScoreBand(layout) if layout is not None else None
             cand = sem if cand is None else routing.combine_hybrid(cand, sem, dedup=prof.hybrid_dedup)
-        return addr, cand, topk_dense
+        return addr, cand, topk_dense, band
 
     def _read(
         self, tokens: torch.Tensor, addr: torch.Tensor, cand: Candidates, topk_dense: torch.Tensor | None,
         query: torch.Tensor, keys: torch.Tensor, rec: torch.Tensor, router_probs: torch.Tensor | None,
         query_router_probs: torch.Tensor | None, h_q: torch.Tensor, mode: str, need_p_cache: bool,
         slots: Candidates | None = None, trace_router_probs: torch.Tensor | None = None,
+        band: ScoreBand | None = None,
     ) -> tuple[TorchMemoryTrace, torch.Tensor]:
         """Scores, cache weights, p_cache and gate of the selected candidates ``cand`` (window positions).
 
         ``keys`` / ``rec`` / ``router_probs`` are indexed by ``slots`` (default ``cand``): the window's own
-        arrays, or those of a receptive-field sub-sequence whose positions ``slots`` names."""
+        arrays, or those of a receptive-field sub-sequence whose positions ``slots`` names. ``band``: see
+        :meth:`select_candidates` (only with the window's own arrays)."""
         mcfg, prof = self.memory_config, self.profile
+        if band is not None and slots is not None:
+            raise ValueError("a band scores the window's own slots; receptive-field slots have none")
         slots = cand if slots is None else slots
         scores = mixture.candidate_scores(query, keys, rec, self.memory.recency_scale, slots, router_probs,
-                                          query_router_probs, mcfg.semantic_score_scale)
+                                          query_router_probs, mcfg.semantic_score_scale, band=band)
         alpha = mixture.cache_weights(scores, cand.valid)
         values = routing.gather_records(records.successor_values(tokens), cand)
         p_cache = None
@@ -398,7 +414,7 @@ class PCAFModel(CanonicalLM):
                 query_full = l2_normalize(self.memory.query(h_full[:, qpos]), prof.l2norm)
                 if semantic:
                     router_full = self.memory.router_probs(h_full, mcfg.semantic_temperature)
-        addr, cand, topk_dense = self.select_candidates(tokens, "nt", query_full, keys_full, router_full)
+        addr, cand, topk_dense, _ = self.select_candidates(tokens, "nt", query_full, keys_full, router_full)
         C = cand.index.shape[-1]
         positions = torch.cat([qpos.expand(B, 1), cand.index[:, 0].clamp(min=0)], dim=1)  # [B, 1 + C]
         h = self.states_at(tokens, positions)

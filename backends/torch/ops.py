@@ -11,6 +11,10 @@ sort) with the incoming gradient as the values. These run as MKL/ATen sparse ker
 ``[*, C, d]`` temporary, about 4-6x faster than gathering rows here (benchmarks/bench_routing.py).
 Elsewhere (CUDA, bf16 under autocast, inside ``torch.compile``) the rows are gathered chunk by chunk in
 both directions instead.
+
+Where the slots are each query's sorted predecessors in a bucket layout (the ``recent`` slots of full-AR
+queries, and the ``topk_score`` route's window), :func:`banded_dot` computes the same products with blocked
+GEMMs and no row gathers at all (mirrors :func:`backends.jax.ops.banded_dot`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 CHUNK_ELEMENTS = 1 << 22  # elements per temporary chunk (16 MiB in float32)
@@ -31,6 +36,60 @@ def batch_gather(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     rows = (index.reshape(B, -1) + (torch.arange(B, device=index.device) * T)[:, None]).reshape(-1)
     out = values.reshape(B * T, *values.shape[2:]).index_select(0, rows)
     return out.reshape(*index.shape, *values.shape[2:])
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``values[b, perm[b, t]]`` for a permutation ``perm`` with inverse ``inverse``: the backward is the inverse
+    gather, not the zero-fill and scatter-add that autograd would run for a general index."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return batch_gather(values, perm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return batch_gather(grad, inverse), None, None
+
+
+def permute_rows(values: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``values [B, T, *F]`` with its rows permuted by ``perm [B, T]`` (``inverse``: its inverse permutation)."""
+    return _PermuteRows.apply(values, perm, inverse)
+
+
+def banded_dot(order: torch.Tensor, rank: torch.Tensor, x: torch.Tensor, y: torch.Tensor, width: int) -> torch.Tensor:
+    """``out[b, t, j] = x[b, t] · y[b, order[b, rank[b, t] - 1 - j]]`` for j < ``width``: every position's
+    products with its ``width`` predecessors in a sorted layout.
+
+    Args:
+        order: ``[B, T]`` int64 position stored at each sorted slot; rank: ``[B, T]`` its inverse.
+        x: ``[B, T, d]`` one row per position (full-AR queries); y: ``[B, T, d]`` per-position rows.
+        width: W, the predecessors per position.
+    Returns:
+        ``[B, T, W]``, differentiable in ``x`` and ``y``. Entries whose slot ``rank - 1 - j`` is negative are
+        junk for the caller to mask (as are slots outside a query's bucket segment).
+
+    In sorted order the products form a band of ``x_sorted · y_sortedᵀ``: each block of W sorted rows of x
+    is multiplied by the W sorted rows of y before it and by its own W (two batched GEMMs of ``T·W·d``
+    multiply-adds each, on non-overlapping views, so neither direction copies y's rows into blocks), and the
+    band is read off the ``[W, 2W]`` products by a skewing reshape. The backward pass is the same GEMMs and
+    the reshape's transpose; no ``[T, W, d]`` tensor exists in either.
+    """
+    B, T, d = x.shape
+    W = width
+    nb = -(-T // W)
+    pad = nb * W - T
+    xs = F.pad(permute_rows(x, order, rank), (0, 0, 0, pad)).view(B, nb, W, d)
+    ys = F.pad(permute_rows(y, order, rank), (0, 0, W, pad)).view(B, nb + 1, W, d)  # W zero rows first
+    prod = torch.cat([xs @ ys[:, :nb].transpose(-1, -2), xs @ ys[:, 1:].transpose(-1, -2)], dim=-1)  # [B, nb, W, 2W]
+    # Row r of a block is column W + r of its y rows; its j-th predecessor is column W + r - 1 - j, i.e.
+    # columns r .. r + W - 1 reversed. Row r is shifted left by r by re-reading the flat [W, 2W] block with
+    # rows of 2W + 1 (a view, so its backward is a view too, not a scatter).
+    flat = F.pad(prod.reshape(B, nb, W * 2 * W), (0, W))
+    shifted = flat.view(B, nb, W, 2 * W + 1)[..., :W]  # [r, c] = prod[r, r + c]
+    by_slot = shifted.flip(-1).reshape(B, nb * W, W)[:, :T]
+    return permute_rows(by_slot, rank, order)
 
 
 def _query_chunk(n_queries: int, per_query: int, chunk_elements: int) -> int:

@@ -25,8 +25,9 @@ import contextlib
 import math
 
 import torch
+import torch.nn.functional as F
 
-from backends.torch.ops import CHUNK_ELEMENTS, batch_gather, gather_dot
+from backends.torch.ops import CHUNK_ELEMENTS, banded_dot, batch_gather, gather_dot
 from pcaf_core.config import CANDIDATE_POLICIES
 from pcaf_core.routing import SEMANTIC_TIE_BREAK, BucketLayout, Candidates, SelectionInputs, topk_sparse_window
 
@@ -166,6 +167,30 @@ def _dense_context_topk(
     return index, valid
 
 
+def _window_topk(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec's top k of each window row: ``score [B, Q, M]`` (slot j = the (j+1)-th most recent record,
+    -inf = empty) -> window slots ``[B, Q, k]`` by descending score, ties to the older record (larger j, the
+    lower index), and the k-th score ``[B, Q]``.
+
+    ``torch.topk`` (unspecified tie order) picks k slots; only rows where a tie straddles the k-th place are
+    picked again by a stable sort, and the k picks are put in order by two stable sorts of k entries, which
+    costs a fraction of a stable sort of all M.
+    """
+    vals, j = torch.topk(score, k, dim=-1, sorted=False)
+    kth = vals.amin(-1)
+    straddle = ((score >= kth[..., None]).sum(-1) > k) & (kth > -math.inf)
+    if bool(straddle.any()):
+        b, q = torch.nonzero(straddle, as_tuple=True)
+        # Reversed, the window is in ascending record index, so the stable sort breaks ties to the lower index.
+        rev = torch.sort(score[b, q].flip(-1), dim=-1, descending=True, stable=True).indices[:, :k]
+        j[b, q] = score.shape[-1] - 1 - rev
+        vals[b, q] = score[b, q].gather(-1, j[b, q])
+    by_age = torch.sort(j, dim=-1, descending=True, stable=True).indices  # older first
+    j, vals = j.gather(-1, by_age), vals.gather(-1, by_age)
+    by_score = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+    return j.gather(-1, by_score), kth
+
+
 def route_context_topk_score(
     addresses: torch.Tensor,
     query_pos: torch.Tensor,
@@ -176,6 +201,7 @@ def route_context_topk_score(
     sparse_window: int | None = None,
     layout: BucketLayout | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
+    query_layout: str | None = None,
 ) -> tuple[Candidates, torch.Tensor]:
     """``topk_score`` context route; also returns which queries took the dense path.
 
@@ -188,14 +214,20 @@ def route_context_topk_score(
     ``‖q‖·max‖k‖ <= 1`` for the models' unit vectors), so it ranks strictly below K records of the window.
     Queries where neither holds are routed densely. ``strategy="dense"`` routes every query densely.
 
+    ``layout``: a precomputed :func:`bucket_layout` of ``addresses`` (optional). ``query_layout="ar"`` states
+    that ``query_pos`` is ``arange(T)`` (what ``records.query_positions`` gives in full AR); the window scores
+    are then read off blocked GEMMs in the sorted layout (:func:`backends.torch.ops.banded_dot`) instead of
+    gathering ``[Q, M, d]`` key rows. ``None`` or ``"nt"``: the gather path, right for any ``query_pos``.
+
     Returns:
         :class:`Candidates` of width K, and ``[B, Q]`` bool: True where the dense path was taken.
     """
     if strategy not in TOPK_STRATEGIES:
         raise ValueError(f"topk_score strategy {strategy!r} is unknown: expected one of {list(TOPK_STRATEGIES)}")
+    _check_query_layout(query_layout, query_pos, addresses)
     with _autocast_off(addresses.device):
         return _route_context_topk_score(addresses, query_pos, top_k, _exact_selection(select), strategy,
-                                         sparse_window, layout, chunk_elements)
+                                         sparse_window, layout, chunk_elements, query_layout)
 
 
 def _route_context_topk_score(
@@ -207,8 +239,9 @@ def _route_context_topk_score(
     sparse_window: int | None,
     layout: BucketLayout | None,
     chunk_elements: int,
+    query_layout: str | None,
 ) -> tuple[Candidates, torch.Tensor]:
-    B, _ = addresses.shape
+    B, T = addresses.shape
     Q, K = len(query_pos), top_k
     device = addresses.device
     if strategy == "dense":
@@ -218,22 +251,26 @@ def _route_context_topk_score(
         M = topk_sparse_window(K, sparse_window)
         layout = bucket_layout(addresses) if layout is None else layout
         slot, _, count = _query_slots(layout, query_pos)
-        win = _recent_slots(layout, slot, count, M + 1)  # slot M: the most recent record left out
-        idx_m, ok_m = win.index[..., :M], win.valid[..., :M]
+        ok_m = torch.arange(M, device=device) < count[..., None]  # [B, Q, M]: window slot j, most recent first
         d = select.query.shape[-1]
-        score = gather_dot(select.query, select.keys, idx_m.clamp(min=0), chunk_elements=chunk_elements)
-        score = score / math.sqrt(d) + select.rho * select.recency[idx_m.clamp(min=0)]
-        score = torch.where(ok_m, score, torch.tensor(-math.inf, dtype=score.dtype, device=device))
-        # Ascending record index (the window is most recent first), so the stable descending sort
-        # breaks score ties to the lower index, as the spec does.
-        idx_asc, ok_asc, score_asc = idx_m.flip(-1), ok_m.flip(-1), score.flip(-1)
-        order = torch.sort(score_asc, dim=-1, descending=True, stable=True).indices[..., :K]
-        keep = ok_asc.gather(-1, order)
-        out = Candidates(torch.where(keep, idx_asc.gather(-1, order), -1), keep)
+        if query_layout == "ar":
+            dots = banded_dot(layout.order, layout.rank, select.query, select.keys, M)
+            # Recency of sorted slot i - 1 - j for every slot i: a sliding view of the sorted recency.
+            rec_sorted = F.pad(select.recency[layout.order], (M, 0))
+            rec_m = batch_gather(rec_sorted.unfold(1, M, 1)[:, :T].flip(-1), layout.rank)
+        else:
+            idx_m = _recent_slots(layout, slot, count, M).index.clamp(min=0)
+            dots = gather_dot(select.query, select.keys, idx_m, chunk_elements=chunk_elements)
+            rec_m = select.recency[idx_m]
+        score = torch.where(ok_m, dots / math.sqrt(d) + select.rho * rec_m,
+                            torch.tensor(-math.inf, dtype=dots.dtype, device=device))
+        j, kth = _window_topk(score, K)
+        keep = ok_m.gather(-1, j)
+        picked = layout.order.gather(1, (slot[..., None] - 1 - j).clamp(min=0).reshape(B, -1)).view(B, Q, K)
+        out = Candidates(torch.where(keep, picked, -1), keep)
 
         overflow = count > M
-        kth = score_asc.gather(-1, order[..., K - 1 :])[..., 0].to(torch.float64)
-        left_out = win.index[..., M].clamp(min=0)
+        left_out = layout.order.gather(1, (slot - 1 - M).clamp(min=0))  # the most recent record left out
         eps = torch.finfo(score.dtype).eps
         rho = float(select.rho)
         # |q·k| <= ‖q‖·max‖k‖ (= 1 for the models' unit vectors; using the norms keeps the proof valid
@@ -243,7 +280,7 @@ def _route_context_topk_score(
                      * torch.linalg.vector_norm(select.keys.to(torch.float64), dim=-1).amax(-1, keepdim=True))
         bound = (dot_bound * (1.0 + 4.0 * d * eps) / math.sqrt(d)
                  + rho * select.recency.to(torch.float64)[left_out] + 4.0 * eps * (1.0 + abs(rho)))
-        proven = (kth > bound) if rho >= 0 else torch.zeros_like(overflow)
+        proven = (kth.to(torch.float64) > bound) if rho >= 0 else torch.zeros_like(overflow)
         dense = overflow & ~proven
     pairs = torch.nonzero(dense)
     if len(pairs):
@@ -265,6 +302,7 @@ def route_context(
     chunk_elements: int = CHUNK_ELEMENTS,
     kernels: bool | None = None,
     query_layout: str | None = None,
+    layout: BucketLayout | None = None,
 ) -> Candidates:
     """Context (exact-hash) route: earlier records in the query's bucket, at most K of them.
 
@@ -280,7 +318,11 @@ def route_context(
             :mod:`backends.torch.kernels` (same candidates, tested); ``None`` = on CUDA tensors only.
         query_layout: ``"nt"`` when ``query_pos`` is ``[T-1]``, ``"ar"`` when it is ``arange(T)`` (what
             ``records.query_positions`` gives for the mode), so the kernels are chosen without reading
-            ``query_pos`` back from the device; ``None`` reads it.
+            ``query_pos`` back from the device; ``None`` reads it. With ``topk_score``, ``"ar"`` also scores
+            the window with blocked GEMMs (:func:`route_context_topk_score`).
+        layout: a precomputed :func:`bucket_layout` of ``addresses``: the route reads it instead of sorting
+            again, and the kernels are not used (a caller that scores the candidates off the layout's band,
+            :func:`backends.torch.ops.banded_dot`, needs the layout anyway).
     Returns:
         :class:`Candidates` of width K. No ``[T, T]`` tensor for ``recent``/``first``; for ``topk_score``
         only the queries the sparse proof does not cover are scored densely, in bounded chunks.
@@ -291,16 +333,26 @@ def route_context(
         if select is None:
             raise ValueError("policy 'topk_score' needs select=SelectionInputs(query, keys, recency, rho)")
         return route_context_topk_score(addresses, query_pos, top_k, select, strategy=strategy,
-                                        sparse_window=sparse_window, chunk_elements=chunk_elements)[0]
-    if kernels if kernels is not None else addresses.is_cuda:
+                                        sparse_window=sparse_window, layout=layout, chunk_elements=chunk_elements,
+                                        query_layout=query_layout)[0]
+    _check_query_layout(query_layout, query_pos, addresses)
+    if layout is None and (kernels if kernels is not None else addresses.is_cuda):
         picked = _kernel_candidates(addresses, query_pos, top_k, policy, query_layout)
         if picked is not None:
             return picked
-    layout = bucket_layout(addresses)
+    layout = bucket_layout(addresses) if layout is None else layout
     slot, start, count = _query_slots(layout, query_pos)
     if policy == "recent":
         return _recent_slots(layout, slot, count, top_k)
     return _first_slots(layout, start, count, top_k)
+
+
+def _check_query_layout(query_layout: str | None, query_pos: torch.Tensor, addresses: torch.Tensor) -> None:
+    if query_layout not in (None, "nt", "ar"):
+        raise ValueError(f"query_layout {query_layout!r} is unknown: expected 'nt', 'ar' or None")
+    want = {"nt": 1, "ar": addresses.shape[1]}.get(query_layout)
+    if want is not None and len(query_pos) != want:
+        raise ValueError(f"query_layout {query_layout!r} needs {want} query positions, got {len(query_pos)}")
 
 
 def _kernel_candidates(
@@ -321,8 +373,6 @@ def _kernel_candidates(
         return Candidates(*candidates_nt(addresses, top_k, policy))
     if query_layout == "ar":
         return Candidates(*candidates_ar(addresses, top_k, policy))
-    if query_layout is not None:
-        raise ValueError(f"query_layout {query_layout!r} is unknown: expected 'nt', 'ar' or None")
     return None
 
 
@@ -402,11 +452,12 @@ def semantic_buckets(router_probs: torch.Tensor) -> torch.Tensor:
 
 
 def route_semantic_bucketed(
-    sem_buckets: torch.Tensor, query_pos: torch.Tensor, top_k: int, *, query_layout: str | None = None
+    sem_buckets: torch.Tensor, query_pos: torch.Tensor, top_k: int, *, query_layout: str | None = None,
+    layout: BucketLayout | None = None,
 ) -> Candidates:
     """Bucketed semantic route: the K most recent earlier records with the query's semantic bucket
-    (``query_layout``: see :func:`route_context`)."""
-    return route_context(sem_buckets, query_pos, top_k, "recent", query_layout=query_layout)
+    (``query_layout``, ``layout``: see :func:`route_context`)."""
+    return route_context(sem_buckets, query_pos, top_k, "recent", query_layout=query_layout, layout=layout)
 
 
 def combine_hybrid(context: Candidates, semantic: Candidates, *, dedup: bool) -> Candidates:
