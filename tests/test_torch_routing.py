@@ -276,16 +276,18 @@ def test_topk_score_float32_selection_matches_spec() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 40), st.integers(1, 12), st.integers(1, 7), st.integers(0, 2**16))
-def test_window_topk_matches_lexsort(n: int, M: int, k: int, seed: int) -> None:
+@given(st.integers(1, 40), st.integers(1, 12), st.integers(1, 7), st.integers(0, 2**16),
+       st.sampled_from([torch.float32, torch.float64]))
+def test_window_topk_matches_lexsort(n: int, M: int, k: int, seed: int, dtype: torch.dtype) -> None:
     """The k best window slots by descending score, ties to the older slot (larger j), and the k-th score,
     on rows full of exact ties and empty (-inf) slots, so that ties straddle the k-th place. Which empty
     slots fill a row with fewer than k others is left open (the route marks them empty)."""
     k = min(k, M)
     rng = np.random.default_rng(seed)
-    score = rng.integers(0, 4, (1, n, M)).astype(np.float64)
+    score = rng.integers(-2, 2, (1, n, M)).astype(np.float64)  # exact in float32 too; -0.0 equals 0.0
     score[rng.random((1, n, M)) < 0.3] = -np.inf
-    j, kth = troute._window_topk(torch.tensor(score), k)
+    score[score == 0] *= np.where(rng.random(int((score == 0).sum())) < 0.5, -1.0, 1.0)
+    j, kth = troute._window_topk(torch.tensor(score, dtype=dtype), k)
     straddled = 0
     for r in range(n):
         row = score[0, r]
