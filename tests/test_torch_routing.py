@@ -506,3 +506,14 @@ def test_candidate_scores_with_a_band_equal_the_gathered_scores() -> None:
                                candidate_scores(*args)[win.valid], rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="pass no band"):
         candidate_scores(*args, band=routing.ScoreBand(layout, 12))
+
+
+def test_permute_rows_backward_is_the_inverse_gather() -> None:
+    from backends.torch.ops import batch_gather, permute_rows
+
+    rng = np.random.default_rng(9)
+    perm = torch.tensor(np.stack([rng.permutation(11) for _ in range(2)]))
+    inverse = torch.argsort(perm, dim=1)
+    x = torch.tensor(rng.normal(size=(2, 11, 3)), requires_grad=True)
+    assert torch.equal(permute_rows(x, perm, inverse), batch_gather(x, perm))
+    assert torch.autograd.gradcheck(lambda v: permute_rows(v, perm, inverse), (x,))

@@ -34,6 +34,26 @@ def batch_gather(values: jax.Array, index: jax.Array) -> jax.Array:
     return out.reshape(*index.shape, *values.shape[2:])
 
 
+@jax.custom_vjp
+def permute_rows(values: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
+    """``values [B, T, *F]`` with its rows permuted by ``perm [B, T]`` (``inverse``: its inverse permutation).
+
+    The VJP gathers with the inverse: autodiff of a gather would scatter-add, which XLA:CPU runs as a
+    serial loop (mirrors :func:`backends.torch.ops.permute_rows`)."""
+    return batch_gather(values, perm)
+
+
+def _permute_rows_fwd(values: jax.Array, perm: jax.Array, inverse: jax.Array):
+    return batch_gather(values, perm), inverse
+
+
+def _permute_rows_bwd(inverse: jax.Array, grad: jax.Array):
+    return batch_gather(grad, inverse), None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
 def query_chunk(n_queries: int, per_query: int, chunk_elements: int) -> int:
     """Queries per chunk so that a chunk holds at most ``chunk_elements`` (at least one query)."""
     return max(1, min(n_queries, chunk_elements // max(per_query, 1)))
@@ -124,8 +144,8 @@ def banded_dot(order: jax.Array, rank: jax.Array, x: jax.Array, y: jax.Array, wi
     W = width
     nb = -(-T // W)
     pad = nb * W - T
-    xs = jnp.pad(jnp.take_along_axis(x, order[..., None], axis=1), ((0, 0), (0, pad), (0, 0)))
-    ys = jnp.pad(jnp.take_along_axis(y, order[..., None], axis=1), ((0, 0), (W, pad), (0, 0)))  # W zero rows first
+    xs = jnp.pad(permute_rows(x, order, rank), ((0, 0), (0, pad), (0, 0)))
+    ys = jnp.pad(permute_rows(y, order, rank), ((0, 0), (W, pad), (0, 0)))  # W zero rows first
     xb = xs.reshape(B, nb, W, d)
     yb = jnp.concatenate([ys[:, : nb * W].reshape(B, nb, W, d), ys[:, W:].reshape(B, nb, W, d)], axis=2)
     prod = jnp.einsum("bnqd,bnkd->bnqk", xb, yb, precision=precision)  # [B, nb, W, 2W]
@@ -135,7 +155,7 @@ def banded_dot(order: jax.Array, rank: jax.Array, x: jax.Array, y: jax.Array, wi
     flat = jnp.pad(prod.reshape(B, nb, W * 2 * W), ((0, 0), (0, 0), (0, W)))
     shifted = flat.reshape(B, nb, W, 2 * W + 1)[..., :W]  # [r, c] = prod[r, r + c]
     by_slot = shifted[..., ::-1].reshape(B, nb * W, W)[:, :T]
-    return jnp.take_along_axis(by_slot, rank[..., None], axis=1)
+    return permute_rows(by_slot, rank, order)
 
 
 def band_gather_dot(order: jax.Array, rank: jax.Array, x: jax.Array, y: jax.Array, index: jax.Array, width: int,
