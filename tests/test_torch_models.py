@@ -12,6 +12,7 @@ import torch
 from torch.func import functional_call
 
 from backends.torch import PCAFModel, TransformerLM, build_model, load_canonical, to_canonical
+from backends.torch.layers import DROPOUT_LEVELS, Dropout
 from pcaf_core.config import MODEL_VARIANTS, TRANSFORMER_VARIANTS, MemoryConfig, ModelConfig
 from pcaf_core.params import count_params, init_params, param_shapes, sinusoidal_table
 from pcaf_core.profiles import PROFILES, get_profile
@@ -220,7 +221,7 @@ def test_dropout_placement_and_train_mode(variant: str) -> None:
     net = _net(model, memory, prof)
     calls: dict[str, int] = {}
     for name, module in net.named_modules():
-        if isinstance(module, torch.nn.Dropout):
+        if isinstance(module, Dropout):
             assert module.p == 0.1
             module.register_forward_hook(lambda m, i, o, n=name: calls.__setitem__(n, calls.get(n, 0) + 1))
     tokens, targets = _window(10, "ar")
@@ -236,11 +237,36 @@ def test_dropout_placement_and_train_mode(variant: str) -> None:
     assert a != b and a != eval_loss
     if variant in TRANSFORMER_VARIANTS:  # the attention weights drop out too
         for module in net.modules():
-            if isinstance(module, torch.nn.Dropout):
+            if isinstance(module, Dropout):
                 module.p = 0.0
         assert net(tokens, targets, "ar").loss != net(tokens, targets, "ar").loss
     net.eval()
     assert net(tokens, targets, "ar").loss == eval_loss
+
+
+def test_dropout_rate_scale_gradient_and_stream() -> None:
+    """The 16-bit mask: drops round(p·2^16) in 2^16 of the elements, scales the rest by the inverse of the
+    actual keep rate, back-propagates through the same mask, follows torch's seed, and is the identity in
+    eval mode or at rate 0; rates outside [0, 1) are refused."""
+    drop = Dropout(0.1).train()
+    assert drop.threshold == 6554 and drop.scale == DROPOUT_LEVELS / (DROPOUT_LEVELS - 6554)
+    x = torch.ones(1_000_001, dtype=torch.float64, requires_grad=True)  # odd: half of one 32-bit draw is unused
+    torch.manual_seed(3)
+    y = drop(x)
+    kept = y != 0
+    rate = 1 - kept.double().mean().item()
+    assert abs(rate - 6554 / DROPOUT_LEVELS) < 4 * (0.1 * 0.9 / x.numel()) ** 0.5  # 4 standard errors
+    assert torch.all(y[kept] == drop.scale)
+    y.backward(torch.arange(x.numel(), dtype=torch.float64))
+    torch.testing.assert_close(x.grad, torch.where(kept, torch.arange(x.numel(), dtype=torch.float64) * drop.scale,
+                                                   0.0))
+    torch.manual_seed(3)
+    assert torch.equal(drop(x.detach()), y.detach())
+    assert not torch.equal(drop(x.detach()), y.detach())
+    assert drop.eval()(x) is x and Dropout(0.0).train()(x) is x
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="outside \\[0, 1\\)"):
+            Dropout(bad)
 
 
 def test_no_dropout_profile_is_deterministic_in_train_mode() -> None:

@@ -8,7 +8,7 @@ causal_depthwise_conv`) and their backward passes. It costs a one-off compile of
 force the choice. Evaluation stays eager (a small share of a run, which would compile a second graph).
 
 Dropout under compile draws its masks with ATen's generator (``fallback_random``): inductor's in-kernel
-random numbers are slower than ATen's vectorised Bernoulli on CPU, and the ATen path draws the same masks
+random numbers are slower than ATen's vectorised generator on CPU, and the ATen path draws the same masks
 as an eager step, so compiled and eager training agree to float rounding with dropout on.
 """
 
