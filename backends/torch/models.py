@@ -309,12 +309,12 @@ class PCAFModel(CanonicalLM):
                 cand, topk_dense = routing.route_context_topk_score(
                     addr, qpos, mcfg.top_k, select, strategy=self.topk_strategy, sparse_window=self.sparse_window,
                     query_layout=mode)
-            elif mode == "ar" and mcfg.route == "context" and mcfg.candidate_policy == "recent":
-                layout = routing.bucket_layout(addr)
-                cand = routing.route_context(addr, qpos, mcfg.top_k, "recent", query_layout=mode, layout=layout)
-                band = ScoreBand(layout)
             else:
-                cand = routing.route_context(addr, qpos, mcfg.top_k, mcfg.candidate_policy, query_layout=mode)
+                banded = mode == "ar" and mcfg.route == "context" and mcfg.candidate_policy == "recent"
+                layout = routing.bucket_layout(addr) if banded else None
+                cand = routing.route_context(addr, qpos, mcfg.top_k, mcfg.candidate_policy, query_layout=mode,
+                                             layout=layout)
+                band = ScoreBand(layout) if banded else None
         if mcfg.route in ("semantic", "hybrid"):
             probs = router_probs.detach()  # ranking is not differentiated; the route term of the score is
             if mcfg.semantic_index == "dense":
