@@ -10,7 +10,8 @@ product (``x @ yᵀ`` at G's entries), and the backward is ``gx = G·y`` and ``g
 sort) with the incoming gradient as the values. These run as MKL/ATen sparse kernels without any
 ``[*, C, d]`` temporary, about 4-6x faster than gathering rows here (benchmarks/bench_routing.py).
 Elsewhere (CUDA, bf16 under autocast, inside ``torch.compile``) the rows are gathered chunk by chunk in
-both directions instead.
+both directions instead; on CUDA the key-side gradient is one deterministic segmented sum
+(``backends.torch.kernels.gather_grad``) rather than chunked ``index_add_`` calls.
 
 Where the slots are each query's sorted predecessors in a bucket layout (the ``recent`` slots of full-AR
 queries, and the ``topk_score`` route's window), :func:`banded_dot` computes the same products with blocked
@@ -24,6 +25,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from backends.torch.kernels.gather_grad import gather_dot_grad_y
 
 CHUNK_ELEMENTS = 1 << 22  # elements per temporary chunk (16 MiB in float32)
 
@@ -166,6 +169,14 @@ def _transposed_slot_matrix(index: torch.Tensor, values: torch.Tensor, n_cols: i
                                        check_invariants=False)
 
 
+def _segment_kernel_for(grad: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the gathered backward sums the key-side gradient with the deterministic segmented-sum kernel
+    (``backends.torch.kernels.gather_grad``) instead of ``index_add_``: on CUDA, where deterministic mode makes
+    ``index_add_`` a sort-based scatter that dominated the full-AR step's GPU time, for keys of at most 32 bits
+    (the kernel sums in float32)."""
+    return grad.is_cuda and y.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
 class _GatherDot(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, chunk_elements: int) -> torch.Tensor:
@@ -186,6 +197,9 @@ class _GatherDot(torch.autograd.Function):
         T, d = y.shape[1], y.shape[2]
         gx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
         gy = torch.zeros(B * T, d, dtype=y.dtype, device=y.device) if ctx.needs_input_grad[1] else None
+        gy_done = None
+        if gy is not None and _segment_kernel_for(grad, y):
+            gy_done, gy = gather_dot_grad_y(x, grad, index, T).to(y.dtype), None
         qc = _query_chunk(Q, B * C * d, ctx.chunk_elements)
         offset = (torch.arange(B, device=index.device) * T)[:, None, None]
         for q0 in range(0, Q, qc):
@@ -197,6 +211,8 @@ class _GatherDot(torch.autograd.Function):
                 contrib = g[..., None] * x[:, q0 : q0 + qc, None, :]  # [B, qc, C, d]
                 rows = (index[:, q0 : q0 + qc] + offset).reshape(-1)
                 gy.index_add_(0, rows, contrib.reshape(-1, d))
+        if gy_done is not None:
+            return gx, gy_done, None, None
         return gx, (None if gy is None else gy.view(B, T, d)), None, None
 
 
