@@ -30,6 +30,7 @@ from benchmarks.bench_backends import (
     parity_table,
     parity_verdict,
 )
+from benchmarks.bench_cuda import bf16_summary
 from benchmarks.bench_routing import routing_summary
 from benchmarks.common import read_csv
 
@@ -116,7 +117,7 @@ def _best(rows: list[dict], **match) -> dict | None:
     return max(hits, key=lambda r: _f(r["tokens_per_s"])) if hits else None
 
 
-def model_targets(rows: list[dict] | None, gemm: list[dict] | None) -> list[Target]:
+def model_targets(rows: list[dict] | None, gemm: list[dict] | None, cuda_dir: Path | None = None) -> list[Target]:
     out = []
     name = ("Next-token PCAF-context, fp32, dropout 0.1, WikiText-2 paper shape: >= 60% of the fp32 matmul peak "
             "measured in the same run")
@@ -169,6 +170,13 @@ def model_targets(rows: list[dict] | None, gemm: list[dict] | None) -> list[Targ
         out.append(Target(name, "-", "not measured"))
     out.append(Target("bf16 learning curves match fp32 within noise", "not rerun by `make bench`",
                       "not measured", "`make bench-precision` (benchmarks/precision_check.py) reruns it"))
+    gpu = bf16_summary(cuda_dir) if cuda_dir is not None else None
+    if gpu:
+        page = f"[`bench_cuda.md`](bench_cuda.md) (`make bench-cuda`, on {gpu['gpu']})"
+        out.append(Target("Full-AR PCAF-context, bf16 autocast >= 2.5x the fp32 tokens/s, on a GPU",
+                          gpu["speed"], gpu["speed_verdict"], f"{page}: the bf16 step waits on kernel launches"))
+        out.append(Target("bf16 learning curves match fp32 within noise, on a GPU", gpu["curves"],
+                          gpu["curves_verdict"], page))
 
     name = "Next-token at T=2048, dropout matched: PCAF-context >= 6.1x the fused-SDPA dense Transformer (tokens/s)"
     parts, verdicts = [], []
@@ -427,6 +435,8 @@ measures the formulation's speed, not the hardware's utilisation; the executed c
 
 COMMITTED_DIR = Path(__file__).resolve().parents[1] / "docs" / "results"
 """Where the committed report lives: never rendered from quick stand-ins."""
+CUDA_DIR = COMMITTED_DIR / "bench_cuda"
+"""The committed GPU run of ``benchmarks/bench_cuda``, whose bf16 verdicts the report cites."""
 
 QUICK_NOTE = ("**Quick stand-ins** (`make bench-quick`): T=256-1,024 shapes, one repeat. They check that every part "
               "runs; the verdicts below judge the stand-ins, not the targets' shapes.")
@@ -444,8 +454,9 @@ def bench_set(data: dict[str, list[dict] | None], bench_dir: Path) -> str:
     return kinds.pop()
 
 
-def render(bench_dir: Path, out: Path) -> Path:
-    """Write ``out`` (Markdown), its plots and CSV copies from the CSVs in ``bench_dir``."""
+def render(bench_dir: Path, out: Path, cuda_dir: Path | None = None) -> Path:
+    """Write ``out`` (Markdown), its plots and CSV copies from the CSVs in ``bench_dir``; with ``cuda_dir`` (a
+    committed ``benchmarks/bench_cuda`` run), the bf16 targets also cite that GPU run."""
     data = _load(bench_dir)
     if not any(data.values()):
         raise FileNotFoundError(f"no benchmark CSV in {bench_dir}: run `make bench` (or a bench-* target) first")
@@ -454,7 +465,7 @@ def render(bench_dir: Path, out: Path) -> Path:
         raise ValueError(f"{bench_dir} holds quick stand-ins, which never go into {COMMITTED_DIR}: render them "
                          "with --out bench/quick/bench.md (make bench-quick does)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    targets = (routing_targets(data["routing"]) + model_targets(data["models"], data["gemm"])
+    targets = (routing_targets(data["routing"]) + model_targets(data["models"], data["gemm"], cuda_dir)
                + backend_targets(data["backends"], data["gemm"]))
     walls = {n: rows[0].get("section_wall_s", "") for n, rows in data.items() if rows}
     lines = ["# Benchmarks", "",
@@ -523,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/results/bench.md")
     args = parser.parse_args(argv)
     try:
-        print(render(Path(args.bench_dir), Path(args.out)))
+        print(render(Path(args.bench_dir), Path(args.out), CUDA_DIR))
     except (FileNotFoundError, ValueError) as err:
         print(f"bench_report: {err}", file=sys.stderr)
         return 2

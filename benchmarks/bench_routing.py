@@ -94,7 +94,10 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 
 def torch_route_step(route: str, x: dict):
-    """A ``() -> None`` that runs one forward + backward of ``route`` on the torch tensors ``x``."""
+    """A ``() -> None`` that runs one forward + backward of ``route`` on the torch tensors ``x`` (on any one
+    device). ``recent_kernel``: the ``recent`` route without the bucket layout, i.e. the candidate kernels
+    (Triton on CUDA) and gathered scores, the path a route given no layout takes (``benchmarks.bench_cuda``
+    times it beside the banded one)."""
     import torch
 
     from backends.torch.mixture import cache_weights, candidate_scores
@@ -102,8 +105,8 @@ def torch_route_step(route: str, x: dict):
     from pcaf_core.routing import ScoreBand, SelectionInputs
 
     T = x["addr"].shape[1]
-    qpos = torch.arange(T)
-    col = torch.arange(T)
+    qpos = torch.arange(T, device=x["addr"].device)
+    col = qpos
 
     def step() -> None:
         q, k, z, rho = (x[n].detach().requires_grad_(True) for n in ("q", "k", "z", "rho"))
@@ -119,6 +122,8 @@ def torch_route_step(route: str, x: dict):
             if route == "recent":
                 band = ScoreBand(bucket_layout(x["addr"]))
                 cand = route_context(x["addr"], qpos, K, "recent", query_layout="ar", layout=band.layout)
+            elif route == "recent_kernel":
+                cand = route_context(x["addr"], qpos, K, "recent", query_layout="ar")
             elif route == "topk_score":
                 select = SelectionInputs(q.detach(), k.detach(), x["rec"], float(rho.detach()))
                 cand = route_context(x["addr"], qpos, K, "topk_score", select, query_layout="ar")

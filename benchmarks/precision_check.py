@@ -4,7 +4,11 @@ Trains the same row (same seed, same windows) twice, fp32 and bf16 autocast, and
 reference-protocol validation loss at every evaluation, plus tokens/s measured in the same run.
 
     python benchmarks/precision_check.py --row main-303m/pcaf_context_wt103_t1024 --steps 150 \
-        --out docs/results/bf16-vs-fp32.md
+        --out docs/results/bf16-vs-fp32.md [--scale cpu] [overrides...]
+
+``--scale`` and trailing Hydra overrides (``key=value``) compose the row as ``experiments.reproduce`` does, e.g.
+the WikiText-2 paper shape in full AR on a GPU: ``--row wt2-nt-1024/pcaf_context --scale paper train.mode=ar
+train.batch_size=8 data.layout=tokens``. The run uses the backend's default device (CUDA when present).
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from experiments.reproduce import compose_row
 from pcaf_core.results import read_curve, read_metrics
 
 
-def run(row: str, precision: str, steps: int, every: int, root: Path) -> tuple[list[dict], object]:
+def run(row: str, precision: str, steps: int, every: int, root: Path, scale: str = "cpu",
+        extra: list[str] | None = None) -> tuple[list[dict], object]:
     table, row_id = row.split("/")
-    overrides = [f"train.precision={precision}", f"train.steps={steps}", f"eval.every={every}",
+    overrides = [*(extra or []), f"train.precision={precision}", f"train.steps={steps}", f"eval.every={every}",
                  "train.warmup_steps=10", "train.checkpoint_every=0"]
-    resolved = compose_row(table, row_id, "cpu", "torch", overrides)[0]
+    resolved = compose_row(table, row_id, scale, "torch", overrides)[0]
     metrics = app.run_one(resolved, root / precision, progress=False)
     if metrics.status != "completed":
         raise SystemExit(f"{precision} run failed: {metrics.error}")
@@ -38,11 +43,14 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=30)
     parser.add_argument("--out", default="bench/bf16-vs-fp32.md")
     parser.add_argument("--csv", default="bench/bf16-vs-fp32.csv")
-    args = parser.parse_args()
+    parser.add_argument("--scale", default="cpu", choices=["paper", "cpu", "smoke"])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the row (key=value)")
+    args = parser.parse_intermixed_args()
     with tempfile.TemporaryDirectory() as tmp:
         curves, metrics = {}, {}
         for precision in ("fp32", "bf16"):
-            curves[precision], metrics[precision] = run(args.row, precision, args.steps, args.every, Path(tmp))
+            curves[precision], metrics[precision] = run(args.row, precision, args.steps, args.every, Path(tmp),
+                                                        args.scale, args.overrides)
     evals = {p: {int(r["step"]): float(r["eval_loss_reference"]) for r in c if r.get("eval_loss_reference") not in
                  (None, "")} for p, c in curves.items()}
     steps = sorted(set(evals["fp32"]) & set(evals["bf16"]))
@@ -56,9 +64,10 @@ def main() -> int:
     fp, bf = metrics["fp32"], metrics["bf16"]
     late = [r["abs_diff"] for r in rows if r["step"] > args.steps // 3]
     lines = [
-        f"# bf16 autocast vs fp32 at cpu scale: `{args.row}`",
+        f"# bf16 autocast vs fp32 at {args.scale} scale: `{args.row}`",
         "",
-        f"Command: `python benchmarks/precision_check.py --row {args.row} --steps {args.steps} --every {args.every}`",
+        f"Command: `python benchmarks/precision_check.py --row {args.row} --steps {args.steps} --every {args.every}"
+        f" --scale {args.scale}{''.join(' ' + o for o in args.overrides)}`; device: {fp.device}",
         "",
         f"Same seed and windows; {args.steps} steps; validation loss under the reference protocol "
         f"({fp.eval_batches} random batches per evaluation, the same windows for both runs).",
@@ -72,7 +81,7 @@ def main() -> int:
         f"(ratio {bf.best_ppl / fp.best_ppl:.3f}).",
         f"- Largest eval-loss difference after step {args.steps // 3}: {max(late):.4f} nats "
         f"(PPL factor {math.exp(max(late)):.3f}).",
-        f"- Training throughput, measured side by side: fp32 {fp.tokens_per_sec:.0f} tok/s, "
+        f"- Training throughput (the two runs one after the other in one process): fp32 {fp.tokens_per_sec:.0f} tok/s, "
         f"bf16 {bf.tokens_per_sec:.0f} tok/s (x{bf.tokens_per_sec / fp.tokens_per_sec:.2f}).",
         "",
     ]

@@ -1,6 +1,6 @@
 # Benchmarks: CSV under bench/ (gitignored); ratios are measured side by side in one run.
 .PHONY: bench bench-quick bench-routing bench-models bench-report bench-kernels bench-train-step bench-precision \
-	bench-backends bench-decode
+	bench-backends bench-decode bench-cuda
 
 # The benchmark report: routing cost against T, training throughput and fraction of the matmul peak, torch
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
@@ -58,6 +58,18 @@ bench-train-step: $(VENV)/.installed
 # unit; far longer without one).
 bench-precision: $(VENV)/.installed data
 	$(PY) benchmarks/precision_check.py --steps 120 --every 30 --out bench/bf16-vs-fp32.md --csv bench/bf16-vs-fp32.csv
+
+# The speed targets on a CUDA GPU (bf16 autocast against fp32, fraction of peak, next-token against SDPA, routing,
+# a profile of the full-AR step) and the bf16 learning curves at the WikiText-2 paper shape in full AR, rendered
+# into docs/results/bench_cuda.md with its CSVs in docs/results/bench_cuda/ (about 4 minutes on one H100; the
+# paper-shape row reads the tokenized WikiText-2 release, data.layout=tokens).
+CUDA_RESULTS := docs/results/bench_cuda
+bench-cuda: $(VENV)/.installed data
+	$(PY) -m benchmarks.bench_cuda --out-dir bench/cuda
+	$(PY) benchmarks/precision_check.py --row wt2-nt-1024/pcaf_context --scale paper --steps 600 --every 100 \
+		--out bench/cuda/precision.md --csv bench/cuda/precision.csv train.mode=ar train.batch_size=8 data.layout=tokens
+	mkdir -p $(CUDA_RESULTS) && cp bench/cuda/*.csv bench/cuda/profile_*.txt bench/cuda/precision.md $(CUDA_RESULTS)/
+	$(PY) -m benchmarks.bench_cuda --render $(CUDA_RESULTS) --doc docs/results/bench_cuda.md
 
 # One training step of every PCAF variant and local conv (both modes) on torch and on JAX, in alternating fresh
 # processes, plus the JAX full-AR step at the 41M shape. BACKENDS_RESULTS=docs/results writes the committed copy

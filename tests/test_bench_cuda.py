@@ -1,0 +1,74 @@
+"""``benchmarks/bench_cuda``: every section runs (``--smoke --device cpu``: toy sizes, no GPU), the page renders
+from its CSVs with the targets judged, and the committed GPU run's bf16 verdicts reach the CPU report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_cuda
+from benchmarks.bench_report import CUDA_DIR
+from benchmarks.common import read_csv, write_csv
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench_cuda")
+    assert bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(out)]) == 0
+    return out
+
+
+def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
+    for name in ("gemm", "models", "routing", "profile", "labels"):
+        assert read_csv(smoke_run / f"{name}.csv"), name
+    models = read_csv(smoke_run / "models.csv")
+    assert {(r["model"], r["dtype"]) for r in models} >= {("PCAF-context", "fp32"), ("PCAF-context", "bf16"),
+                                                          ("dense Transformer (SDPA)", "fp32")}
+    assert all(float(r["tokens_per_s"]) > 0 and float(r["model_pct"]) > 0 for r in models)
+    routes = {r["route"] for r in read_csv(smoke_run / "routing.csv")}
+    assert routes == set(bench_cuda.ROUTING_ROUTES)
+    assert read_csv(smoke_run / "labels.csv")[0]["bench_set"] == "smoke"
+    assert (smoke_run / "profile_fp32.txt").read_text().strip()
+
+
+def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
+    """Toy T=64 rows have no target shape, so targets come from rows renamed to the targets' shapes."""
+    rows = read_csv(smoke_run / "models.csv")
+    for r in rows:
+        if r["model"] == "PCAF-context" and r["mode"] == "ar":
+            r.update(T=1024, batch=8, tokens_per_s=300.0 if r["dtype"] == "bf16" else 100.0, model_pct=81.0)
+        if r["mode"] == "nt":
+            r.update(T=2048, targets_per_s=70.0 if r["model"] == "PCAF-context" else 10.0)
+    run = tmp_path / "run"
+    run.mkdir()
+    write_csv(run / "models.csv", rows)
+    for name in ("gemm", "routing", "profile", "labels"):
+        write_csv(run / f"{name}.csv", read_csv(smoke_run / f"{name}.csv"))
+    write_csv(run / "precision.csv", [{"step": s, "fp32_eval_loss": 5.0, "bf16_eval_loss": 5.0 + d, "abs_diff": d}
+                                      for s, d in ((1, 0.0), (20, 0.2), (100, 0.002))])
+    doc = tmp_path / "page.md"
+    bench_cuda.render(run, doc)
+    text = doc.read_text()
+    assert "smoke run" in text.splitlines()[0]
+    assert "| Full-AR PCAF-context bf16 autocast >= 2.5x fp32 tokens/s (T=1024, batch 8, eager) | 300 / 100 = " \
+           "3.00x | **met** |" in text
+    assert "81.0% eager" in text and "7.0x | **met** |" in text
+    assert "largest difference 0.0020 nats | **met** |" in text  # step 20 is in the first third
+    assert "## Routing on the GPU" in text and "## Where the full-AR step's time goes" in text
+    summary = bench_cuda.bf16_summary(run)
+    assert summary is not None and summary["speed_verdict"] == "met" and summary["curves_verdict"] == "met"
+
+
+def test_cpu_device_needs_smoke() -> None:
+    with pytest.raises(SystemExit, match="--smoke"):
+        bench_cuda.main(["--device", "cpu", "--out-dir", "/nonexistent"])
+
+
+def test_committed_gpu_run_is_summarised() -> None:
+    """The committed run under docs/results/bench_cuda: the CPU report's bf16 rows cite its verdicts."""
+    summary = bench_cuda.bf16_summary(CUDA_DIR)
+    assert summary is not None
+    assert summary["speed_verdict"].startswith(("met", "missed by")) and "T=1024 batch 8" in summary["speed"]
+    assert summary["curves_verdict"] in ("met", "missed")
+    assert bench_cuda.bf16_summary(CUDA_DIR / "absent") is None
