@@ -269,6 +269,22 @@ def test_dropout_rate_scale_gradient_and_stream() -> None:
             Dropout(bad)
 
 
+def test_dropout_compiles_without_a_graph_break() -> None:
+    """The mask's random draw traces under torch.compile (an in-place ``random_`` would split the compiled step
+    at every dropout), and the traced layer draws what the eager one draws from the same seed."""
+    import torch._dynamo
+
+    drop = Dropout(0.1).train()
+    x = torch.randn(4, 33)
+    explained = torch._dynamo.explain(drop)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    compiled = torch.compile(drop, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(5)
+    eager = drop(x)
+    torch.manual_seed(5)
+    assert torch.equal(compiled(x), eager)
+
+
 def test_no_dropout_profile_is_deterministic_in_train_mode() -> None:
     model, memory, prof = _configs("transformer_dense", profile="corrected")
     net = _net(model, memory, prof)
