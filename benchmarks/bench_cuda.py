@@ -160,14 +160,14 @@ def gemm_section(device: str = "cuda", smoke: bool = False) -> list[dict]:
 
 
 def _policy(cfg) -> str:
-    from pcaf_core.config import CACHE_VARIANTS, TRANSFORMER_VARIANTS
+    """``benchmarks.bench_models``' policy label, except for Transformers, whose SDPA kernel that module reads
+    off a CPU profile: here the device's own choice."""
+    from benchmarks.bench_models import _policy as cpu_policy
+    from pcaf_core.config import TRANSFORMER_VARIANTS
 
     if cfg.model.variant in TRANSFORMER_VARIANTS:
         return "causal SDPA (the kernel torch picks on the device)"
-    if cfg.model.variant not in CACHE_VARIANTS:
-        return "no cache"
-    m = cfg.memory
-    return f"context/{m.candidate_policy}" if m.route == "context" else f"{m.route}/{m.semantic_index}"
+    return cpu_policy(cfg)
 
 
 def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str = "cuda",
