@@ -29,9 +29,9 @@ Sections (``--sections``, comma-separated):
 
 ``make bench-cuda`` runs both, with ``benchmarks/precision_check.py`` at the paper shape in between.
 
-The second form renders the page from the CSVs (run it anywhere; it needs no GPU). ``--smoke --device cpu``
-runs every section at toy sizes (T = 64 steps, 128-256 token routes) to check the script without a GPU; its
-numbers mean nothing and its rows say ``bench_set=smoke``.
+The second form renders the page from the CSVs (``benchmarks.bench_cuda_report``; anywhere, no GPU).
+``--smoke --device cpu`` runs every section at toy sizes (T = 64 steps, 128-256 token routes) to check the
+script without a GPU; its numbers mean nothing and its rows say ``bench_set=smoke``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_cuda_report import render
 from benchmarks.common import package_version, read_csv, write_csv
 
 SECTIONS = ("gemm", "models", "routing", "profile")
@@ -52,10 +53,6 @@ GEMM_TOKENS = 8192
 ROUTING_SEQ_LENS = (4096, 8192, 16384)
 SMOKE_ROUTING_SEQ_LENS = (128, 256)
 ROUTING_ROUTES = ("recent", "recent_kernel", "topk_score", "semantic_bucketed", "dense")
-BF16_TARGET, SDPA_TARGET = 2.5, 6.1
-CURVE_TOLERANCE = 0.01
-"""nats: bf16 and fp32 validation losses "match within noise" when no evaluation after the first third of the
-run differs by more (a PPL factor of 1.01)."""
 
 
 @dataclass(frozen=True)
@@ -295,170 +292,6 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False) -> lis
         print(f"[bench_cuda profile {precision}] step {wall * 1e3:.2f} ms, GPU busy {busy_ms:.2f} ms, "
               f"{len(kernels) / steps:.0f} kernels a step", file=sys.stderr, flush=True)
     return rows
-
-
-# ----------------------------------------------------------------------------------------------- report
-
-
-def _f(x: str | float, nd: int = 2) -> str:
-    return f"{float(x):,.{nd}f}"
-
-
-def _verdict(ok: bool, by: float) -> str:
-    return "**met**" if ok else f"**missed by {by:.2f}x**"
-
-
-def bf16_summary(bench_dir: Path) -> dict[str, str] | None:
-    """The GPU's bf16 verdicts for ``benchmarks/bench_report`` (the CPU report cites them), from a committed run
-    under ``bench_dir``: ``gpu``, ``speed`` (measured ratios), ``speed_verdict``, ``curves`` and
-    ``curves_verdict``; None without such a run."""
-    if not (bench_dir / "models.csv").exists() or not (bench_dir / "labels.csv").exists():
-        return None
-    labels = read_csv(bench_dir / "labels.csv")[0]
-    rows = {(r["T"], r["batch"], r["compile"], r["dtype"]): r for r in read_csv(bench_dir / "models.csv")
-            if r["model"] == "PCAF-context" and r["mode"] == "ar"}
-    parts, ratios = [], []
-    for (T, batch, comp, dtype), r in rows.items():
-        fp = rows.get((T, batch, comp, "fp32"))
-        if dtype == "bf16" and fp:
-            ratios.append(float(r["tokens_per_s"]) / float(fp["tokens_per_s"]))
-            parts.append(f"T={T} batch {batch} {comp}: {ratios[-1]:.2f}x")
-    if not ratios:
-        return None
-    out = {"gpu": labels["gpu"], "speed": "; ".join(parts),
-           "speed_verdict": "met" if min(ratios) >= BF16_TARGET else f"missed by {BF16_TARGET / max(ratios):.2f}x "
-                                                                       f"(best case)",
-           "curves": "not measured", "curves_verdict": "not measured"}
-    if (bench_dir / "precision.csv").exists():
-        curve = read_csv(bench_dir / "precision.csv")
-        worst = max(float(r["abs_diff"]) for r in curve if int(r["step"]) > int(curve[-1]["step"]) // 3)
-        out.update(curves=f"largest eval-loss difference {worst:.4f} nats after the first third",
-                   curves_verdict="met" if worst <= CURVE_TOLERANCE else "missed")
-    return out
-
-
-def render(bench_dir: Path, doc: Path) -> None:
-    """``doc`` from the CSVs of a run under ``bench_dir`` (gemm.csv, models.csv, routing.csv, labels.csv and,
-    when present, precision.csv / precision.md from ``benchmarks/precision_check.py`` on the same GPU)."""
-    labels = read_csv(bench_dir / "labels.csv")[0]
-    gemm = read_csv(bench_dir / "gemm.csv")
-    models = read_csv(bench_dir / "models.csv")
-    routing = read_csv(bench_dir / "routing.csv") if (bench_dir / "routing.csv").exists() else []
-    peak = {d: max(float(r["gflops"]) for r in gemm if r["dtype"] == d) for d in {r["dtype"] for r in gemm}}
-
-    def row_of(model, mode, T, dtype, compile_="eager"):
-        for r in models:
-            if (r["model"], r["mode"], int(r["T"]), r["dtype"], r["compile"]) == (model, mode, T, dtype, compile_):
-                return r
-        return None
-
-    smoke = labels.get("bench_set") == "smoke"
-    out = [f"# Speed targets on one CUDA GPU: {labels['gpu']}" + (" (smoke run: toy sizes, no figure means "
-                                                                  "anything)" if smoke else ""), "",
-           f"`python -m benchmarks.bench_cuda` on {labels['gpu']} ({labels['gpu_sms']} SMs), torch {labels['torch']}, "
-           f"Triton {labels['triton']}, CUDA {labels['cuda']}; fp32 means `float32_matmul_precision="
-           f"\"{labels['float32_matmul_precision']}\"` (matmul TF32 {labels['matmul_tf32']}, cuDNN TF32 "
-           f"{labels['cudnn_tf32']}); section wall time {labels['wall_s']} s. These are the GPU machine's own "
-           "packages, not the project's CPU pins; the CPU report is [`bench.md`](bench.md). "
-           f"Each ratio below comes from steps interleaved in one process. CSVs and op tables: `{bench_dir.name}/`.",
-           "", "## Targets", "",
-           "| target | measured | verdict |", "|---|---|---|"]
-    for T in (1024, 2048):
-        for comp in ("eager", "inductor"):
-            fp, bf = row_of("PCAF-context", "ar", T, "fp32", comp), row_of("PCAF-context", "ar", T, "bf16", comp)
-            if fp and bf:
-                ratio = float(bf["tokens_per_s"]) / float(fp["tokens_per_s"])
-                out.append(f"| Full-AR PCAF-context bf16 autocast >= {BF16_TARGET}x fp32 tokens/s (T={T}, batch "
-                           f"{fp['batch']}, {comp}) | {_f(bf['tokens_per_s'], 0)} / {_f(fp['tokens_per_s'], 0)} = "
-                           f"{ratio:.2f}x | {_verdict(ratio >= BF16_TARGET, BF16_TARGET / ratio)} |")
-    ar_fp32 = [r for r in (row_of("PCAF-context", "ar", 1024, "fp32", c) for c in ("eager", "inductor")) if r]
-    if ar_fp32:
-        best = max(float(r["model_pct"]) for r in ar_fp32)
-        parts = ", ".join(f"{float(r['model_pct']):.1f}% {r['compile']}" for r in ar_fp32)
-        out.append(f"| Full-AR PCAF-context fp32 >= 80% of the fp32 GEMM peak (T=1024, batch 8) | {parts} (of "
-                   f"{_f(peak['fp32'], 0)} GFLOP/s) | {_verdict(best >= 80, 80 / best)} |")
-    for dtype in ("fp32", "bf16"):
-        p, d = row_of("PCAF-context", "nt", 2048, dtype), row_of("dense Transformer (SDPA)", "nt", 2048, dtype)
-        if p and d:
-            ratio = float(p["targets_per_s"]) / float(d["targets_per_s"])
-            out.append(f"| Next-token T=2048, dropout {p['dropout']}: PCAF-context >= {SDPA_TARGET}x the fused-SDPA "
-                       f"dense Transformer per target ({dtype}) | {_f(p['targets_per_s'], 0)} / "
-                       f"{_f(d['targets_per_s'], 0)} targets/s = {ratio:.1f}x | "
-                       f"{_verdict(ratio >= SDPA_TARGET, SDPA_TARGET / ratio)} |")
-    by = {(r["route"], int(r["T"])): float(r["fwd_bwd_ms"]) for r in routing}
-    prec_csv = bench_dir / "precision.csv"
-    if prec_csv.exists():
-        curve = read_csv(prec_csv)
-        late = [float(r["abs_diff"]) for r in curve if int(r["step"]) > int(curve[-1]["step"]) // 3]
-        worst = max(late) if late else float("nan")
-        out.append(f"| bf16 learning curves match fp32 within noise (at most {CURVE_TOLERANCE} nats apart after the "
-                   f"first third; [below](#bf16-learning-curves-on-the-same-gpu)) | largest difference {worst:.4f} "
-                   f"nats | {'**met**' if worst <= CURVE_TOLERANCE else '**missed**'} |")
-    prec = bench_dir / "precision.md"
-    profile = bench_dir / "profile.csv"
-    if profile.exists():
-        out += ["", "## Where the full-AR step's time goes", "",
-                "Three steps of the eager full-AR PCAF-context case under `torch.profiler` (its wall time includes "
-                "the profiler's own overhead): the GPU's busy time is the sum of its kernels; the op tables by "
-                "device time are `profile_fp32.txt` and `profile_bf16.txt` beside the CSVs.", "",
-                "| dtype | step wall (ms, profiled) | GPU busy (ms) | GPU busy % | kernels a step |",
-                "|---|---|---|---|---|"]
-        prof = {r["dtype"]: r for r in read_csv(profile)}
-        out += [f"| {r['dtype']} | {r['step_wall_ms']} | {r['gpu_busy_ms']} | {r['gpu_busy_pct']} | "
-                f"{r['kernels_per_step']} |" for r in prof.values()]
-        fp, bf = row_of("PCAF-context", "ar", 1024, "fp32"), row_of("PCAF-context", "ar", 1024, "bf16")
-        busy = float(prof["bf16"]["gpu_busy_ms"]) if "bf16" in prof else 0.0
-        ratio = float(bf["tokens_per_s"]) / float(fp["tokens_per_s"]) if fp and bf else 0.0
-        if fp and bf and busy > 0 and ratio < BF16_TARGET:
-            gemm_fp = float(fp["model_gflop_per_step"]) / peak["fp32"] * 1e3
-            gemm_bf = float(bf["model_gflop_per_step"]) / peak["bf16"] * 1e3
-            ceiling = float(fp["step_ms"]) / busy
-            remedy = ("so 2.5x needs most of the launch gaps gone (one CUDA graph per step, which needs a step "
-                      "without host synchronisation); fusing the remaining elementwise kernels would add margin."
-                      if ceiling >= BF16_TARGET else "so removing the launch gaps alone cannot reach 2.5x: the "
-                      "non-GEMM kernels themselves must shrink (fusion).")
-            out += ["", f"Why bf16 stops at {ratio:.2f}x: the step's "
-                    f"{_f(fp['model_gflop_per_step'], 0)} model GFLOP take {gemm_fp:.1f} ms at the fp32 GEMM peak and "
-                    f"{gemm_bf:.1f} ms at the bf16 one, so the fp32 step ({fp['step_ms']} ms, eager) is mostly "
-                    f"matrix products while the bf16 step ({bf['step_ms']} ms) is everything else: the GPU is busy "
-                    f"{busy:.2f} ms of it (the profile above) and waits for the host to launch "
-                    f"{_f(prof['bf16']['kernels_per_step'], 0)} kernels the rest of the time. Even with no launch "
-                    f"gaps the ratio would stop near {ceiling:.1f}x (fp32 step / bf16 GPU busy time), {remedy}"]
-    out += ["", "## GEMM peaks", "", "| GEMM | dtype | shape | ms | GFLOP/s |", "|---|---|---|---|---|"]
-    out += [f"| {r['gemm']} | {r['dtype']} | [{r['m']}, {r['k']}] @ [{r['k']}, {r['n']}] | {r['ms']} | "
-            f"{_f(r['gflops'], 0)} |" for r in gemm]
-    out += ["", "## Training steps", "",
-            "WikiText-2 paper shapes (d / h / layers / V in the table), profile `reference_torch`, one "
-            "`TorchBackend(\"cuda\").train_step` per step, median of the timed steps; % of peak: analytic model "
-            "FLOPs (`pcaf_core.flops`, next-token counted over the full window) / step time / the same dtype's "
-            "GEMM peak above.", "",
-            "| model | mode | T | batch | dtype | compile | dropout | step (ms) | tokens/s | targets/s | step peak "
-            "(MB) | model GFLOP/s | % of peak | first step (s) |", "|---" * 14 + "|"]
-    for r in models:
-        out.append(f"| {r['model']} | {r['mode']} | {r['T']} | {r['batch']} | {r['dtype']} | {r['compile']} | "
-                   f"{r['dropout']} | {r['step_ms']} | {_f(r['tokens_per_s'], 0)} | {_f(r['targets_per_s'], 0)} | "
-                   f"{r['step_peak_mb']} | {_f(r['model_gflops'], 0)} | {r['model_pct']} | {r['first_step_s']} |")
-    if routing:
-        mem = {(r["route"], int(r["T"])): float(r["peak_mb"]) for r in routing}
-        out += ["", "## Routing on the GPU", "",
-                "Forward + backward of one window (batch 1, d = 224, K = 32, fp32), CUDA events, median; "
-                "`recent_kernel` is the `recent` route through the Triton candidate kernels with gathered scores, "
-                "`recent` the same route read off the bucket layout (the path the models take in full AR). The "
-                "routing targets of `bench.md` (sparse >= 10x the dense route at T = 8,192, >= 20x at 16,384) are "
-                "set for the 2-core CPU; the ratios here are for comparison, not verdicts.", "",
-                "| route | T | fwd+bwd (ms) | dense / route (time) | step peak (MB) | dense / route (memory) |",
-                "|---|---|---|---|---|---|"]
-        for r in routing:
-            T = int(r["T"])
-            ratio = by[("dense", T)] / float(r["fwd_bwd_ms"]) if ("dense", T) in by else float("nan")
-            mratio = mem[("dense", T)] / float(r["peak_mb"]) if ("dense", T) in mem and float(r["peak_mb"]) else 0
-            out.append(f"| {r['route']} | {T} | {r['fwd_bwd_ms']} | {ratio:.1f}x | {r['peak_mb']} | "
-                       f"{mratio:.1f}x |")
-    if prec.exists():
-        body = prec.read_text().splitlines()
-        out += ["", "## bf16 learning curves on the same GPU", "", *body[2:]]
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text("\n".join(out) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ from benchmarks.bench_backends import (
     parity_table,
     parity_verdict,
 )
-from benchmarks.bench_cuda import bf16_summary
+from benchmarks.bench_cuda_report import bf16_summary
 from benchmarks.bench_routing import routing_summary
 from benchmarks.common import read_csv
 

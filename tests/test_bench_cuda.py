@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_cuda
+from benchmarks import bench_cuda, bench_cuda_report
 from benchmarks.bench_report import CUDA_DIR
 from benchmarks.common import read_csv, write_csv
 
@@ -48,7 +48,7 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     write_csv(run / "precision.csv", [{"step": s, "fp32_eval_loss": 5.0, "bf16_eval_loss": 5.0 + d, "abs_diff": d}
                                       for s, d in ((1, 0.0), (20, 0.2), (100, 0.002))])
     doc = tmp_path / "page.md"
-    bench_cuda.render(run, doc)
+    bench_cuda_report.render(run, doc)
     text = doc.read_text()
     assert "smoke run" in text.splitlines()[0]
     assert "| Full-AR PCAF-context bf16 autocast >= 2.5x fp32 tokens/s (T=1024, batch 8, eager) | 300 / 100 = " \
@@ -56,7 +56,7 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert "81.0% eager" in text and "7.0x | **met** |" in text
     assert "largest difference 0.0020 nats | **met** |" in text  # step 20 is in the first third
     assert "## Routing on the GPU" in text and "## Where the full-AR step's time goes" in text
-    summary = bench_cuda.bf16_summary(run)
+    summary = bench_cuda_report.bf16_summary(run)
     assert summary is not None and summary["speed_verdict"] == "met" and summary["curves_verdict"] == "met"
 
 
@@ -67,8 +67,8 @@ def test_cpu_device_needs_smoke() -> None:
 
 def test_committed_gpu_run_is_summarised() -> None:
     """The committed run under docs/results/bench_cuda: the CPU report's bf16 rows cite its verdicts."""
-    summary = bench_cuda.bf16_summary(CUDA_DIR)
+    summary = bench_cuda_report.bf16_summary(CUDA_DIR)
     assert summary is not None
     assert summary["speed_verdict"].startswith(("met", "missed by")) and "T=1024 batch 8" in summary["speed"]
     assert summary["curves_verdict"] in ("met", "missed")
-    assert bench_cuda.bf16_summary(CUDA_DIR / "absent") is None
+    assert bench_cuda_report.bf16_summary(CUDA_DIR / "absent") is None
