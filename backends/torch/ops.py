@@ -195,11 +195,10 @@ class _GatherDot(torch.autograd.Function):
             return gx, gy, None, None
         B, Q, C = index.shape
         T, d = y.shape[1], y.shape[2]
+        kernel_gy = ctx.needs_input_grad[1] and _segment_kernel_for(grad, y)
         gx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
-        gy = torch.zeros(B * T, d, dtype=y.dtype, device=y.device) if ctx.needs_input_grad[1] else None
-        gy_done = None
-        if gy is not None and _segment_kernel_for(grad, y):
-            gy_done, gy = gather_dot_grad_y(x, grad, index, T).to(y.dtype), None
+        gy = (torch.zeros(B * T, d, dtype=y.dtype, device=y.device) if ctx.needs_input_grad[1] and not kernel_gy
+              else None)
         qc = _query_chunk(Q, B * C * d, ctx.chunk_elements)
         offset = (torch.arange(B, device=index.device) * T)[:, None, None]
         for q0 in range(0, Q, qc):
@@ -211,8 +210,8 @@ class _GatherDot(torch.autograd.Function):
                 contrib = g[..., None] * x[:, q0 : q0 + qc, None, :]  # [B, qc, C, d]
                 rows = (index[:, q0 : q0 + qc] + offset).reshape(-1)
                 gy.index_add_(0, rows, contrib.reshape(-1, d))
-        if gy_done is not None:
-            return gx, gy_done, None, None
+        if kernel_gy:
+            return gx, gather_dot_grad_y(x, grad, index, T).to(y.dtype), None, None
         return gx, (None if gy is None else gy.view(B, T, d)), None, None
 
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from backends.torch.kernels.ops import triton_enabled
+
 try:
     import triton
     import triton.language as tl
@@ -109,8 +111,6 @@ def gather_dot_grad_y_torch(x: torch.Tensor, grad: torch.Tensor, index: torch.Te
 @torch.library.custom_op("pcaf::gather_dot_grad_y", mutates_args=())
 def _gather_dot_grad_y(x: torch.Tensor, grad: torch.Tensor, index: torch.Tensor, T: int) -> torch.Tensor:
     """``pcaf::gather_dot_grad_y``: see :func:`gather_dot_grad_y`."""
-    from backends.torch.kernels.ops import triton_enabled
-
     if triton is not None and triton_enabled(x):
         return gather_dot_grad_y_triton(x, grad, index, T)
     return gather_dot_grad_y_torch(x, grad, index, T)
