@@ -365,17 +365,21 @@ def _scattered_slots(T: int = 75, W: int = 8, C: int = 5, seed: int = 5):
     return layout, x, y, jnp.asarray(index)
 
 
-@pytest.mark.parametrize("outside_pairs", [4096, 7], ids=["compact", "every-slot"])
-def test_band_gather_dot_equals_gather_dot(outside_pairs: int) -> None:
+@pytest.mark.parametrize(("outside_pairs", "band_width"), [(4096, 8), (7, 8), (4096, 80)],
+                         ids=["compact", "every-slot", "none-outside"])
+def test_band_gather_dot_equals_gather_dot(outside_pairs: int, band_width: int) -> None:
     """Values and gradients on every non-empty slot, inside the band and outside it: outside pairs gathered
-    compactly, or (more of them than ``outside_pairs``) every slot gathered."""
-    W = 8
+    compactly, or (more of them than ``outside_pairs``) every slot gathered; with a band wider than the
+    sequence no pair lies outside and nothing is gathered."""
+    W = band_width
     with jax.enable_x64(True):
-        layout, x, y, index = _scattered_slots(W=W)
+        layout, x, y, index = _scattered_slots(W=8)
         ok = np.asarray(index) >= 0
         offset = np.asarray(layout.rank)[..., None] - 1 - np.take_along_axis(
             np.asarray(layout.rank), np.maximum(np.asarray(index), 0).reshape(2, -1), axis=1).reshape(index.shape)
-        assert (ok & (offset < W)).sum() > 300 and (ok & (offset >= W)).sum() > 100 and (~ok).sum() > 20
+        outside = (ok & (offset >= W)).sum()
+        assert (ok & (offset < W)).sum() > 300 and (~ok).sum() > 20
+        assert outside > 100 if W == 8 else outside == 0
         cot = jnp.where(ok, jnp.asarray(np.random.default_rng(2).normal(size=ok.shape)), 0.0)
 
         def banded(x, y):
