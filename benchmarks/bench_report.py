@@ -63,7 +63,8 @@ def _missed(measured: float, needed: float, *, higher_is_better: bool = True) ->
     if ok:
         return "met"
     factor = needed / measured if higher_is_better else measured / needed
-    return f"missed by {factor:.2f}x"
+    # Two decimals would print a near miss (79.7% against 80%) as "missed by 1.00x".
+    return f"missed by {factor:.2f}x" if factor >= 1.01 else f"missed by {factor:.3f}x"
 
 
 def _all(verdicts: list[str]) -> str:

@@ -287,3 +287,13 @@ def test_quick_stand_ins_are_labelled_never_mixed_with_a_full_run_and_never_comm
     with pytest.raises(ValueError, match="mix quick and full runs"):
         render(mixed, tmp_path / "mixed.md")
     assert not (tmp_path / "mixed.md").exists()
+
+
+def test_a_near_miss_is_not_printed_as_missed_by_one() -> None:
+    """79.7% against 80% is missed by 1.004x, never "1.00x"; larger misses keep two decimals."""
+    from benchmarks.bench_report import _missed
+
+    assert _missed(79.7, 80.0) == "missed by 1.004x"
+    assert _missed(64.0, 80.0) == "missed by 1.25x"
+    assert _missed(80.0, 80.0) == "met"
+    assert _missed(1.2, 1.19, higher_is_better=False) == "missed by 1.008x"
