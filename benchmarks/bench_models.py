@@ -225,6 +225,12 @@ def step_budget(case: Case, warmup: int, steps: int) -> tuple[int, int]:
     return 2 if case.compile == "inductor" else 1, min(steps, 3)
 
 
+NT_MIN_TIMED_SECONDS, NT_MAX_STEPS = 3.0, 40
+"""A next-token conv-backbone step takes 0.1-0.5 s, so 5 timed steps were under a second, too few for the
+compiled/eager ratio on a machine with ±10-20% noise (one full run read 0.94 where 30 interleaved rounds read
+1.12): such cases get at least this many timed seconds (at most ``NT_MAX_STEPS`` steps), except in ``--quick``."""
+
+
 def timed_steps(budget: int, step_s: float) -> int:
     """``budget`` timed steps, cut so that they take about :data:`TIMED_SECONDS` when one step (the last
     untimed one) took ``step_s``; at least one."""
@@ -232,9 +238,10 @@ def timed_steps(budget: int, step_s: float) -> int:
 
 
 def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path | None, profile_T: int,
-                  peak_probe: PeakProbe | None = None) -> list[dict]:
+                  peak_probe: PeakProbe | None = None, nt_min_seconds: float = 0.0) -> list[dict]:
     """Build every case of ``group`` (one mode and T), warm each up, then time their steps interleaved
-    (:func:`step_budget` says how many), with a ``peak_probe`` reading of the fp32 GEMM peak after every round."""
+    (:func:`step_budget` says how many; cheap next-token cases at least ``nt_min_seconds`` of them), with a
+    ``peak_probe`` reading of the fp32 GEMM peak after every round."""
     from backends.torch.backend import TorchBackend
     from backends.torch.compile import compile_pays_off
     from benchmarks.torch_memory import PeakLiveBytes
@@ -268,6 +275,8 @@ def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path 
             last_s = time.perf_counter() - t0
             row["step_peak_mb"] = round(probe.peak_bytes / 2**20, 1)
         case_steps = timed_steps(case_steps, last_s)
+        if nt_min_seconds and case.mode == "nt" and not MODELS[case.model][1].startswith("transformer"):
+            case_steps = max(case_steps, min(NT_MAX_STEPS, round(nt_min_seconds / max(last_s, 1e-9))))
         row["state_mb"] = round(16 * row["params"] / 2**20, 1)
         if profile_dir is not None and _profiled(case, profile_T):
             path = profile_dir / f"profile_{_slug(case)}.txt"
@@ -367,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     probe = PeakProbe(args.quick)
     for group in groups.values():
         rows += measure_group(group, warmup, steps, Path(args.profile_dir) if args.profile_dir else None,
-                              PROFILED_T_QUICK if args.quick else PROFILED_T, probe)
+                              PROFILED_T_QUICK if args.quick else PROFILED_T, probe,
+                              nt_min_seconds=0.0 if args.quick or args.steps else NT_MIN_TIMED_SECONDS)
     wall = round(time.perf_counter() - start, 1)
     for r in rows:
         peak = r["peak_gflops"] if r["dtype"] == "fp32" else bf16_peak

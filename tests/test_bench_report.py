@@ -198,6 +198,34 @@ def test_fraction_of_peak_uses_the_gemm_readings_taken_between_the_groups_steps(
     assert bench_models.PeakProbe(quick=True).read() > 1e8  # the real probe reads a positive FLOP/s
 
 
+def test_cheap_next_token_cases_get_a_floor_of_timed_seconds(monkeypatch):
+    """A next-token conv-backbone step of a fraction of a second is timed for about ``nt_min_seconds``
+    (capped at NT_MAX_STEPS steps), not 5 steps, so the compiled/eager ratio is not read off a second of
+    noise; without the floor (``--quick``, ``--steps``) the budget stands."""
+    from benchmarks import bench_models
+
+    class InstantBackend:  # a step takes microseconds: the floor's cap decides
+        def __init__(self, device: str) -> None:
+            pass
+
+        def init(self, cfg):
+            return 0
+
+        def train_step(self, state, x, y, lr):
+            return state + 1, 1.0
+
+        def param_count(self, state) -> int:
+            return 10
+
+    monkeypatch.setattr("backends.torch.backend.TorchBackend", InstantBackend)
+    monkeypatch.setattr(bench_models, "_batch", lambda cfg: (None, None, "none"))
+    case = bench_models.Case("PCAF-context", "nt", 1024, 8, 0.1)
+    (floored,) = bench_models.measure_group([case], 1, 5, None, 1024, None, nt_min_seconds=3.0)
+    assert floored["steps"] == bench_models.NT_MAX_STEPS
+    (plain,) = bench_models.measure_group([case], 1, 5, None, 1024, None)
+    assert plain["steps"] == 5
+
+
 def test_routing_bench_runs_each_T_in_its_own_worker_and_skips_routes_out_of_memory(tmp_path, monkeypatch) -> None:
     """One worker per (backend, T); a route out of memory at one T is not tried at a larger T."""
     from benchmarks import bench_routing
