@@ -164,23 +164,26 @@ def test_a_compiled_case_is_timed_after_a_steady_warm_up_step():
     assert step_budget(Case("PCAF-context", "nt", 1024, 8, 0.1), 1, 5) == (1, 5)
 
 
+class FakeBackend:
+    """A torch backend stand-in for bench_models.measure_group: no model is built, a step costs microseconds."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def init(self, cfg):
+        return 0
+
+    def train_step(self, state, x, y, lr):
+        return state + 1, 1.0
+
+    def param_count(self, state) -> int:
+        return 10
+
+
 def test_fraction_of_peak_uses_the_gemm_readings_taken_between_the_groups_steps(monkeypatch):
     """A row's peak is the median of the GEMM readings taken after each round of its group's timed steps, not
     one reading at the start of the run."""
     from benchmarks import bench_models
-
-    class FakeBackend:  # the step's cost is not under test: no model is built
-        def __init__(self, device: str) -> None:
-            self.device = device
-
-        def init(self, cfg):
-            return 0
-
-        def train_step(self, state, x, y, lr):
-            return state + 1, 1.0
-
-        def param_count(self, state) -> int:
-            return 10
 
     class FakeProbe:
         def __init__(self) -> None:
@@ -204,20 +207,8 @@ def test_cheap_next_token_cases_get_a_floor_of_timed_seconds(monkeypatch):
     noise; without the floor (``--quick``, ``--steps``) the budget stands."""
     from benchmarks import bench_models
 
-    class InstantBackend:  # a step takes microseconds: the floor's cap decides
-        def __init__(self, device: str) -> None:
-            pass
-
-        def init(self, cfg):
-            return 0
-
-        def train_step(self, state, x, y, lr):
-            return state + 1, 1.0
-
-        def param_count(self, state) -> int:
-            return 10
-
-    monkeypatch.setattr("backends.torch.backend.TorchBackend", InstantBackend)
+    # A step of the fake backend takes microseconds: the floor's step cap decides.
+    monkeypatch.setattr("backends.torch.backend.TorchBackend", FakeBackend)
     monkeypatch.setattr(bench_models, "_batch", lambda cfg: (None, None, "none"))
     case = bench_models.Case("PCAF-context", "nt", 1024, 8, 0.1)
     (floored,) = bench_models.measure_group([case], 1, 5, None, 1024, None, nt_min_seconds=3.0)
