@@ -6,7 +6,7 @@
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
 # run one after another (never in parallel: they time the whole machine); run it on an otherwise idle machine.
 # Measured alone on 2-core machines: 1,072 s = 17.9 minutes on a Xeon with AVX-512 (routing 136 s, models 416 s,
-# backends 511 s; the committed report's run, whose models section was rerun in 409 s; 1,054, 1,092 and 1,136 s in
+# backends 511 s; the committed report's run, whose models section was rerun in 409 and 543 s; 1,054, 1,092 and 1,136 s in
 # earlier runs), 1,638 s = 27.3 minutes on an AMD EPYC (routing 229, models 695, backends
 # 704 s; 2 rounds, each one worker process per backend over every case).
 # BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in under 2 minutes (72 s on the Xeon, 115 s on
