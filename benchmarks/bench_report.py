@@ -138,7 +138,8 @@ def model_targets(rows: list[dict] | None, gemm: list[dict] | None, cuda_dir: Pa
     ar = sorted((r for r in rows or [] if r["model"] == "PCAF-context" and r["mode"] == "ar" and r["dtype"] == "fp32"
                  and str(r["dropout"]) == "0.1" and int(r["T"]) >= 1024), key=lambda r: (int(r["T"]), r["compile"]))
     if ar:
-        parts = [f"T={r['T']} ({r['compile']}): {r['model_pct']}% ({_f(r['tokens_per_s']):,.0f} tokens/s)" for r in ar]
+        parts = [f"T={r['T']} batch {r['batch']} ({r['compile']}): {r['model_pct']}% ({_f(r['tokens_per_s']):,.0f} "
+                 "tokens/s)" for r in ar]
         best = {}
         for r in ar:
             best[r["T"]] = max(best.get(r["T"], 0.0), _f(r["model_pct"]))
@@ -204,7 +205,7 @@ def model_targets(rows: list[dict] | None, gemm: list[dict] | None, cuda_dir: Pa
             auto = str(r["auto_compiles"]) == "True"
             pairs.append((r, x, abs(x - 1.0) <= COMPILE_TIE or (x > 1.0) == auto, auto))
     if pairs:
-        parts = [f"{r['model']} {r['mode']} T={r['T']}: compiled/eager {x:.2f}"
+        parts = [f"{r['model']} {r['mode']} T={r['T']} batch {r['batch']}: compiled/eager {x:.2f}"
                  f"{' (a tie: within ' + format(COMPILE_TIE, '.0%') + ')' if abs(x - 1.0) <= COMPILE_TIE else ''}, "
                  f"auto {'compiles' if a else 'stays eager'}" for r, x, _, a in pairs]
         verdict = "met" if all(ok for _, _, ok, _ in pairs) else "missed: auto disagrees with the measurement"
@@ -218,7 +219,7 @@ def model_targets(rows: list[dict] | None, gemm: list[dict] | None, cuda_dir: Pa
 def _profile_evidence(rows: list[dict] | None, mode: str) -> str:
     for r in rows or []:
         if r["mode"] == mode and r.get("profile_top"):
-            return f"profile of one eager step (T={r['T']}): {r['profile_top']}"
+            return f"profile of one eager step (T={r['T']}, batch {r['batch']}): {r['profile_top']}"
     return ""
 
 

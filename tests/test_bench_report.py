@@ -164,6 +164,23 @@ def test_a_compiled_case_is_timed_after_a_steady_warm_up_step():
     assert step_budget(Case("PCAF-context", "nt", 1024, 8, 0.1), 1, 5) == (1, 5)
 
 
+@pytest.mark.parametrize("bf16_unit", [False, True])
+def test_full_ar_cases_train_the_same_tokens_a_step_at_every_context(bf16_unit):
+    """Full-AR steps at T = 1024, 2048 and 4096 train batch 4, 2 and 1 sequences (the T=1024 shape is the one
+    the paper's PyTorch code was timed at), so their fractions of peak compare like with like; only the
+    T=128 bf16 demonstration pair trains less."""
+    from benchmarks.bench_models import AR_TOKENS, cases
+
+    ar = [c for c in cases(quick=False, bf16_unit=bf16_unit) if c.mode == "ar"]
+    assert {c.T for c in ar} >= {1024, 2048, 4096}
+    for c in ar:
+        if c.T >= 1024:
+            assert c.batch * c.T == AR_TOKENS, c
+    assert {(c.T, c.batch) for c in ar if c.model == "PCAF-context" and c.T >= 1024} == {
+        (1024, 4), (2048, 2), (4096, 1)}
+    assert [c.T for c in ar if c.T < 1024] == ([] if bf16_unit else [128, 128])
+
+
 class FakeBackend:
     """A torch backend stand-in for bench_models.measure_group: no model is built, a step costs microseconds."""
 
