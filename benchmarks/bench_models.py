@@ -349,7 +349,8 @@ def _policy(cfg) -> str:
 
 
 def finish(case: Case, cfg, row: dict, times: list[float]) -> dict:
-    """Median step time, tokens/s and the FLOP counts of a measured case."""
+    """Median step time, tokens/s and the FLOP counts of a measured case; ``step_times_ms`` keeps every timed
+    step in round order (the cases of a group step in turn, so the i-th times of two cases are one round's)."""
     step_s = float(np.median(times))
     B, T = case.batch, case.T
     full = train_step_flops(cfg.model, cfg.memory, case.mode, T, B, nt_count="full_window")
@@ -359,6 +360,7 @@ def finish(case: Case, cfg, row: dict, times: list[float]) -> dict:
     if cfg.model.variant == "transformer_local":
         executed = train_step_flops(cfg.model, cfg.memory, case.mode, T, B, attention_keys="computed")
     row.update(step_ms=round(step_s * 1e3, 2), steps=len(times), tokens_per_s=round(B * T / step_s, 1),
+               step_times_ms=";".join(f"{t * 1e3:.1f}" for t in times),
                targets_per_s=round((B * T if case.mode == "ar" else B) / step_s, 1),
                model_gflop_per_step=round(full / 1e9, 3), executed_gflop_per_step=round(executed / 1e9, 3),
                model_gflops=round(full / step_s / 1e9, 2), executed_gflops=round(executed / step_s / 1e9, 2))

@@ -84,6 +84,24 @@ def median_seconds(fn: Callable[[], object], warmup: int, repeats: int) -> tuple
     return statistics.median(times), times
 
 
+def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float, float] | None:
+    """Distribution-free interval for the median of ``values`` (binomial order statistics: the k-th smallest
+    and k-th largest, with k the largest rank whose two-sided miss probability stays within
+    ``1 - confidence``); None when there are too few values for that confidence (fewer than 5 at 0.9)."""
+    import math
+
+    xs = sorted(values)
+    n = len(xs)
+    tail = (1.0 - confidence) / 2.0
+    k, below = 0, 0.0  # below = P(Binomial(n, 1/2) <= k - 1)
+    while k < n // 2:
+        nxt = below + math.comb(n, k) / 2.0**n
+        if nxt > tail:
+            break
+        k, below = k + 1, nxt
+    return (xs[k - 1], xs[n - k]) if k else None
+
+
 def loglog_slope(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of log(y) against log(x): the exponent p of y ∝ x^p."""
     import math

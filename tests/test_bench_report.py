@@ -267,6 +267,43 @@ def test_compile_default_verdict_counts_a_difference_within_the_tie_band_as_a_ti
     assert ("a tie" in target.measured) == (abs(compiled / 1000 - 1) <= COMPILE_TIE)
 
 
+@pytest.mark.parametrize("eager_ms, compiled_ms, auto, verdict, note", [
+    # every round faster compiled: a real difference, which auto must follow
+    ([100, 102, 98, 101, 99, 100, 103, 97], [90, 91, 89, 92, 88, 90, 91, 89], True, "met",
+     "compiled/eager 1.11 (90% interval 1.10-1.12 over 8 paired rounds)"),
+    ([100, 102, 98, 101, 99, 100, 103, 97], [90, 91, 89, 92, 88, 90, 91, 89], False,
+     "missed: auto disagrees with the measurement", "compiled/eager 1.11"),
+    # a 6% median from rounds that disagree: the interval holds 1, so either default is right
+    ([100, 100, 100, 100, 100], [85, 94, 110, 92, 120], False, "met",
+     "compiled/eager 1.06 (a tie: 90% interval 0.83-1.18 over 5 paired rounds)"),
+    # too few rounds for an interval: the tie band alone decides
+    ([100, 100, 100], [85, 94, 110], False, "missed: auto disagrees with the measurement", "compiled/eager 1.06, "),
+])
+def test_compile_default_verdict_reads_the_paired_rounds(eager_ms, compiled_ms, auto, verdict, note) -> None:
+    """Compiled and eager steps alternate within each round, so the per-round ratios are paired samples; their
+    median and its distribution-free interval decide whether one is faster, not two noisy medians."""
+    from benchmarks.bench_report import model_targets
+
+    P = "PCAF-context"
+    eager = _model(P, "ar", 1024, 1000, batch=4, auto=auto)
+    compiled = _model(P, "ar", 1024, 1000, compile="inductor", batch=4, auto=auto)
+    eager["step_times_ms"] = ";".join(map(str, eager_ms))
+    compiled["step_times_ms"] = ";".join(map(str, compiled_ms))
+    target = next(t for t in model_targets([eager, compiled], None) if "compiled training step" in t.target)
+    assert target.verdict == verdict
+    assert note in target.measured, target.measured
+
+
+def test_median_interval_uses_binomial_order_statistics() -> None:
+    from benchmarks.common import median_interval
+
+    assert median_interval([3.0, 1.0, 2.0, 4.0]) is None  # 2 * 2^-4 > 10%: no interval at 90%
+    assert median_interval([5.0, 1.0, 3.0, 2.0, 4.0]) == (1.0, 5.0)  # coverage 1 - 2 * 2^-5
+    assert median_interval([float(i) for i in range(1, 9)]) == (2.0, 7.0)
+    assert median_interval([float(i) for i in range(1, 41)]) == (15.0, 26.0)  # P(Bin(40, 1/2) <= 14) = 0.040
+    assert median_interval([float(i) for i in range(1, 41)], confidence=0.5) == (18.0, 23.0)
+
+
 @pytest.mark.parametrize("floor_s, tps, verdict", [
     (4.0, 400.0, "missed by 1.80x (against 2x360) (impossible on this CPU: at most 512 tokens/s from the work it "
                  "must do)"),
