@@ -22,7 +22,8 @@ import and configuration cost is paid once, not per case), and the backends alte
 (torch then JAX, then JAX then torch, ...) for ``--rounds`` rounds so that the machine's drift falls on
 both sides alike. Each case takes ``--warmup`` steps (default 10: JIT compilation, then the allocator
 and thread pool warming up; JAX's first ~8 steps after compilation run 2-4x slower than its steady
-state here) and then ``--steps`` timed steps (default 12); their median is one sample, and the table
+state here) and then ``--steps`` timed steps (default 12; more for a cheap case, up to
+:data:`MIN_TIMED_SECONDS` of them); their median is one sample, and the table
 reports the median over rounds. Exceptions, each written on its case: the 41M case (JAX alone, 5-7 s a
 step) takes 6 + 3 steps in the first round only, then times work any such step must do with XLA
 (:func:`jax_step_floor`: the least time a step of that model can take here); the bf16 demonstration
@@ -31,7 +32,7 @@ with the same environment (the glibc tunables of ``experiments.allocator`` when 
 dropout as the row's profile says, every core of the machine: torch intra-op threads = cores, XLA's
 CPU thread pool = cores).
 
-    python -m benchmarks.bench_backends [--out bench/backends.csv] [--rounds 2] [--warmup 10] [--steps 12]
+    python -m benchmarks.bench_backends [--out bench/backends.csv] [--rounds 3] [--warmup 10] [--steps 12]
                                         [--results-dir DIR] [--quick]
 
 ``--results-dir`` also writes ``bench_backends_cpu.{csv,md}`` there: every row labelled with the machine,
@@ -137,10 +138,20 @@ def _backend(name: str):
     return JaxBackend("cpu")
 
 
+MIN_TIMED_SECONDS, MAX_TIMED_STEPS = 2.0, 200
+"""A sample keeps timing steps past ``steps`` until its timed steps add up to this many seconds (at most
+``MAX_TIMED_STEPS``): 12 steps of a 20-30 ms next-token step are a third of a second, and one such sample read
+JAX/torch 1.64 where four rounds read 1.19 when the machine slowed for a moment. Not for cases with their own
+step counts (the 41M case) nor for runs of fewer than 5 timed steps (``--quick``)."""
+
+
 def worker(backend_name: str, case: int, warmup: int, steps: int) -> dict:
     """Time ``steps`` training steps of ``CASES[case]`` on one backend after ``warmup`` untimed ones (the
-    case's ``steps_override`` wins); returns the median and context."""
-    warmup, steps = CASES[case].steps_override or (warmup, steps)
+    case's ``steps_override`` wins), more while they add up to under :data:`MIN_TIMED_SECONDS`; returns the
+    median and context."""
+    override = CASES[case].steps_override
+    warmup, steps = override or (warmup, steps)
+    min_seconds = 0.0 if override or steps < 5 else MIN_TIMED_SECONDS
     cfg = _run_config(CASES[case])
     backend = _backend(backend_name)
     state = backend.init(cfg)
@@ -149,12 +160,14 @@ def worker(backend_name: str, case: int, warmup: int, steps: int) -> dict:
     inputs = rng.integers(3, V, (B, T)).astype(np.int32)
     targets = rng.integers(3, V, (B, T) if cfg.train.mode == "ar" else (B,)).astype(np.int32)
     times, losses = [], []
-    for i in range(warmup + steps):
+    i = 0
+    while i < warmup + steps or (sum(times) < min_seconds and len(times) < MAX_TIMED_STEPS):
         t0 = time.perf_counter()
         state, loss = backend.train_step(state, inputs, targets, 1e-4)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         losses.append(loss)
+        i += 1
     from pcaf_core.flops import train_step_flops
 
     compiled = "jit" if backend_name == "jax" else ("inductor" if "torch.compile" in backend.device else "eager")
@@ -339,7 +352,7 @@ def _samples(backend_name: str, cases: list[int], warmup: int, steps: int, headi
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/backends.csv")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     # JAX's first ~8 steps after compilation run 2-4x slower than its steady state on this CPU (XLA's
     # allocator and thread pool warming up); a 3-step warm-up put that phase into the median.
     parser.add_argument("--warmup", type=int, default=10)

@@ -15,8 +15,9 @@ queries, keys, ρ (and the router for the semantic route):
   (S = 256, τ = 0.2) and the route term ``λ·log m`` (λ = 1) in the scores.
 
 Each (backend, T) runs in a fresh process (so no case is timed in a heap a larger one grew), the sparse
-routes first and the dense route last, each timed as the median of ``--repeats`` runs after its warm-up
-runs (:func:`schedule`; JAX: ``jax.jit`` of the value-and-gradient, compiled before them). Memory is the
+routes first, timed in interleaved rounds (one run of each per round), and the dense route last; each time is
+the median of ``--repeats`` runs after its warm-up runs (:func:`schedule`; JAX: ``jax.jit`` of the
+value-and-gradient, compiled before them). Memory is the
 peak of intermediate buffers, inputs excluded: torch, the live bytes of every op output
 (``benchmarks/torch_memory.py``: forward and backward, freed buffers subtracted); JAX, XLA's buffer
 assignment for the compiled step (``memory_analysis().temp_size_in_bytes``). A route that
@@ -32,13 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-from benchmarks.common import environment_labels, loglog_slope, median_seconds, text_tokens, write_csv
+from benchmarks.common import environment_labels, loglog_slope, text_tokens, write_csv
 from pcaf_core.hashing import addresses as spec_addresses
 from pcaf_core.mixture import MASKED_SCORE
 
@@ -50,6 +52,11 @@ MEASURE_ORDER = ("recent", "topk_score", "semantic_bucketed", "dense")
 BACKENDS = ("torch", "jax")
 D, K, S, NUM_BUCKETS, TAU, LAMBDA = 224, 32, 256, 32768, 0.2, 1.0
 
+
+REPEATS = 15
+"""Timed runs of a route (the dense route at T >= 8,192: 2): a sparse step takes 2-180 ms, so 15 interleaved
+rounds cost seconds, and a median of 5 runs taken back to back once read 94 ms for a step that reads 53 ms
+(torch ``topk_score``, T = 8,192) when the machine slowed for under a second."""
 
 SPARSE_WARMUP = 8
 """Untimed runs before a sparse route is timed: a jitted JAX step runs 1.5-2x slower for its first few calls
@@ -152,28 +159,74 @@ def torch_worker(seq_lens: tuple[int, ...], repeats: int, skip: tuple[str, ...] 
         raw = inputs(T)
         x = {n: torch.from_numpy(v) for n, v in raw.items() if isinstance(v, np.ndarray)}
         x["rho"] = torch.tensor(1.0)
-        for route in MEASURE_ORDER:
-            if route in dead:
-                continue
-            row = {"backend": "torch", "route": route, "T": T, "batch": 1, "d": D, "K": K, "dtype": "fp32",
-                   "compile": "eager", "dropout": "none", "tokens": raw["source"], "memory_method": method}
-            try:
-                step = torch_route_step(route, x)
-                with PeakLiveBytes() as probe:
-                    step()
-                warm, reps = schedule(route, T, repeats)
-                sec, _ = median_seconds(step, warm, reps)
-                peak = probe.peak_bytes if "peak" in method else probe.largest_bytes
-                row.update(status="ok", fwd_bwd_ms=round(sec * 1e3, 3), peak_mb=round(peak / 2**20, 3),
-                           largest_buffer_mb=round(probe.largest_bytes / 2**20, 3), warmup=warm, repeats=reps)
-            except (MemoryError, RuntimeError) as exc:
-                if not _out_of_memory(exc):
-                    raise
-                dead.add(route)
-                row.update(status=f"out of memory ({exc})"[:80])
-            rows.append(row)
-            print(_line(row), file=sys.stderr, flush=True)
+
+        def prepare(route: str, row: dict, x: dict = x):
+            step = torch_route_step(route, x)
+            with PeakLiveBytes() as probe:
+                step()
+            peak = probe.peak_bytes if "peak" in method else probe.largest_bytes
+            row.update(peak_mb=round(peak / 2**20, 3), largest_buffer_mb=round(probe.largest_bytes / 2**20, 3))
+            return step
+
+        base = {"backend": "torch", "T": T, "batch": 1, "d": D, "K": K, "dtype": "fp32", "compile": "eager",
+                "dropout": "none", "tokens": raw["source"], "memory_method": method}
+        rows += _measure_T(base, T, repeats, dead, prepare)
     return rows
+
+
+def _measure_T(base: dict, T: int, repeats: int, dead: set[str], prepare) -> list[dict]:
+    """Rows of every live route at ``T``: ``prepare(route, row)`` builds the step (recording its memory in
+    ``row``) and returns it; the sparse routes are then timed in interleaved rounds (one run of each per round,
+    after their warm-ups), so a slow phase of the machine falls on all of them alike, and the dense route
+    last. A route out of memory joins ``dead``."""
+    rows, sparse = [], {}
+    for route in MEASURE_ORDER:
+        if route in dead:
+            continue
+        if route == "dense" and sparse:  # timed before the dense route's [T, T] buffers grow the heap
+            _time_routes(rows, sparse, T, repeats)
+            sparse = {}
+        row = {**base, "route": route}
+        rows.append(row)
+        try:
+            step = prepare(route, row)
+            if route != "dense":
+                sparse[route] = step
+                continue
+            _time_routes(rows, {route: step}, T, repeats)
+        except (MemoryError, RuntimeError) as exc:  # XlaRuntimeError is a RuntimeError
+            if not _out_of_memory(exc):
+                raise
+            dead.add(route)
+            sparse.pop(route, None)
+            row.clear()
+            row.update(base, route=route, status=f"out of memory ({exc})"[:80])
+            print(_line(row), file=sys.stderr, flush=True)
+    if sparse:
+        _time_routes(rows, sparse, T, repeats)
+    return rows
+
+
+def _time_routes(rows: list[dict], steps: dict, T: int, repeats: int) -> None:
+    """Median seconds of each step in ``steps`` (route -> callable that finishes its work), interleaved: every
+    step's warm-ups, then rounds of one timed run each (:func:`schedule`); written into its row of ``rows``."""
+    plan = {route: schedule(route, T, repeats) for route in steps}
+    for _ in range(max(w for w, _ in plan.values())):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {route: [] for route in steps}
+    for i in range(max(r for _, r in plan.values())):
+        for route, step in steps.items():
+            if i < plan[route][1]:
+                t0 = time.perf_counter()
+                step()
+                times[route].append(time.perf_counter() - t0)
+    for row in rows:
+        if row["route"] in steps:
+            warm, reps = plan[row["route"]]
+            row.update(status="ok", fwd_bwd_ms=round(statistics.median(times[row["route"]]) * 1e3, 3), warmup=warm,
+                       repeats=reps)
+            print(_line(row), file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------- JAX
@@ -240,29 +293,19 @@ def jax_worker(seq_lens: tuple[int, ...], repeats: int, skip: tuple[str, ...] = 
         raw = inputs(T)
         args = (jnp.asarray(raw["q"]), jnp.asarray(raw["k"]), jnp.asarray(raw["z"]), jnp.float32(1.0),
                 jnp.asarray(raw["addr"], jnp.int32), jnp.asarray(raw["rec"]), jnp.asarray(raw["coeff"]))
-        for route in MEASURE_ORDER:
-            if route in dead:
-                continue
-            row = {"backend": "jax", "route": route, "T": T, "batch": 1, "d": D, "K": K, "dtype": "fp32",
-                   "compile": "jit", "dropout": "none", "tokens": raw["source"], "memory_method": method}
-            try:
-                grad = jax.jit(jax.value_and_grad(jax_route_loss(route), argnums=(0, 1, 2, 3)))
-                t0 = time.perf_counter()
-                compiled = grad.lower(*args).compile()
-                compile_s = time.perf_counter() - t0
-                peak = _xla_temp_bytes(compiled)
-                warm, reps = schedule(route, T, repeats)
-                sec, _ = median_seconds(lambda c=compiled, a=args: jax.block_until_ready(c(*a)), warm, reps)
-                row.update(status="ok", fwd_bwd_ms=round(sec * 1e3, 3),
-                           peak_mb=round(peak / 2**20, 3) if peak is not None else "",
-                           compile_s=round(compile_s, 2), warmup=warm, repeats=reps)
-            except (MemoryError, RuntimeError) as exc:  # XlaRuntimeError is a RuntimeError
-                if not _out_of_memory(exc):
-                    raise
-                dead.add(route)
-                row.update(status=f"out of memory ({exc})"[:80])
-            rows.append(row)
-            print(_line(row), file=sys.stderr, flush=True)
+
+        def prepare(route: str, row: dict, args: tuple = args):
+            grad = jax.jit(jax.value_and_grad(jax_route_loss(route), argnums=(0, 1, 2, 3)))
+            t0 = time.perf_counter()
+            compiled = grad.lower(*args).compile()
+            row["compile_s"] = round(time.perf_counter() - t0, 2)
+            peak = _xla_temp_bytes(compiled)
+            row["peak_mb"] = round(peak / 2**20, 3) if peak is not None else ""
+            return lambda c=compiled, a=args: jax.block_until_ready(c(*a))
+
+        base = {"backend": "jax", "T": T, "batch": 1, "d": D, "K": K, "dtype": "fp32", "compile": "jit",
+                "dropout": "none", "tokens": raw["source"], "memory_method": method}
+        rows += _measure_T(base, T, repeats, dead, prepare)
     return rows
 
 
@@ -313,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/routing.csv")
     parser.add_argument("--quick", action="store_true", help="T = 256, 512, 1024, one repeat")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--seq-lens", default="", help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)

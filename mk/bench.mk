@@ -76,7 +76,7 @@ bench-cuda: $(VENV)/.installed data
 # processes, plus the JAX full-AR step at the 41M shape. BACKENDS_RESULTS=docs/results writes the committed copy
 # (bench_backends_cpu.{csv,md}).
 BACKENDS_RESULTS ?= bench
-BACKENDS_ROUNDS ?= 2
+BACKENDS_ROUNDS ?= 3
 bench-backends: $(VENV)/.installed
 	$(PY) -m benchmarks.bench_backends $(BENCH_FLAGS) --rounds $(BACKENDS_ROUNDS) --out $(BENCH_DIR)/backends.csv \
 		--results-dir $(BACKENDS_RESULTS)

@@ -252,6 +252,36 @@ def test_routing_bench_runs_each_T_in_its_own_worker_and_skips_routes_out_of_mem
     assert bench_routing.MEASURE_ORDER[-1] == "dense" and set(bench_routing.MEASURE_ORDER) == set(bench_routing.ROUTES)
 
 
+def test_routing_bench_times_the_sparse_routes_in_interleaved_rounds_and_the_dense_route_last() -> None:
+    """Within a T: every route is prepared (memory measured) before the sparse routes are timed one run each per
+    round, so a slow phase of the machine falls on all of them; the dense route runs after them; a route out
+    of memory gets a row saying so and joins ``dead``."""
+    from benchmarks import bench_routing
+
+    log: list[str] = []
+
+    def prepare(route: str, row: dict):
+        if route == "semantic_bucketed":
+            raise MemoryError("out of memory")
+        log.append(f"prepare {route}")
+        row["peak_mb"] = 1.0
+        return lambda: log.append(route)
+
+    dead: set[str] = set()
+    rows = bench_routing._measure_T({"backend": "torch", "T": 1024}, 1024, 3, dead, prepare)
+    warm = bench_routing.SPARSE_WARMUP
+    sparse = ["recent", "topk_score"]
+    assert log == (["prepare recent", "prepare topk_score"] + sparse * (warm + 3)
+                   + ["prepare dense"] + ["dense"] * (2 + 3))
+    assert dead == {"semantic_bucketed"}
+    by_route = {r["route"]: r for r in rows}
+    assert list(by_route) == list(bench_routing.MEASURE_ORDER)
+    assert by_route["semantic_bucketed"]["status"].startswith("out of memory")
+    for route in ("recent", "topk_score", "dense"):
+        assert by_route[route]["status"] == "ok" and by_route[route]["repeats"] == 3
+        assert by_route[route]["fwd_bwd_ms"] >= 0 and by_route[route]["peak_mb"] == 1.0
+
+
 @pytest.mark.parametrize("compiled, auto, verdict", [
     (1100, True, "met"), (1100, False, "missed: auto disagrees with the measurement"),
     (1020, False, "met"), (980, True, "met"), (900, True, "missed: auto disagrees with the measurement"),
