@@ -5,10 +5,10 @@
 # The benchmark report: routing cost against T, training throughput and fraction of the matmul peak, torch
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
 # run one after another (never in parallel: they time the whole machine); run it on an otherwise idle machine.
-# Measured alone on 2-core machines: 1,072 s = 17.9 minutes on a Xeon with AVX-512 (routing 136 s, models 416 s,
-# backends 511 s; the committed report's run, whose models section was rerun in 409 and 543 s; 1,054, 1,092 and 1,136 s in
-# earlier runs), 1,638 s = 27.3 minutes on an AMD EPYC (routing 229, models 695, backends
-# 704 s; 2 rounds, each one worker process per backend over every case).
+# Measured alone on 2-core machines: 1,560 s = 26.0 minutes on a Xeon with AVX-512 (routing 153 s, models 600 s,
+# backends 801 s; the committed report's run, with 3 backend rounds and full-AR steps of 4,096 tokens;
+# BACKENDS_ROUNDS=2 saves about 250 s; 1,054-1,143 s in earlier runs with 2 rounds and full-AR batch 1);
+# 1,638 s = 27.3 minutes on an AMD EPYC in an earlier version (2 rounds, full-AR batch 1).
 # BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in under 2 minutes (72 s on the Xeon, 115 s on
 # the EPYC), writing its CSVs and report under bench/quick/ (rows labelled bench_set=quick), so the full run's
 # CSVs and the committed report are left alone; the renderer refuses to mix the two kinds of run or to put quick
