@@ -16,7 +16,8 @@ normaliser:
 
 On this project's 2-core CPU the three output products are about 80% of a full-AR step; of the rest, the
 backward pass's ``[N, V]`` traffic drops from five passes (a multiply that reads and writes, the bias sum, the
-two products) to three, and the ``[N, V]`` gradient buffer is gone (``make bench-train-step``).
+two products) to three, and the ``[N, V]`` gradient buffer is gone (the step and memory figures are in
+docs/BACKENDS.md, "Step cost on a CPU").
 
 The arithmetic is :meth:`backends.torch.layers.Head.forward`'s: logits in the matmul dtype (bf16 under
 autocast), normaliser and target logit in float32 (float64 stays float64), so both paths agree to float
