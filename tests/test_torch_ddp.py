@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
+import torch.distributed as dist
 
-from backends.torch.ddp import launch_ddp
+from backends.torch.ddp import launch_ddp, leave_process_group
 from backends.torch.train import TorchBackend
 from pcaf_core.loop import config_to_dict, latest_checkpoint, run_training
 from pcaf_core.results import read_curve, read_metrics
@@ -95,6 +96,24 @@ def test_torchrun_entry_point(tmp_path, ddp_cfg, single_run):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert read_metrics(run_dir).extra["world_size"] == 2
     _assert_same_run(single_run, run_dir)
+
+
+def test_a_finished_rank_drains_the_process_group_before_leaving_it(monkeypatch):
+    """The closing barrier comes before the group is destroyed, and only when every rank finished: after a
+    failure the other ranks may be gone and a barrier would wait for them forever."""
+    calls: list[str] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    leave_process_group(True)
+    assert calls == ["barrier", "destroy"]
+    calls.clear()
+    leave_process_group(False)
+    assert calls == ["destroy"]
+    calls.clear()
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    leave_process_group(True)
+    assert calls == []
 
 
 def test_ddp_failure_is_raised_and_recorded(tmp_path, wt2_cache):  # noqa: F811

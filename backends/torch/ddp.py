@@ -74,11 +74,31 @@ def _spawned_worker(
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)
+    finished = False
     try:
         run_rank(rank, world_size, cfg, Path(run_dir), device=f"cuda:{rank}" if use_cuda else "cpu",
                  resume=resume, progress=False, record=record, corpus=corpus)
+        finished = True
     finally:
-        dist.destroy_process_group()
+        leave_process_group(finished)
+
+
+def leave_process_group(finished: bool) -> None:
+    """Leave the process group so that the interpreter can exit cleanly.
+
+    finished: every rank completed its run (all of them reach this call). A gloo worker thread destroys a
+    collective after its ``wait()`` has returned, and dropping a tensor Python has seen needs the GIL; a
+    thread that asks for the GIL while the interpreter is finalizing is unwound, which aborts the process
+    ("terminate called without an active exception", SIGABRT) after a run that completed. A closing
+    barrier prevents it: enqueuing it waits for the queue lock, which the worker holds until it has
+    destroyed the previous collective, and the barrier itself holds no Python tensor. After a failure the
+    other ranks may be gone, so no barrier then.
+    """
+    if not dist.is_initialized():
+        return
+    if finished:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def launch_ddp(

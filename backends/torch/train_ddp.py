@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from backends.torch.ddp import default_threads, run_rank
+from backends.torch.ddp import default_threads, leave_process_group, run_rank
 from pcaf_core.config_io import read_config
 
 
@@ -45,11 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
         device = "cpu"
         dist.init_process_group("gloo")
+    finished = False
     try:
         run_rank(rank, world, cfg, args.run_dir, device=device, resume=not args.no_resume,
                  progress=False if args.no_progress else None)
+        finished = True
     finally:
-        dist.destroy_process_group()
+        leave_process_group(finished)
     return 0
 
 
