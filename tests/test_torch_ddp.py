@@ -116,6 +116,21 @@ def test_a_finished_rank_drains_the_process_group_before_leaving_it(monkeypatch)
     assert calls == []
 
 
+def test_a_completed_rank_exits_zero_with_its_output_flushed():
+    """exit_completed_rank skips interpreter finalization (os._exit) but loses nothing printed or logged."""
+    code = ("import logging, sys\n"
+            "from backends.torch.ddp import exit_completed_rank\n"
+            "logging.basicConfig(stream=sys.stderr)\n"
+            "logging.getLogger('rank').warning('logged')\n"
+            "sys.stdout.write('unterminated line')\n"
+            "exit_completed_rank()\n"
+            "raise SystemExit(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "unterminated line"
+    assert "logged" in proc.stderr
+
+
 def test_ddp_failure_is_raised_and_recorded(tmp_path, wt2_cache):  # noqa: F811
     cfg = tiny_cfg(wt2_cache, train={"steps": 2, "batch_size": 3})
     with pytest.raises(Exception, match="not divisible by the 2 data-parallel processes"):

@@ -16,7 +16,9 @@ Two ways in:
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,25 @@ def _spawned_worker(
         finished = True
     finally:
         leave_process_group(finished)
+    exit_completed_rank()
+
+
+def exit_completed_rank() -> None:
+    """End a rank whose run completed (its files written and closed) without interpreter finalization.
+
+    Second line of defence after :func:`leave_process_group`'s barrier: any native thread still alive
+    (gloo's workers, when the group object outlives ``destroy_process_group`` through a reference) that asks
+    for the GIL while the interpreter finalizes is unwound and aborts the process with SIGABRT, turning a
+    completed run into a failed exit status. Streams and log handlers are flushed first; only a successful
+    rank comes here, so a failure still propagates with its traceback.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream has nothing left to flush
+            pass
+    os._exit(0)
 
 
 def leave_process_group(finished: bool) -> None:

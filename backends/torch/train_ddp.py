@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from backends.torch.ddp import default_threads, leave_process_group, run_rank
+from backends.torch.ddp import default_threads, exit_completed_rank, leave_process_group, run_rank
 from pcaf_core.config_io import read_config
 
 
@@ -56,4 +55,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()  # a failure raises, with its traceback and exit status
+    exit_completed_rank()
