@@ -199,6 +199,44 @@ def test_affine_vjp_matches_autodiff_of_the_plain_product(dtype) -> None:
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(c.sum(axis=(0, 1))), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("layer", ["conv", "layernorm"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_conv_and_layernorm_per_feature_parameters_broadcast_in_one_step(batch, layer) -> None:
+    """CausalConv and LayerNorm give the values and gradients of the NumPy-broadcast formulas, and each
+    per-feature parameter's gradient is one sum over every leading axis (``expand_param``): the form whose
+    backward XLA:CPU runs fast at batch 1 (docs/BACKENDS.md)."""
+    from backends.jax.layers import CausalConv, LayerNorm, expand_param
+
+    rng = np.random.default_rng(5)
+    T, d, k = 9, 6, 3
+    x = jnp.asarray(rng.normal(size=(batch, T, d)), jnp.float32)
+    c = jnp.asarray(rng.normal(size=(batch, T, d)), jnp.float32)
+
+    def conv_ref(p, x):
+        xp = jnp.pad(x, ((0, 0), (k - 1, 0), (0, 0)))
+        return p["bias"] + sum(p["weight"][lag] * xp[:, k - 1 - lag:k - 1 - lag + T] for lag in range(k))
+
+    def ln_ref(p, x):
+        mu = x.mean(-1, keepdims=True)
+        var = ((x - mu) ** 2).mean(-1, keepdims=True)
+        return (x - mu) / jnp.sqrt(var + 1e-5) * p["weight"] + p["bias"]
+
+    module, ref = (CausalConv(k), conv_ref) if layer == "conv" else (LayerNorm(), ln_ref)
+    params = module.init(jax.random.PRNGKey(0), x)["params"]
+    params = jax.tree_util.tree_map(lambda a: a + jnp.asarray(rng.normal(size=a.shape), a.dtype), params)
+    np.testing.assert_allclose(module.apply({"params": params}, x), ref(params, x), rtol=1e-5, atol=1e-5)
+    got = jax.grad(lambda p, x: jnp.sum(c * module.apply({"params": p}, x)), argnums=(0, 1))(params, x)
+    want = jax.grad(lambda p, x: jnp.sum(c * ref(p, x)), argnums=(0, 1))(params, x)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    # No parameter gradient summed over time alone (the NumPy form's [B, 1, d] -> [B, d] sum).
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(c * module.apply({"params": p}, x))))(params))
+    assert "reduce_sum[axes=(1,)" not in jaxpr, jaxpr
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(c * expand_param(p, x))))(jnp.ones(d)))
+    assert "reduce_sum[axes=(0, 1)" in jaxpr, jaxpr
+
+
 def _tree_shapes(tree) -> dict[str, tuple[int, ...]]:
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
