@@ -5,8 +5,9 @@
 # The benchmark report: routing cost against T, training throughput and fraction of the matmul peak, torch
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
 # run one after another (never in parallel: they time the whole machine); run it on an otherwise idle machine.
-# Measured alone on 2-core machines: 1,560 s = 26.0 minutes on a Xeon with AVX-512 (routing 153 s, models 600 s,
-# backends 801 s; the committed report's run, with 3 backend rounds and full-AR steps of 4,096 tokens;
+# Measured alone on 2-core machines: 1,540 s = 25.7 minutes on an AMD EPYC (routing 142 s, models 688 s,
+# backends 704 s; the committed report's run, 3 backend rounds, full-AR steps of 4,096 tokens); 1,560 s = 26.0
+# minutes on a Xeon with AVX-512 (routing 153 s, models 600 s, backends 801 s; the same settings);
 # BACKENDS_ROUNDS=2 saves about 250 s; 1,054-1,143 s in earlier runs with 2 rounds and full-AR batch 1);
 # 1,638 s = 27.3 minutes on an AMD EPYC in an earlier version (2 rounds, full-AR batch 1).
 # BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in under 2 minutes (72 s on the Xeon, 115 s on
