@@ -31,7 +31,7 @@ from benchmarks.bench_backends import (
     parity_table,
     parity_verdict,
 )
-from benchmarks.bench_cuda_report import bf16_summary
+from benchmarks.bench_cuda_report import CURVE_TOLERANCE, bf16_summary
 from benchmarks.bench_routing import routing_summary
 from benchmarks.common import median_interval, read_csv
 
@@ -42,7 +42,7 @@ COMPILE_TIE = 0.03
 """Compiled and eager steps whose tokens/s differ by at most this fraction count as equally fast (the spread of
 repeated side-by-side measurements of one case here), so either default is right for them."""
 PAPER_JAX_41M = (300.0, 360.0)  # tokens/s quoted for the paper's JAX code, measured on another 2-core machine
-CSV_NAMES = ("routing", "models", "gemm", "backends")
+CSV_NAMES = ("routing", "models", "gemm", "backends", "precision")
 
 
 @dataclass
@@ -119,7 +119,27 @@ def _best(rows: list[dict], **match) -> dict | None:
     return max(hits, key=lambda r: _f(r["tokens_per_s"])) if hits else None
 
 
-def model_targets(rows: list[dict] | None, gemm: list[dict] | None, cuda_dir: Path | None = None) -> list[Target]:
+def precision_target(rows: list[dict] | None) -> Target:
+    """The CPU's bf16 learning-curve target from ``precision.csv`` (``make bench-precision``: fp32 and bf16
+    autocast runs of one row, same seed and windows): the largest eval-loss difference after the first third
+    of the run, at most :data:`CURVE_TOLERANCE` nats."""
+    name = "bf16 learning curves match fp32 within noise"
+    if not rows:
+        return Target(name, "not rerun by `make bench`", "not measured",
+                      "`make bench-precision` (benchmarks/precision_check.py) reruns it")
+    last = max(int(r["step"]) for r in rows)
+    worst = max(_f(r["abs_diff"]) for r in rows if int(r["step"]) > last // 3)
+    r = rows[0]
+    speed = _f(r["bf16_tokens_per_s"]) / _f(r["fp32_tokens_per_s"])
+    measured = (f"largest eval-loss difference {worst:.4f} nats after the first third ({r['row']}, {r['scale']} "
+                f"scale, {r['steps']} steps; bf16/fp32 tokens/s {speed:.2f} in those runs)")
+    verdict = "met" if worst <= CURVE_TOLERANCE else f"missed (more than {CURVE_TOLERANCE} nats)"
+    return Target(name, measured, verdict,
+                  f"[`bf16-vs-fp32.md`](bf16-vs-fp32.md) (`make bench-precision`, on {r['machine']})")
+
+
+def model_targets(rows: list[dict] | None, gemm: list[dict] | None, cuda_dir: Path | None = None,
+                  precision: list[dict] | None = None) -> list[Target]:
     out = []
     name = ("Next-token PCAF-context, fp32, dropout 0.1, WikiText-2 paper shape: >= 60% of the fp32 matmul peak "
             "measured in the same run")
@@ -175,8 +195,7 @@ def model_targets(rows: list[dict] | None, gemm: list[dict] | None, cuda_dir: Pa
         out.append(Target(name, "; ".join(parts), verdict, evidence))
     else:
         out.append(Target(name, "-", "not measured"))
-    out.append(Target("bf16 learning curves match fp32 within noise", "not rerun by `make bench`",
-                      "not measured", "`make bench-precision` (benchmarks/precision_check.py) reruns it"))
+    out.append(precision_target(precision))
     gpu = bf16_summary(cuda_dir) if cuda_dir is not None else None
     if gpu:
         page = f"[`bench_cuda.md`](bench_cuda.md) (`make bench-cuda`, on {gpu['gpu']})"
@@ -493,7 +512,8 @@ def render(bench_dir: Path, out: Path, cuda_dir: Path | None = None) -> Path:
         raise ValueError(f"{bench_dir} holds quick stand-ins, which never go into {COMMITTED_DIR}: render them "
                          "with --out bench/quick/bench.md (make bench-quick does)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    targets = (routing_targets(data["routing"]) + model_targets(data["models"], data["gemm"], cuda_dir)
+    targets = (routing_targets(data["routing"])
+               + model_targets(data["models"], data["gemm"], cuda_dir, data["precision"])
                + backend_targets(data["backends"], data["gemm"]))
     walls = {n: rows[0].get("section_wall_s", "") for n, rows in data.items() if rows}
     lines = ["# Benchmarks", "",

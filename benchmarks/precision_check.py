@@ -3,7 +3,7 @@
 Trains the same row (same seed, same windows) twice, fp32 and bf16 autocast, and compares the
 reference-protocol validation loss at every evaluation, plus tokens/s measured in the same run.
 
-    python benchmarks/precision_check.py --row main-303m/pcaf_context_wt103_t1024 --steps 150 \
+    python -m benchmarks.precision_check --row main-303m/pcaf_context_wt103_t1024 --steps 150 \
         --out docs/results/bf16-vs-fp32.md [--scale cpu] [overrides...]
 
 ``--scale`` and trailing Hydra overrides (``key=value``) compose the row as ``experiments.reproduce`` does, e.g.
@@ -19,6 +19,8 @@ import math
 import tempfile
 from pathlib import Path
 
+from benchmarks.bench_backends import labels_line
+from benchmarks.common import environment_labels
 from experiments import app
 from experiments.reproduce import compose_row
 from pcaf_core.results import read_curve, read_metrics
@@ -54,20 +56,26 @@ def main() -> int:
     evals = {p: {int(r["step"]): float(r["eval_loss_reference"]) for r in c if r.get("eval_loss_reference") not in
                  (None, "")} for p, c in curves.items()}
     steps = sorted(set(evals["fp32"]) & set(evals["bf16"]))
+    fp, bf = metrics["fp32"], metrics["bf16"]
+    # Every row carries the run's labels, so that a report citing the CSV can say where the curves come from.
+    labels = {**environment_labels(), "row": args.row, "scale": args.scale, "steps": args.steps,
+              "device": fp.device, "fp32_tokens_per_s": round(fp.tokens_per_sec, 1),
+              "bf16_tokens_per_s": round(bf.tokens_per_sec, 1)}
     rows = [{"step": s, "fp32_eval_loss": evals["fp32"][s], "bf16_eval_loss": evals["bf16"][s],
-             "abs_diff": abs(evals["fp32"][s] - evals["bf16"][s])} for s in steps]
+             "abs_diff": abs(evals["fp32"][s] - evals["bf16"][s]), **labels} for s in steps]
     Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
     with open(args.csv, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    fp, bf = metrics["fp32"], metrics["bf16"]
     late = [r["abs_diff"] for r in rows if r["step"] > args.steps // 3]
     lines = [
         f"# bf16 autocast vs fp32 at {args.scale} scale: `{args.row}`",
         "",
-        f"Command: `python benchmarks/precision_check.py --row {args.row} --steps {args.steps} --every {args.every}"
+        f"Command: `python -m benchmarks.precision_check --row {args.row} --steps {args.steps} --every {args.every}"
         f" --scale {args.scale}{''.join(' ' + o for o in args.overrides)}`; device: {fp.device}",
+        "",
+        f"{labels_line(labels)[0].upper()}{labels_line(labels)[1:]}",
         "",
         f"Same seed and windows; {args.steps} steps; validation loss under the reference protocol "
         f"({fp.eval_batches} random batches per evaluation, the same windows for both runs).",

@@ -59,7 +59,7 @@ bench-train-step: $(VENV)/.installed
 # bf16 autocast vs fp32 learning curves of the cpu-scale PCAF-context row (about 5 minutes with a bf16 matrix
 # unit; far longer without one).
 bench-precision: $(VENV)/.installed data
-	$(PY) benchmarks/precision_check.py --steps 120 --every 30 --out bench/bf16-vs-fp32.md --csv bench/bf16-vs-fp32.csv
+	$(PY) -m benchmarks.precision_check --steps 120 --every 30 --out docs/results/bf16-vs-fp32.md --csv bench/precision.csv
 
 # The speed targets on a CUDA GPU (bf16 autocast against fp32, fraction of peak, next-token against SDPA, routing,
 # a profile of the full-AR step) and the bf16 learning curves at the WikiText-2 paper shape in full AR, rendered
@@ -68,7 +68,7 @@ bench-precision: $(VENV)/.installed data
 CUDA_RESULTS := docs/results/bench_cuda
 bench-cuda: $(VENV)/.installed data
 	$(PY) -m benchmarks.bench_cuda --out-dir bench/cuda
-	$(PY) benchmarks/precision_check.py --row wt2-nt-1024/pcaf_context --scale paper --steps 600 --every 100 \
+	$(PY) -m benchmarks.precision_check --row wt2-nt-1024/pcaf_context --scale paper --steps 600 --every 100 \
 		--out bench/cuda/precision.md --csv bench/cuda/precision.csv train.mode=ar train.batch_size=8 data.layout=tokens
 	mkdir -p $(CUDA_RESULTS) && cp bench/cuda/*.csv bench/cuda/profile_*.txt bench/cuda/precision.md $(CUDA_RESULTS)/
 	$(PY) -m benchmarks.bench_cuda --render $(CUDA_RESULTS) --doc docs/results/bench_cuda.md

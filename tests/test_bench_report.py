@@ -95,6 +95,28 @@ def test_a_bf16_miss_is_called_impossible_only_when_the_bf16_gemm_is_too_slow_fo
         assert ("impossible on this CPU: its bf16 GEMM runs 1.70x its fp32 GEMM" in got[0]) == impossible, got
 
 
+@pytest.mark.parametrize("late_diff, verdict", [(0.0004, "met"), (0.05, "missed (more than 0.01 nats)")])
+def test_the_cpu_bf16_curves_are_judged_from_make_bench_precision(tmp_path, late_diff, verdict):
+    """precision.csv (benchmarks/precision_check.py) gives the CPU's learning-curve verdict: the largest
+    eval-loss difference after the first third of the run; the row names the run and its machine."""
+    bench = tmp_path / "bench"
+    write_csv(bench / "models.csv", _models())
+    write_csv(bench / "gemm.csv", _gemm())
+    labels = {**ENV, "row": "main-303m/pcaf_context_wt103_t1024", "scale": "cpu", "steps": 120, "device": "cpu",
+              "fp32_tokens_per_s": 1000.0, "bf16_tokens_per_s": 1500.0}
+    diffs = {1: 0.2, 30: 0.1, 60: late_diff, 90: late_diff / 2, 120: 0.0001}  # step 30 is in the first third
+    write_csv(bench / "precision.csv", [{"step": k, "fp32_eval_loss": 6.0, "bf16_eval_loss": 6.0 + d, "abs_diff": d,
+                                         **labels} for k, d in diffs.items()])
+    out = tmp_path / "results" / "bench.md"
+    text = render(bench, out).read_text()
+    row = [line for line in text.splitlines() if line.startswith("| bf16 learning curves match fp32 within noise |")]
+    assert len(row) == 1
+    assert f"largest eval-loss difference {late_diff:.4f} nats after the first third" in row[0]
+    assert "bf16/fp32 tokens/s 1.50" in row[0] and "main-303m/pcaf_context_wt103_t1024" in row[0]
+    assert f"**{verdict}**" in row[0] and "on Test CPU, 2 cores" in row[0]
+    assert (out.parent / "bench_precision.csv").exists()
+
+
 def test_renderer_judges_every_target_from_the_csvs(tmp_path):
     bench = tmp_path / "bench"
     write_csv(bench / "routing.csv", _routing())
