@@ -56,8 +56,8 @@ bench-kernels: $(VENV)/.installed
 bench-train-step: $(VENV)/.installed
 	$(PY) -m benchmarks.bench_train_step --out bench/train_step.csv
 
-# bf16 autocast vs fp32 learning curves of the cpu-scale PCAF-context row (about 5 minutes with a bf16 matrix
-# unit; far longer without one).
+# bf16 autocast vs fp32 learning curves of the cpu-scale PCAF-context row (45 s on a 2-core EPYC with AVX-512
+# BF16; far longer where bf16 products run in a scalar fallback). bench-report judges bench/precision.csv.
 bench-precision: $(VENV)/.installed data
 	$(PY) -m benchmarks.precision_check --steps 120 --every 30 --out docs/results/bf16-vs-fp32.md --csv bench/precision.csv
 
