@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.bench_backends import (
-    BF16_WITHOUT_UNIT,
     PARITY_TARGET,
+    bf16_demo_note,
     build_cases,
     labels_line,
     parity_table,
@@ -567,8 +567,8 @@ def render(bench_dir: Path, out: Path, cuda_dir: Path | None = None) -> Path:
     if data["backends"]:
         lines += ["## Torch beside JAX (a fresh worker per backend and round, alternating)", "",
                   *parity_table(data["backends"]), ""]
-        if any(r["kind"] == "bf16 demo" for r in data["backends"]):
-            lines += [BF16_WITHOUT_UNIT, ""]
+        if note := bf16_demo_note(data["backends"]):
+            lines += [note, ""]
     for name, rows in data.items():
         if rows:
             shutil.copyfile(bench_dir / f"{name}.csv", out.parent / f"bench_{name}.csv")

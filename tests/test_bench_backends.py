@@ -26,7 +26,8 @@ def _row(model: str, torch_ms: float | str, jax_ms: float, kind: str = "parity",
 
 def test_report_labels_every_row_and_judges_the_target_both_ways(tmp_path):
     rows = [_row("within", 100.0, 140.0), _row("jax slower", 100.0, 180.0), _row("torch slower", 300.0, 100.0),
-            _row("bf16 slower", 100.0, 300.0, kind="bf16 demo"),
+            {**_row("bf16 slower", 100.0, 300.0, kind="bf16 demo"), "precision": "bf16"},
+            _row("bf16 pair, fp32", 50.0, 280.0, kind="bf16 demo"),
             _row("jax alone", "", 900.0, kind="41M", steps=(2, 3, 1))]
     md = write_results(rows, tmp_path, LABELS, "python -m benchmarks.bench_backends --rounds 2")
     text = md.read_text()
@@ -40,11 +41,12 @@ def test_report_labels_every_row_and_judges_the_target_both_ways(tmp_path):
     assert lines["jax slower"].endswith("| 1.80 | missed by 1.20x |")
     assert lines["torch slower"].endswith("| 0.33 | missed by 2.00x |")
     assert lines["bf16 slower"].endswith("| 3.00 | missed by 2.00x |")  # bf16 is judged too, and explained
-    assert "bf16 on a CPU without a bf16 matrix unit" in text
+    assert ("bf16 on a CPU without a bf16 matrix unit (the `bf16 demo` rows, T=256, batch 2): torch's bf16 step took "
+            "100.0 ms against 50.0 ms in fp32 (0.50x the fp32 speed), JAX's 300.0 against 280.0 ms (0.93x)") in text
     assert lines["jax alone"].endswith("| - | - |")
     with open(tmp_path / "bench_backends_cpu.csv") as fh:
         written = list(csv.DictReader(fh))
-    assert [r["machine"] for r in written] == [LABELS["machine"]] * 5
+    assert [r["machine"] for r in written] == [LABELS["machine"]] * 6
 
 
 def test_parity_cases_cover_every_pcaf_variant_in_both_modes():

@@ -117,6 +117,22 @@ def test_the_cpu_bf16_curves_are_judged_from_make_bench_precision(tmp_path, late
     assert (out.parent / "bench_precision.csv").exists()
 
 
+def test_the_bf16_demo_note_reports_what_the_pair_measured(tmp_path):
+    """The note under the torch-beside-JAX table quotes each backend's bf16 step against its fp32 step from the
+    rows (a CPU-specific sentence would be wrong on the next machine); no pair, no note."""
+    from benchmarks.bench_backends import bf16_demo_note
+
+    fp = {**_backend("PCAF-context", "bf16 demo", 0.5), "torch_step_ms": 36.9, "jax_step_ms": 18.9}
+    bf = {**fp, "precision": "bf16", "torch_step_ms": 22.9, "jax_step_ms": 17.9}
+    note = bf16_demo_note([fp, bf])
+    assert "torch's bf16 step took 22.9 ms against 36.9 ms in fp32 (1.61x the fp32 speed)" in note
+    assert "JAX's 17.9 against 18.9 ms (1.06x)" in note and "T=256, batch 2" in note
+    assert bf16_demo_note([fp]) == "" and bf16_demo_note([]) == ""
+    bench = tmp_path / "bench"
+    write_csv(bench / "backends.csv", [fp, bf])
+    assert note in render(bench, tmp_path / "results" / "bench.md").read_text()
+
+
 def test_renderer_judges_every_target_from_the_csvs(tmp_path):
     bench = tmp_path / "bench"
     write_csv(bench / "routing.csv", _routing())
@@ -149,7 +165,7 @@ def test_renderer_judges_every_target_from_the_csvs(tmp_path):
     assert verdict("compiled training step") == "met"
     assert verdict("JAX within", "every PCAF variant") == "missed by 1.20x"
     assert verdict("JAX within", "in bf16") == "missed by 13.33x"  # torch's bf16 without a matrix unit
-    assert "bf16 on a CPU without a bf16 matrix unit" in text
+    assert "bf16 on a CPU without a bf16 matrix unit" not in text  # a bf16 row without its fp32 twin
     assert verdict("41M shape") == "met against 300, missed against 360"
     assert "Test CPU, 2 cores, no bf16 matrix unit (avx2 fma); torch 2.13.0, jax 0.7.0" in text
     assert "not measured here" in text  # the paper code's 41M figure is quoted, not measured here
