@@ -10,7 +10,7 @@
 # minutes on a Xeon with AVX-512 (routing 153 s, models 600 s, backends 801 s; the same settings);
 # BACKENDS_ROUNDS=2 saves about 250 s; 1,054-1,143 s in earlier runs with 2 rounds and full-AR batch 1);
 # 1,638 s = 27.3 minutes on an AMD EPYC in an earlier version (2 rounds, full-AR batch 1).
-# BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in under 2 minutes (72 s on the Xeon, 115 s on
+# BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in under 2 minutes (72 s on the Xeon, 59-115 s on
 # the EPYC), writing its CSVs and report under bench/quick/ (rows labelled bench_set=quick), so the full run's
 # CSVs and the committed report are left alone; the renderer refuses to mix the two kinds of run or to put quick
 # rows in docs/results.
