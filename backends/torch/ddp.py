@@ -16,6 +16,7 @@ Two ways in:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -97,10 +98,8 @@ def exit_completed_rank() -> None:
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream has nothing left to flush
             stream.flush()
-        except (OSError, ValueError):  # a closed or broken stream has nothing left to flush
-            pass
     os._exit(0)
 
 
