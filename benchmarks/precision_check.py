@@ -75,7 +75,7 @@ def main() -> int:
         f"Command: `python -m benchmarks.precision_check --row {args.row} --steps {args.steps} --every {args.every}"
         f" --scale {args.scale}{''.join(' ' + o for o in args.overrides)}`; device: {fp.device}",
         "",
-        f"{labels_line(labels)[0].upper()}{labels_line(labels)[1:]}",
+        f"- {labels_line(labels)}",
         "",
         f"Same seed and windows; {args.steps} steps; validation loss under the reference protocol "
         f"({fp.eval_batches} random batches per evaluation, the same windows for both runs).",
