@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.common import read_csv
+from benchmarks.common import late_curve_gap, read_csv
 
 BF16_TARGET, SDPA_TARGET = 2.5, 6.1
 CURVE_TOLERANCE = 0.01
@@ -46,8 +46,7 @@ def bf16_summary(bench_dir: Path) -> dict[str, str] | None:
                                                                        f"(best case)",
            "curves": "not measured", "curves_verdict": "not measured"}
     if (bench_dir / "precision.csv").exists():
-        curve = read_csv(bench_dir / "precision.csv")
-        worst = max(float(r["abs_diff"]) for r in curve if int(r["step"]) > int(curve[-1]["step"]) // 3)
+        worst = late_curve_gap(read_csv(bench_dir / "precision.csv"))
         out.update(curves=f"largest eval-loss difference {worst:.4f} nats after the first third",
                    curves_verdict="met" if worst <= CURVE_TOLERANCE else "missed")
     return out
@@ -104,9 +103,7 @@ def render(bench_dir: Path, doc: Path) -> None:
     by = {(r["route"], int(r["T"])): float(r["fwd_bwd_ms"]) for r in routing}
     prec_csv = bench_dir / "precision.csv"
     if prec_csv.exists():
-        curve = read_csv(prec_csv)
-        late = [float(r["abs_diff"]) for r in curve if int(r["step"]) > int(curve[-1]["step"]) // 3]
-        worst = max(late) if late else float("nan")
+        worst = late_curve_gap(read_csv(prec_csv))
         out.append(f"| bf16 learning curves match fp32 within noise (at most {CURVE_TOLERANCE} nats apart after the "
                    f"first third; [below](#bf16-learning-curves-on-the-same-gpu)) | largest difference {worst:.4f} "
                    f"nats | {'**met**' if worst <= CURVE_TOLERANCE else '**missed**'} |")

@@ -27,13 +27,12 @@ from benchmarks.bench_backends import (
     PARITY_TARGET,
     bf16_demo_note,
     build_cases,
-    labels_line,
     parity_table,
     parity_verdict,
 )
 from benchmarks.bench_cuda_report import CURVE_TOLERANCE, bf16_summary
 from benchmarks.bench_routing import routing_summary
-from benchmarks.common import median_interval, read_csv
+from benchmarks.common import labels_line, late_curve_gap, median_interval, read_csv
 
 ROUTING_RATIO_TARGETS = {8192: 10.0, 16384: 20.0}
 EXPONENT_TARGET = 1.2
@@ -127,8 +126,7 @@ def precision_target(rows: list[dict] | None) -> Target:
     if not rows:
         return Target(name, "not rerun by `make bench`", "not measured",
                       "`make bench-precision` (benchmarks/precision_check.py) reruns it")
-    last = max(int(r["step"]) for r in rows)
-    worst = max(_f(r["abs_diff"]) for r in rows if int(r["step"]) > last // 3)
+    worst = late_curve_gap(rows)
     r = rows[0]
     speed = _f(r["bf16_tokens_per_s"]) / _f(r["fp32_tokens_per_s"])
     measured = (f"largest eval-loss difference {worst:.4f} nats after the first third ({r['row']}, {r['scale']} "

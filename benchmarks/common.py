@@ -45,6 +45,14 @@ def read_csv(path: str | Path) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
+def late_curve_gap(curve: list[dict]) -> float:
+    """Largest ``abs_diff`` (nats between the fp32 and bf16 eval losses of ``benchmarks.precision_check``) after
+    the first third of the run (steps past the last recorded step // 3); NaN when no row lies there."""
+    last = max(int(r["step"]) for r in curve)
+    late = [float(r["abs_diff"]) for r in curve if int(r["step"]) > last // 3]
+    return max(late) if late else float("nan")
+
+
 def package_version(name: str) -> str:
     """Installed version of ``name`` (package metadata; no import), or ``"absent"``."""
     try:
@@ -69,6 +77,13 @@ def environment_labels(threads: int | None = None, quick: bool = False) -> dict[
         "jax_cpu_async_dispatch": os.environ.get("PCAF_JAX_CPU_ASYNC_DISPATCH", "unset"),
         "bench_set": "quick" if quick else "full",
     }
+
+
+def labels_line(labels: dict) -> str:
+    """The environment of a report in one line (``benchmarks.common.environment_labels``)."""
+    return (f"machine: {labels['machine']} ({labels['cpu_flags']}); torch {labels['torch']}, jax {labels['jax']}; "
+            f"{labels['threads']} threads (torch intra-op, XLA CPU pool); GLIBC_TUNABLES {labels['glibc_tunables']}; "
+            f"PCAF_JAX_CPU_ASYNC_DISPATCH {labels.get('jax_cpu_async_dispatch', 'not recorded')}")
 
 
 def median_seconds(fn: Callable[[], object], warmup: int, repeats: int) -> tuple[float, list[float]]:

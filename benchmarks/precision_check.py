@@ -19,8 +19,7 @@ import math
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_backends import labels_line
-from benchmarks.common import environment_labels
+from benchmarks.common import environment_labels, labels_line
 from experiments import app
 from experiments.reproduce import compose_row
 from pcaf_core.results import read_curve, read_metrics
