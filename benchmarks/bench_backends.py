@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import environment_labels, median_seconds, write_csv
+from benchmarks.common import environment_labels, labels_line, median_seconds, write_csv
 from pcaf_core.sysinfo import cpu_has_bf16_matmul
 
 BACKENDS = ("torch", "jax")
@@ -257,8 +257,9 @@ def bf16_demo_note(rows: list[dict]) -> str:
             f"torch's bf16 step took {bf['torch_step_ms']} ms against {fp['torch_step_ms']} ms in fp32 "
             f"({speed['torch']:.2f}x the fp32 speed), JAX's {bf['jax_step_ms']} against {fp['jax_step_ms']} ms "
             f"({speed['jax']:.2f}x). Torch runs oneDNN's bf16 GEMM with the bf16 instructions the CPU has "
-            "(`make bench` times it beside fp32 in `bench_gemm.csv`: 1.72x fp32 with AVX-512 BF16 on a Zen 4 "
-            "EPYC, 0.5-0.7x on a Xeon with AVX-512 BF16 alone, a 2 GFLOP/s scalar fallback on a Zen 3 EPYC). "
+            "(`make bench` times it beside fp32 in `bench_gemm.csv`: 1.72x fp32 on a 2-core AMD EPYC with "
+            "AVX-512 BF16, 0.5-0.7x on a Xeon with AVX-512 BF16 alone, a 2 GFLOP/s scalar fallback on a Zen 3 "
+            "EPYC). "
             "`train.precision=auto` picks fp32 on any CPU without AMX; `train.precision=bf16` asks for bf16.")
 
 
@@ -284,13 +285,6 @@ def parity_table(rows: list[dict]) -> list[str]:
                      f"{r['jax_step_ms'] or '-'} | {r['torch_tokens_per_s'] or '-'} | {r['jax_tokens_per_s'] or '-'} | "
                      f"{'-' if ratio is None else f'{ratio:.2f}'} | {verdict} |")
     return lines
-
-
-def labels_line(labels: dict) -> str:
-    """The environment of a report in one line (``benchmarks.common.environment_labels``)."""
-    return (f"machine: {labels['machine']} ({labels['cpu_flags']}); torch {labels['torch']}, jax {labels['jax']}; "
-            f"{labels['threads']} threads (torch intra-op, XLA CPU pool); GLIBC_TUNABLES {labels['glibc_tunables']}; "
-            f"PCAF_JAX_CPU_ASYNC_DISPATCH {labels.get('jax_cpu_async_dispatch', 'not recorded')}")
 
 
 def _steps_label(rows: list[dict]) -> str:
