@@ -10,8 +10,9 @@ Sections (``--sections``, comma-separated):
 - ``gemm``: the fraction-of-peak GEMMs at GPU batch sizes (the head ``[B·T, h] @ [h, V]`` and the block MLP
   ``[B·T, d] @ [d, h]``, B·T = 8,192) in fp32 (``float32_matmul_precision("highest")``: no TF32), TF32 and
   bf16; CUDA events, median of 20 after 3 warm-ups. The largest FLOP/s per dtype is that dtype's peak.
-- ``models``: training steps, fp32 beside bf16 autocast (``train.precision``), eager and compiled
-  (``train.compile=on``), dropout 0.1 unless stated. Cases of one (mode, T, batch) are built together and
+- ``models``: training steps, fp32 beside bf16 autocast (``train.precision``), eager, compiled
+  (``train.compile=on``) and compiled and replayed as CUDA graphs (``train.compile=cudagraphs``), dropout 0.1
+  unless stated. Cases of one (mode, T, batch) are built together and
   their timed steps interleaved, one of each per round, so the bf16/fp32 ratios are side by side.
   ``step_peak_mb``: ``torch.cuda.max_memory_allocated`` over one step minus what was allocated before it.
   Fraction of peak: ``pcaf_core.flops.train_step_flops`` per step / step seconds / the dtype's GEMM peak.
@@ -19,9 +20,10 @@ Sections (``--sections``, comma-separated):
   backward, synchronised) on the GPU at T = 4K, 8K, 16K, plus ``recent_kernel`` (the ``recent`` route's
   candidate kernels, Triton, with gathered scores) beside ``recent`` (the bucket layout's band and GEMMs,
   what the models run in full AR).
-- ``profile``: three steps of the full-AR PCAF-context case (T=1024, batch 8, eager) in fp32 and in bf16 under
-  ``torch.profiler`` (CPU and CUDA): ``profile_<dtype>.txt`` holds the op table by device time, and
-  ``profile.csv`` the step's wall time beside the GPU's busy time (the sum of its kernels) and the kernel count,
+- ``profile``: three steps of the full-AR PCAF-context case (T=1024, batch 8), eager and replayed as CUDA
+  graphs, in fp32 and in bf16 under ``torch.profiler`` (CPU and CUDA): ``profile_<dtype>[_cudagraphs].txt``
+  holds the op table by device time, and ``profile.csv`` the step's wall time beside the GPU's busy time (the
+  sum of its kernels) and the kernel count,
   i.e. how much of the step the GPU waits for the host.
 
     python -m benchmarks.bench_cuda [--out-dir bench/cuda] [--sections gemm,models,routing]
@@ -68,14 +70,18 @@ class GpuCase:
 
 def gpu_cases(smoke: bool = False) -> list[GpuCase]:
     """Full AR at 8,192 tokens a step (T=1024 batch 8, T=2048 batch 4); next-token at T=2048 with the paper
-    row's batch 64 (PCAF) and the dense Transformer's batch 8, dropout matched; each fp32 beside bf16.
-    ``smoke``: T=64 stand-ins of the eager full-AR and next-token cases."""
+    row's batch 64 (PCAF) and the dense Transformer's batch 8, dropout matched; each fp32 beside bf16, the PCAF
+    cases eager, and also replayed as CUDA graphs (``cudagraphs``; the steps wait on kernel launches), some
+    compiled without them (``inductor``). ``smoke``: T=64 stand-ins of the eager full-AR and next-token cases."""
     P, S, D = "PCAF-context", "PCAF-semantic (bucketed)", "dense Transformer (SDPA)"
     if smoke:
         base = [GpuCase(P, "ar", 64, 2), GpuCase(P, "nt", 64, 4), GpuCase(D, "nt", 64, 2)]
     else:
-        base = [GpuCase(P, "ar", 1024, 8), GpuCase(P, "ar", 1024, 8, compile="inductor"), GpuCase(S, "ar", 1024, 8),
-                GpuCase(P, "ar", 2048, 4), GpuCase(P, "nt", 2048, 64), GpuCase(P, "nt", 2048, 64, compile="inductor"),
+        base = [GpuCase(P, "ar", 1024, 8), GpuCase(P, "ar", 1024, 8, compile="inductor"),
+                GpuCase(P, "ar", 1024, 8, compile="cudagraphs"), GpuCase(S, "ar", 1024, 8),
+                GpuCase(S, "ar", 1024, 8, compile="cudagraphs"), GpuCase(P, "ar", 2048, 4),
+                GpuCase(P, "ar", 2048, 4, compile="cudagraphs"), GpuCase(P, "nt", 2048, 64),
+                GpuCase(P, "nt", 2048, 64, compile="inductor"), GpuCase(P, "nt", 2048, 64, compile="cudagraphs"),
                 GpuCase(D, "nt", 2048, 8)]
     return [replace(c, precision=p) for c in base for p in ("fp32", "bf16")]
 
@@ -175,6 +181,9 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
     from benchmarks.bench_models import Case, _batch, finish, run_config
 
     allocated, reset_peak, peak = _memory(device)
+    # Every compiled case of a group is live at once; past Dynamo's recompile limit a step would run eager
+    # under a compiled label, so hitting it stops the run instead.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     groups: dict[tuple, list[GpuCase]] = {}
     for case in gpu_cases(smoke):
         groups.setdefault((case.mode, case.T, case.batch if case.model != "dense Transformer (SDPA)" else 0),
@@ -266,13 +275,14 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False) -> lis
     rows = []
     T, batch = (64, 2) if smoke else (1024, 8)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
-    for precision in ("fp32", "bf16"):
-        case = Case("PCAF-context", "ar", T, batch, 0.1, "eager", precision)
+    compiles = ("eager",) if device == "cpu" else ("eager", "cudagraphs")
+    for compile_, precision in ((c, p) for c in compiles for p in ("fp32", "bf16")):
+        case = Case("PCAF-context", "ar", T, batch, 0.1, compile_, precision)
         cfg = run_config(case)
         backend = TorchBackend(device)
         state = backend.init(cfg)
         x, y, _ = _batch(cfg)
-        for _ in range(3):
+        for _ in range(3 if compile_ == "eager" else 5):  # a compiled case: the compile, then the graphs' capture
             state, _ = backend.train_step(state, x, y, 1e-4)
         steps = 3
         with profile(activities=activities) as prof:
@@ -284,12 +294,14 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False) -> lis
         busy_ms = sum(e.device_time for e in kernels) / 1e3 / steps
         events = prof.key_averages()
         sort = "self_device_time_total" if device != "cpu" else "self_cpu_time_total"
-        (out / f"profile_{precision}.txt").write_text(events.table(sort_by=sort, row_limit=40))
+        name = f"profile_{precision}.txt" if compile_ == "eager" else f"profile_{precision}_{compile_}.txt"
+        (out / name).write_text(events.table(sort_by=sort, row_limit=40))
         rows.append({"model": case.model, "mode": case.mode, "T": T, "batch": batch, "dtype": precision,
+                     "compile": compile_,
                      "step_wall_ms": round(wall * 1e3, 3), "gpu_busy_ms": round(busy_ms, 3),
                      "gpu_busy_pct": round(100 * busy_ms / (wall * 1e3), 1),
                      "kernels_per_step": round(len(kernels) / steps, 1)})
-        print(f"[bench_cuda profile {precision}] step {wall * 1e3:.2f} ms, GPU busy {busy_ms:.2f} ms, "
+        print(f"[bench_cuda profile {precision} {compile_}] step {wall * 1e3:.2f} ms, GPU busy {busy_ms:.2f} ms, "
               f"{len(kernels) / steps:.0f} kernels a step", file=sys.stderr, flush=True)
     return rows
 

@@ -11,6 +11,9 @@ from pathlib import Path
 from benchmarks.common import late_curve_gap, read_csv
 
 BF16_TARGET, SDPA_TARGET = 2.5, 6.1
+COMPILES = ("eager", "inductor", "cudagraphs")
+"""The ``compile`` labels of ``benchmarks.bench_cuda`` rows: eager, ``torch.compile`` (inductor), and inductor
+replayed as CUDA graphs."""
 CURVE_TOLERANCE = 0.01
 """nats: bf16 and fp32 validation losses "match within noise" when no evaluation after the first third of the
 run differs by more (a PPL factor of 1.01)."""
@@ -33,17 +36,19 @@ def bf16_summary(bench_dir: Path) -> dict[str, str] | None:
     labels = read_csv(bench_dir / "labels.csv")[0]
     rows = {(r["T"], r["batch"], r["compile"], r["dtype"]): r for r in read_csv(bench_dir / "models.csv")
             if r["model"] == "PCAF-context" and r["mode"] == "ar"}
-    parts, ratios = [], []
+    ratios: dict[str, float] = {}
     for (T, batch, comp, dtype), r in rows.items():
         fp = rows.get((T, batch, comp, "fp32"))
         if dtype == "bf16" and fp:
-            ratios.append(float(r["tokens_per_s"]) / float(fp["tokens_per_s"]))
-            parts.append(f"T={T} batch {batch} {comp}: {ratios[-1]:.2f}x")
+            ratios[f"T={T} batch {batch} {comp}"] = float(r["tokens_per_s"]) / float(fp["tokens_per_s"])
     if not ratios:
         return None
-    out = {"gpu": labels["gpu"], "speed": "; ".join(parts),
-           "speed_verdict": "met" if min(ratios) >= BF16_TARGET else f"missed by {BF16_TARGET / max(ratios):.2f}x "
-                                                                       f"(best case)",
+    # A run chooses its step (eager, compiled, CUDA graphs), so the target holds where its best case does; every
+    # case's ratio is listed beside the verdict.
+    best = max(ratios, key=ratios.get)
+    verdict = "met" if ratios[best] >= BF16_TARGET else f"missed by {BF16_TARGET / ratios[best]:.2f}x"
+    out = {"gpu": labels["gpu"], "speed": "; ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()),
+           "speed_verdict": f"{verdict} (best case: {best})",
            "curves": "not measured", "curves_verdict": "not measured"}
     if (bench_dir / "precision.csv").exists():
         worst = late_curve_gap(read_csv(bench_dir / "precision.csv"))
@@ -79,14 +84,14 @@ def render(bench_dir: Path, doc: Path) -> None:
            "", "## Targets", "",
            "| target | measured | verdict |", "|---|---|---|"]
     for T in (1024, 2048):
-        for comp in ("eager", "inductor"):
+        for comp in COMPILES:
             fp, bf = row_of("PCAF-context", "ar", T, "fp32", comp), row_of("PCAF-context", "ar", T, "bf16", comp)
             if fp and bf:
                 ratio = float(bf["tokens_per_s"]) / float(fp["tokens_per_s"])
                 out.append(f"| Full-AR PCAF-context bf16 autocast >= {BF16_TARGET}x fp32 tokens/s (T={T}, batch "
                            f"{fp['batch']}, {comp}) | {_f(bf['tokens_per_s'], 0)} / {_f(fp['tokens_per_s'], 0)} = "
                            f"{ratio:.2f}x | {_verdict(ratio >= BF16_TARGET, BF16_TARGET / ratio)} |")
-    ar_fp32 = [r for r in (row_of("PCAF-context", "ar", 1024, "fp32", c) for c in ("eager", "inductor")) if r]
+    ar_fp32 = [r for r in (row_of("PCAF-context", "ar", 1024, "fp32", c) for c in COMPILES) if r]
     if ar_fp32:
         best = max(float(r["model_pct"]) for r in ar_fp32)
         parts = ", ".join(f"{float(r['model_pct']):.1f}% {r['compile']}" for r in ar_fp32)
@@ -111,14 +116,15 @@ def render(bench_dir: Path, doc: Path) -> None:
     profile = bench_dir / "profile.csv"
     if profile.exists():
         out += ["", "## Where the full-AR step's time goes", "",
-                "Three steps of the eager full-AR PCAF-context case under `torch.profiler` (its wall time includes "
-                "the profiler's own overhead): the GPU's busy time is the sum of its kernels; the op tables by "
-                "device time are `profile_fp32.txt` and `profile_bf16.txt` beside the CSVs.", "",
-                "| dtype | step wall (ms, profiled) | GPU busy (ms) | GPU busy % | kernels a step |",
-                "|---|---|---|---|---|"]
-        prof = {r["dtype"]: r for r in read_csv(profile)}
-        out += [f"| {r['dtype']} | {r['step_wall_ms']} | {r['gpu_busy_ms']} | {r['gpu_busy_pct']} | "
-                f"{r['kernels_per_step']} |" for r in prof.values()]
+                "Three steps of the full-AR PCAF-context case (T=1024, batch 8) under `torch.profiler` (its wall "
+                "time includes the profiler's own overhead): the GPU's busy time is the sum of its kernels; the op "
+                "tables by device time are `profile_<dtype>[_<compile>].txt` beside the CSVs.", "",
+                "| dtype | compile | step wall (ms, profiled) | GPU busy (ms) | GPU busy % | kernels a step |",
+                "|---|---|---|---|---|---|"]
+        prof_rows = read_csv(profile)
+        out += [f"| {r['dtype']} | {r.get('compile', 'eager')} | {r['step_wall_ms']} | {r['gpu_busy_ms']} | "
+                f"{r['gpu_busy_pct']} | {r['kernels_per_step']} |" for r in prof_rows]
+        prof = {r["dtype"]: r for r in prof_rows if r.get("compile", "eager") == "eager"}
         fp, bf = row_of("PCAF-context", "ar", 1024, "fp32"), row_of("PCAF-context", "ar", 1024, "bf16")
         busy = float(prof["bf16"]["gpu_busy_ms"]) if "bf16" in prof else 0.0
         ratio = float(bf["tokens_per_s"]) / float(fp["tokens_per_s"]) if fp and bf else 0.0
@@ -126,11 +132,11 @@ def render(bench_dir: Path, doc: Path) -> None:
             gemm_fp = float(fp["model_gflop_per_step"]) / peak["fp32"] * 1e3
             gemm_bf = float(bf["model_gflop_per_step"]) / peak["bf16"] * 1e3
             ceiling = float(fp["step_ms"]) / busy
-            remedy = ("so 2.5x needs most of the launch gaps gone (one CUDA graph per step, which needs a step "
-                      "without host synchronisation); fusing the remaining elementwise kernels would add margin."
+            remedy = ("so 2.5x needs most of the launch gaps gone (one CUDA graph per step: the `cudagraphs` "
+                      "rows); fusing the remaining elementwise kernels would add margin."
                       if ceiling >= BF16_TARGET else "so removing the launch gaps alone cannot reach 2.5x: the "
                       "non-GEMM kernels themselves must shrink (fusion).")
-            out += ["", f"Why bf16 stops at {ratio:.2f}x: the step's "
+            out += ["", f"Why eager bf16 stops at {ratio:.2f}x: the step's "
                     f"{_f(fp['model_gflop_per_step'], 0)} model GFLOP take {gemm_fp:.1f} ms at the fp32 GEMM peak and "
                     f"{gemm_bf:.1f} ms at the bf16 one, so the fp32 step ({fp['step_ms']} ms, eager) is mostly "
                     f"matrix products while the bf16 step ({bf['step_ms']} ms) is everything else: the GPU is busy "

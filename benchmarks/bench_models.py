@@ -75,7 +75,7 @@ class Case:
     T: int
     batch: int
     dropout: float
-    compile: str = "eager"  # eager | inductor
+    compile: str = "eager"  # eager | inductor | cudagraphs (inductor replayed as CUDA graphs: GPU only)
     precision: str = "fp32"
     note: str = ""
 
@@ -123,6 +123,10 @@ def cases(quick: bool, bf16_unit: bool) -> list[Case]:
     return out
 
 
+TRAIN_COMPILE = {"eager": "off", "inductor": "on", "cudagraphs": "cudagraphs"}
+"""``train.compile`` of each case's ``compile`` label."""
+
+
 def run_config(case: Case):
     """The composed run config of ``case`` (the paper-scale row plus the case's overrides)."""
     from experiments.reproduce import compose_row
@@ -130,7 +134,7 @@ def run_config(case: Case):
     table, row, extra = MODELS[case.model]
     overrides = [*extra, f"train.mode={case.mode}", f"train.seq_len={case.T}", f"train.batch_size={case.batch}",
                  f"profile.dropout={case.dropout}", f"train.precision={case.precision}",
-                 f"train.compile={'on' if case.compile == 'inductor' else 'off'}"]
+                 f"train.compile={TRAIN_COMPILE[case.compile]}"]
     return compose_row(table, row, "paper", "torch", overrides)[0].run
 
 
@@ -234,8 +238,8 @@ def step_budget(case: Case, warmup: int, steps: int) -> tuple[int, int]:
     if case.precision == "bf16" and not cpu_has_bf16_matmul():
         return 1, 1
     if case.mode == "nt" and not MODELS[case.model][1].startswith("transformer"):
-        return max(warmup, 2) if case.compile == "inductor" else warmup, steps
-    return 2 if case.compile == "inductor" else 1, steps
+        return max(warmup, 2) if case.compile != "eager" else warmup, steps
+    return 2 if case.compile != "eager" else 1, steps
 
 
 NT_MIN_TIMED_SECONDS, NT_MAX_STEPS = 3.0, 40

@@ -35,7 +35,7 @@ ROUTER_FORMS = ("linear_bias", "layernorm_linear")
 POSITIONAL_FORMS = ("trainable_jax", "fixed_torch")
 INIT_FORMS = ("jax_normal", "torch_default")
 PRECISIONS = ("fp32", "bf16", "auto")  # auto: bf16 where the device has a bf16 matrix unit
-COMPILE_MODES = ("auto", "on", "off")
+COMPILE_MODES = ("auto", "on", "off", "cudagraphs")
 EVAL_PROTOCOLS = ("reference", "full", "both")
 DATASETS = ("wikitext2", "wikitext103", "pg19", "pg19_mini")
 DATA_LAYOUTS = ("tokens", "raw", "hf")
@@ -257,7 +257,8 @@ class TrainConfig:
     eps: float = 1e-8
     precision: str = "fp32"
     # Compile the training step (torch: torch.compile of the forward; JAX always jit-compiles).
-    # auto: where it pays for its compile time (backends.torch.compile.use_compile says when).
+    # auto: where it pays for its compile time (backends.torch.compile.use_compile says when);
+    # cudagraphs: compiled and replayed as CUDA graphs (torch, one CUDA device, one process).
     compile: str = "auto"
     seed: int = 1234
     train_sample_seed: int = 10001

@@ -17,9 +17,15 @@ from backends.torch.compile import (
     COMPILE_MIN_STEPS,
     COMPILE_MIN_STEPS_AR,
     COMPILED_LABEL,
+    CUDA_GRAPHS_LABEL,
+    check_compile_device,
     compile_min_steps,
     compile_training,
+    compiled_label,
+    prepare_for_compile,
+    ranks_with_host_rho,
     use_compile,
+    use_cuda_graphs,
 )
 from backends.torch.layers import ConvBlock, causal_depthwise_conv
 from pcaf_core.config import MemoryConfig, ModelConfig, RunConfig, TrainConfig
@@ -143,3 +149,144 @@ def test_auto_compiles_long_runs_only_and_the_record_says_so() -> None:
     plain = TorchBackend("cpu")
     plain.init(short)
     assert COMPILED_LABEL not in plain.device
+
+
+# ---------------------------------------------------------------- CUDA graphs (train.compile=cudagraphs)
+
+CUDA = torch.cuda.is_available()
+SYNCING_OPS = frozenset({"_local_scalar_dense", "nonzero", "nonzero_static", "unique", "_unique", "_unique2",
+                         "unique_consecutive", "unique_dim", "masked_select", "equal", "is_nonzero", "allclose",
+                         "repeat_interleave"})
+"""ATen ops that wait for the device to read a value back (``.item()``/``int()``/``bool()`` reach
+``_local_scalar_dense``; the rest have data-dependent output shapes or a host result)."""
+
+
+class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op of :data:`SYNCING_OPS` that runs, and any copy to the CPU of a device tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        if name in SYNCING_OPS:
+            self.reads.append(name)
+        out = func(*args, **kwargs)
+        if name in ("_to_copy", "copy_") and isinstance(out, torch.Tensor) and out.device.type == "cpu" and any(
+                isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args):
+            self.reads.append(f"{name} to cpu")
+        return out
+
+
+@pytest.fixture
+def cuda_code_paths(monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    """The device whose code paths the step takes: CUDA where present; on a CPU, CPU tensors with the choices
+    a CUDA tensor gets (the Triton candidate kernels, run by the interpreter; gathered scores instead of the CPU's
+    sparse products; the segmented key-gradient op)."""
+    if CUDA:
+        return torch.device("cuda")
+    from backends.torch import ops, routing
+
+    monkeypatch.setattr(routing, "kernels_by_default", lambda addresses: True)
+    monkeypatch.setattr(ops, "_sparse_path", lambda x, y, index: False)
+    monkeypatch.setattr(ops, "_segment_kernel_for", lambda grad, y: True)
+    return torch.device("cpu")
+
+
+def _device_reads(case, mode: str, precision: str, device: torch.device) -> list[str]:
+    cfg = _cfg(case, mode)
+    cfg.train.precision = precision
+    backend = TorchBackend(device)
+    state = backend.init(cfg)
+    rng = np.random.default_rng(0)
+    x = torch.as_tensor(rng.integers(3, 64, (3, 24)), device=device)
+    y = torch.as_tensor(rng.integers(3, 64, (3,) if mode == "nt" else (3, 24)), device=device)
+    loss_module = TrainingLoss(state.module)
+    state.module.train()
+    reads = _DeviceReads()
+    with reads:
+        with backend._autocast(cfg):
+            loss = loss_module(x, y, mode)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(state.module.parameters(), 1.0, foreach=CUDA)
+    return reads.reads
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["nt", "ar"])
+def test_cuda_step_reads_nothing_back_from_the_device(cuda_code_paths: torch.device, mode: str,
+                                                      precision: str) -> None:
+    """What CUDA graphs need of a step: its forward, backward and clipping wait on the device nowhere, for
+    every case that ``cudagraphs`` accepts; the two ρ-ranking routes it refuses do read ρ back (which also
+    shows that the check sees a read)."""
+    for case in CASES:
+        reads = _device_reads(case, mode, precision, cuda_code_paths)
+        if ranks_with_host_rho(_cfg(case, mode)):
+            assert "_local_scalar_dense" in reads, case
+        else:
+            assert reads == [], (case, reads)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not ranks_with_host_rho(_cfg(c, "ar"))],
+                         ids=lambda c: "-".join(c))
+def test_cuda_step_compiles_to_one_graph(cuda_code_paths: torch.device, case) -> None:
+    """CUDA graph trees capture what Dynamo compiles; a graph break would leave eager launches between
+    graphs. Full AR, the mode whose steps wait on kernel launches (docs/results/bench_cuda.md)."""
+    cfg = _cfg(case, "ar")
+    state = TorchBackend(cuda_code_paths).init(cfg)
+    prepare_for_compile(state.module)
+    rng = np.random.default_rng(0)
+    x = torch.as_tensor(rng.integers(3, 64, (3, 24)), device=cuda_code_paths)
+    y = torch.as_tensor(rng.integers(3, 64, (3, 24)), device=cuda_code_paths)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(TrainingLoss(state.module))(x, y, "ar")
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_cudagraphs_refuses_what_it_cannot_replay() -> None:
+    case = ("pcaf", "context", "dense", "first")
+    cfg = _cfg(case, "ar", "cudagraphs")
+    assert use_compile(cfg) and use_cuda_graphs(cfg) and compiled_label(cfg) == CUDA_GRAPHS_LABEL
+    assert compiled_label(_cfg(case, "ar", "on")) == COMPILED_LABEL and not use_cuda_graphs(_cfg(case, "ar", "on"))
+    with pytest.raises(ValueError, match="needs a CUDA device, and this run trains on cpu: use train.compile=on"):
+        TorchBackend("cpu").init(cfg)
+    with pytest.raises(ValueError, match="runs in one process, and this run has 2"):
+        check_compile_device(cfg, torch.device("cuda"), 2)
+    check_compile_device(cfg, torch.device("cuda"), 1)
+    for other in (("pcaf", "context", "dense", "topk_score"), ("pcaf", "semantic", "dense", "topk_score")):
+        with pytest.raises(ValueError, match="ranks with rho read back from the device every step"):
+            check_compile_device(_cfg(other, "ar", "cudagraphs"), torch.device("cuda"), 1)
+    # No cache ranks nothing, whatever its policy says.
+    check_compile_device(_cfg(("pcaf_no_cache", "context", "dense", "topk_score"), "ar", "cudagraphs"),
+                         torch.device("cuda"), 1)
+    with pytest.raises(ValueError, match="inductor backend"):
+        compile_training(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), backend="aot_eager", cuda_graphs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device; the step's CPU-side conditions (no device "
+                    "reads, one graph) are tested above on CPU tensors with the CUDA code paths chosen")
+def test_cudagraph_step_trains_like_eager_on_cuda() -> None:
+    """Four steps replayed as CUDA graphs give the eager steps' losses (dropout 0: same arithmetic up to
+    inductor's fusions), and with dropout on, replays at learning rate 0 draw fresh masks (different losses)."""
+    case = ("pcaf", "context", "dense", "first")
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(3, 64, (3, 24)).astype(np.int32), rng.integers(3, 64, (3, 24)).astype(np.int32))
+               for _ in range(4)]
+    losses = {}
+    for compile_mode in ("off", "cudagraphs"):
+        cfg = _cfg(case, "ar", compile_mode)
+        cfg.profile.dropout = 0.0
+        backend = TorchBackend("cuda")
+        state = backend.init(cfg)
+        losses[compile_mode] = [backend.train_step(state, x, y, 1e-3)[1] for x, y in batches]
+        torch._dynamo.reset()
+    np.testing.assert_allclose(losses["cudagraphs"], losses["off"], rtol=2e-4)
+    cfg = _cfg(case, "ar", "cudagraphs")
+    backend = TorchBackend("cuda")
+    state = backend.init(cfg)
+    x, y = batches[0]
+    replays = [backend.train_step(state, x, y, 0.0)[1] for _ in range(5)]
+    assert np.all(np.isfinite(replays)) and len(set(replays[2:])) == 3, replays

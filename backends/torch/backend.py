@@ -19,7 +19,13 @@ import torch
 from torch import nn
 
 from backends.torch import checkpoint as ckpt
-from backends.torch.compile import COMPILED_LABEL, compile_training, use_compile
+from backends.torch.compile import (
+    check_compile_device,
+    compile_training,
+    compiled_label,
+    use_compile,
+    use_cuda_graphs,
+)
 from backends.torch.optim import build_optimizer, fill_missing_grads
 from pcaf_core.backend import EvalOutputs
 from pcaf_core.config import RunConfig
@@ -127,6 +133,7 @@ class TorchBackend:
     def _build(self, cfg: RunConfig) -> TorchState:
         from backends.torch.models import build_model
 
+        check_compile_device(cfg, self.torch_device, self.world_size)
         # warn_only: some CUDA kernels have no deterministic implementation, and a warning is better than
         # refusing to train; CPU runs are deterministic regardless.
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -155,9 +162,9 @@ class TorchBackend:
                 static_graph=True,
             )
         if use_compile(cfg):
-            wrapped = compile_training(module, wrapped)
-            if COMPILED_LABEL not in self.device:
-                self.device += f"; {COMPILED_LABEL}"
+            wrapped = compile_training(module, wrapped, cuda_graphs=use_cuda_graphs(cfg))
+            if compiled_label(cfg) not in self.device:
+                self.device += f"; {compiled_label(cfg)}"
         optimizer = build_optimizer(module, cfg.train, cfg.profile)
         return TorchState(module=module, wrapped=wrapped, optimizer=optimizer, cfg=cfg)
 
@@ -202,6 +209,10 @@ class TorchBackend:
     ) -> tuple[TorchState, float]:
         """Forward, backward, optional clipping and one AdamW step at ``lr``; returns the loss."""
         cfg = state.cfg
+        if use_cuda_graphs(cfg):
+            # A new step: the graphs' outputs of the last one (its loss, its gradients, already consumed by
+            # the optimiser) may be overwritten by this replay.
+            torch.compiler.cudagraph_mark_step_begin()
         x, y = self._tensors(inputs, targets)
         for group in state.optimizer.param_groups:
             group["lr"] = lr

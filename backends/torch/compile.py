@@ -7,6 +7,15 @@ causal_depthwise_conv`) and their backward passes. It costs a one-off compile of
 (:func:`compile_min_steps`), and only where it measured faster (:func:`compile_pays_off`); ``on`` / ``off``
 force the choice. Evaluation stays eager (a small share of a run, which would compile a second graph).
 
+``cudagraphs`` compiles the same way and replays the compiled forward and backward graphs as CUDA graphs
+(``torch.compile(mode="reduce-overhead")``, PyTorch's CUDA graph trees): one launch per graph instead of one
+per kernel. It is for steps that wait on the host rather than on the GPU: on an H100 the bf16 full-AR step
+was busy 9.8 of 17.1 ms (docs/results/bench_cuda.md). The step qualifies because it reads nothing back from
+the device before its loss (no ``.item()``, ``nonzero`` or data-dependent shape in the forward and backward:
+tests/test_torch_compile.py checks that on the CUDA code paths) and compiles to one graph. CUDA graphs need a
+CUDA device, and the graphs are captured per process, so it refuses a CPU device and DDP with a one-line
+error (:func:`check_compile_device`).
+
 Dropout under compile draws its masks with ATen's generator (``fallback_random``): inductor's in-kernel
 random numbers are slower than ATen's vectorised generator on CPU, and the ATen path draws the same masks
 as an eager step, so compiled and eager training agree to float rounding with dropout on.
@@ -48,11 +57,16 @@ def compile_pays_off(cfg: RunConfig) -> bool:
 
     if cfg.model.variant not in (*PCAF_VARIANTS, "local_conv"):
         return False
+    return not ranks_with_host_rho(cfg)
+
+
+def ranks_with_host_rho(cfg: RunConfig) -> bool:
+    """Whether the step of ``cfg`` reads ρ back from the device to rank candidates (``topk_score`` and the
+    dense semantic route of the PCAF variants that select; local conv and no cache select nothing)."""
     mem = cfg.memory
     host_rho = (mem.route in ("context", "hybrid") and mem.candidate_policy == "topk_score") or (
         mem.route in ("semantic", "hybrid") and mem.semantic_index == "dense")
-    ranks = cfg.model.variant in ("pcaf", "pcaf_no_gate")  # local conv and no cache select nothing
-    return not (ranks and host_rho)
+    return cfg.model.variant in ("pcaf", "pcaf_no_gate") and host_rho
 
 
 def compile_min_steps(cfg: RunConfig) -> int:
@@ -67,7 +81,31 @@ def use_compile(cfg: RunConfig) -> bool:
     mode = cfg.train.compile
     if mode == "auto":
         return cfg.train.steps >= compile_min_steps(cfg) and compile_pays_off(cfg)
-    return mode == "on"
+    return mode in ("on", "cudagraphs")
+
+
+def use_cuda_graphs(cfg: RunConfig) -> bool:
+    """Whether the compiled step is replayed as CUDA graphs (``train.compile=cudagraphs``)."""
+    return cfg.train.compile == "cudagraphs"
+
+
+def check_compile_device(cfg: RunConfig, device: torch.device, world_size: int) -> None:
+    """Raise a one-line error when ``train.compile=cudagraphs`` cannot run here: it needs a CUDA device, one
+    process (each DDP rank would capture graphs around collectives that are not part of them), and a step that
+    reads nothing back from the device (:func:`ranks_with_host_rho`: ρ changes every step, so each step would
+    compile and capture anew)."""
+    if not use_cuda_graphs(cfg):
+        return
+    if ranks_with_host_rho(cfg):
+        raise ValueError(f"train.compile=cudagraphs cannot replay route {cfg.memory.route!r} with policy "
+                         f"{cfg.memory.candidate_policy!r} and semantic index {cfg.memory.semantic_index!r}: it "
+                         "ranks with rho read back from the device every step; use train.compile=off")
+    if device.type != "cuda":
+        raise ValueError(f"train.compile=cudagraphs needs a CUDA device, and this run trains on {device.type}: "
+                         "use train.compile=on (inductor without CUDA graphs) or auto")
+    if world_size > 1:
+        raise ValueError(f"train.compile=cudagraphs runs in one process, and this run has {world_size}: use "
+                         "train.compile=on with torchrun")
 
 
 def prepare_for_compile(module: nn.Module) -> None:
@@ -77,15 +115,27 @@ def prepare_for_compile(module: nn.Module) -> None:
             m.conv_form = "shifted"
 
 
-def compile_training(module: nn.Module, wrapped: nn.Module, *, backend: str = "inductor") -> nn.Module:
+def compile_training(module: nn.Module, wrapped: nn.Module, *, backend: str = "inductor",
+                     cuda_graphs: bool = False) -> nn.Module:
     """``wrapped`` (the training-loss module, DDP-wrapped or not) compiled with ``backend`` (inductor; tests
     also use ``aot_eager``, the same graph capture without code generation), ``module``'s layers switched
-    to their fusable forms first."""
+    to their fusable forms first. ``cuda_graphs``: inductor with ``mode="reduce-overhead"`` (CUDA graph trees;
+    on a CPU tensor inductor runs the graphs without them)."""
     import torch._inductor.config as inductor_config
 
     prepare_for_compile(module)
     inductor_config.fallback_random = True
+    if cuda_graphs:
+        if backend != "inductor":
+            raise ValueError(f"CUDA graphs come with the inductor backend, not {backend!r}")
+        return torch.compile(wrapped, dynamic=False, mode="reduce-overhead")
     return torch.compile(wrapped, dynamic=False, backend=backend)
 
 
 COMPILED_LABEL = "training step compiled (torch.compile, inductor)"
+CUDA_GRAPHS_LABEL = "training step compiled (torch.compile, inductor) and replayed as CUDA graphs"
+
+
+def compiled_label(cfg: RunConfig) -> str:
+    """What the record's ``device`` field says about a compiled step of ``cfg``."""
+    return CUDA_GRAPHS_LABEL if use_cuda_graphs(cfg) else COMPILED_LABEL

@@ -342,7 +342,7 @@ def route_context(
                                         sparse_window=sparse_window, layout=layout, chunk_elements=chunk_elements,
                                         query_layout=query_layout)[0]
     _check_query_layout(query_layout, query_pos, addresses)
-    if layout is None and (kernels if kernels is not None else addresses.is_cuda):
+    if layout is None and (kernels if kernels is not None else kernels_by_default(addresses)):
         picked = _kernel_candidates(addresses, query_pos, top_k, policy, query_layout)
         if picked is not None:
             return picked
@@ -351,6 +351,12 @@ def route_context(
     if policy == "recent":
         return _recent_slots(layout, slot, count, top_k)
     return _first_slots(layout, start, count, top_k)
+
+
+def kernels_by_default(addresses: torch.Tensor) -> bool:
+    """Whether :func:`route_context` selects ``recent``/``first`` candidates with the Triton kernels when its
+    caller does not say: on CUDA tensors."""
+    return addresses.is_cuda
 
 
 def _check_query_layout(query_layout: str | None, query_pos: torch.Tensor, addresses: torch.Tensor) -> None:
