@@ -124,3 +124,29 @@ def test_kernel_is_chosen_on_cuda_for_32_bit_keys_only() -> None:
         cuda = torch.zeros(1, device="cuda")
         assert ops._segment_kernel_for(cuda, cuda)
         assert not ops._segment_kernel_for(cuda, cuda.double())
+
+
+def test_gather_chunks_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gathered path's chunk: ``CHUNK_ELEMENTS`` on a CPU, the larger CUDA default on a GPU, which keeps the
+    paper-shape full-AR scoring (T = 1,024, batch 8, K = 16, d = 256) in one chunk (a chunk costs launches), and a
+    caller's own value everywhere; one chunk and many give the same products and gradients."""
+    assert ops.chunk_elements_for(torch.zeros(1), None) == ops.CHUNK_ELEMENTS
+    assert ops.chunk_elements_for(torch.zeros(1), 64) == 64
+    if torch.cuda.is_available():
+        assert ops.chunk_elements_for(torch.zeros(1, device="cuda"), None) == ops.CHUNK_ELEMENTS_CUDA
+    B, Q, C, d = 8, 1024, 16, 256
+    assert ops._query_chunk(Q, B * C * d, ops.CHUNK_ELEMENTS_CUDA) == Q
+    assert ops._query_chunk(Q, B * C * d, ops.CHUNK_ELEMENTS) == Q // 8
+    g = torch.Generator().manual_seed(3)
+    x0, y0 = torch.randn(2, 9, 5, generator=g, dtype=torch.float64), torch.randn(2, 11, 5, generator=g,
+                                                                                  dtype=torch.float64)
+    index = torch.randint(0, 11, (2, 9, 4), generator=g)
+    monkeypatch.setattr(ops, "_sparse_path", lambda x, y, index: False)  # the gathered path, as on a GPU
+    outs = []
+    for chunk in (2 * 4 * 5, None):  # one query a chunk; all in one
+        x, y = x0.clone().requires_grad_(True), y0.clone().requires_grad_(True)
+        out = ops._GatherDot.apply(x, y, index, ops.chunk_elements_for(x, chunk))
+        (out * out).sum().backward()
+        outs.append((out.detach(), x.grad, y.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

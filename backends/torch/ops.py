@@ -28,7 +28,19 @@ from torch.autograd.function import once_differentiable
 
 from backends.torch.kernels.gather_grad import gather_dot_grad_y
 
-CHUNK_ELEMENTS = 1 << 22  # elements per temporary chunk (16 MiB in float32)
+CHUNK_ELEMENTS = 1 << 22  # elements per temporary chunk on a CPU (16 MiB in float32)
+CHUNK_ELEMENTS_CUDA = 1 << 26
+"""... and on a CUDA device (256 MiB in float32): each chunk costs a handful of kernel launches a direction, and
+the full-AR step on an H100 waits on launches (docs/results/bench_cuda.md); at the paper shape (T = 1,024,
+batch 8, K = 16, d = 256: 33.5M gathered elements) this is one chunk instead of eight."""
+
+
+def chunk_elements_for(t: torch.Tensor, chunk_elements: int | None) -> int:
+    """``chunk_elements``, or the default for ``t``'s device when None (:data:`CHUNK_ELEMENTS`,
+    :data:`CHUNK_ELEMENTS_CUDA`)."""
+    if chunk_elements is not None:
+        return chunk_elements
+    return CHUNK_ELEMENTS_CUDA if t.is_cuda else CHUNK_ELEMENTS
 
 
 def batch_gather(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -216,7 +228,7 @@ class _GatherDot(torch.autograd.Function):
 
 
 def gather_dot(
-    x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, *, chunk_elements: int = CHUNK_ELEMENTS
+    x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, *, chunk_elements: int | None = None
 ) -> torch.Tensor:
     """``out[b, q, c] = x[b, q] · y[b, index[b, q, c]]``.
 
@@ -226,7 +238,10 @@ def gather_dot(
         index: ``[B, Q, C]`` int64 positions in ``[0, T)`` (clip empty slots before calling).
     Returns:
         ``[B, Q, C]``, differentiable in ``x`` and ``y``; no ``[B, Q, C, d]`` tensor is kept for backward.
+        Off the sparse path the rows are gathered in chunks of at most ``chunk_elements`` (default: per device,
+        :func:`chunk_elements_for`).
     """
+    chunk_elements = chunk_elements_for(x, chunk_elements)
     if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
         return _GatherDot.apply(x, y, index, chunk_elements)
     if _sparse_path(x, y, index):

@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from backends.torch.ops import CHUNK_ELEMENTS, banded_dot, batch_gather, gather_dot
+from backends.torch.ops import banded_dot, batch_gather, chunk_elements_for, gather_dot
 from pcaf_core.config import CANDIDATE_POLICIES
 from pcaf_core.routing import SEMANTIC_TIE_BREAK, BucketLayout, Candidates, SelectionInputs, topk_sparse_window
 
@@ -206,7 +206,7 @@ def route_context_topk_score(
     strategy: str = "auto",
     sparse_window: int | None = None,
     layout: BucketLayout | None = None,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
     query_layout: str | None = None,
 ) -> tuple[Candidates, torch.Tensor]:
     """``topk_score`` context route; also returns which queries took the dense path.
@@ -233,7 +233,8 @@ def route_context_topk_score(
     _check_query_layout(query_layout, query_pos, addresses)
     with _autocast_off(addresses.device):
         return _route_context_topk_score(addresses, query_pos, top_k, _exact_selection(select), strategy,
-                                         sparse_window, layout, chunk_elements, query_layout)
+                                         sparse_window, layout, chunk_elements_for(addresses, chunk_elements),
+                                         query_layout)
 
 
 def _route_context_topk_score(
@@ -305,7 +306,7 @@ def route_context(
     *,
     strategy: str = "auto",
     sparse_window: int | None = None,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
     kernels: bool | None = None,
     query_layout: str | None = None,
     layout: BucketLayout | None = None,
@@ -401,7 +402,7 @@ def route_semantic_dense(
     top_k: int,
     *,
     target_leak: bool = False,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> Candidates:
     """Dense semantic route: the K earlier records with the largest ``m_s + 1e-4·ρ·r_s``.
 
@@ -422,7 +423,7 @@ def route_semantic_dense(
     with _autocast_off(router_probs.device):
         work = torch.promote_types(router_probs.dtype, torch.float32)
         return _route_semantic_dense(router_probs.to(work), recency.to(work), float(rho), query_pos, top_k,
-                                     target_leak, chunk_elements)
+                                     target_leak, chunk_elements_for(router_probs, chunk_elements))
 
 
 def _route_semantic_dense(
