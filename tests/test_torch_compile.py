@@ -245,6 +245,15 @@ def test_cuda_step_compiles_to_one_graph(cuda_code_paths: torch.device, case) ->
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
+@pytest.mark.slow
+def test_inductor_compiles_the_cuda_full_ar_step_like_eager(cuda_code_paths: torch.device) -> None:
+    """What ``cudagraphs`` replays is inductor's code for the step: full-AR PCAF-context with the GPU's candidate
+    kernel and key-gradient op inside the graph (custom ops, run by the Triton interpreter on a CPU) gives the
+    eager step's losses and gradients. The benchmarked GPU case; about 25 s here. (Where a CUDA device is present
+    the step runs on the CPU's own paths here, and test_cudagraph_step_trains_like_eager_on_cuda runs it there.)"""
+    _compare_steps(_cfg(("pcaf", "context", "dense", "first"), "ar"), "inductor")
+
+
 def test_cudagraphs_refuses_what_it_cannot_replay() -> None:
     case = ("pcaf", "context", "dense", "first")
     cfg = _cfg(case, "ar", "cudagraphs")
