@@ -229,20 +229,80 @@ def test_cuda_step_reads_nothing_back_from_the_device(cuda_code_paths: torch.dev
             assert reads == [], (case, reads)
 
 
+def _aot_graphs(fn, *args) -> tuple[list[torch.fx.GraphModule], list[int]]:
+    """The forward and backward graphs AOT autograd makes of ``fn(*args).backward()`` under bf16 autocast (what
+    inductor compiles, before its own passes), and the indices of the graph inputs the step mutates (AOT's
+    metadata: functionalised, a mutation is an extra output copied back after the graph)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.GraphModule] = []
+    mutated: list[int] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs):
+        meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+        if not graphs and meta is not None:
+            mutated.extend(i for i, info in enumerate(meta.input_info) if info.mutates_data or info.mutates_metadata)
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=aot_autograd(fw_compiler=record, bw_compiler=record), dynamic=False)
+    with torch.autocast(args[0].device.type, dtype=torch.bfloat16):
+        loss = compiled(*args)
+    loss.backward()
+    return graphs, mutated
+
+
+def _cudagraph_unsafe(graphs: list[torch.fx.GraphModule], mutated: list[int]) -> list[str]:
+    """Nodes inductor would not capture in a CUDA graph (its own test, ``is_cudagraph_unsafe_fx_node``: host
+    syncs, boolean-mask ``index_put``, sparse outputs...), and the mutated inputs (CUDA graph trees accept
+    mutated parameters and buffers, not mutated step inputs; the training step should mutate nothing)."""
+    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+
+    found = [str(node.target) for gm in graphs for node in gm.graph.nodes
+             if node.op == "call_function" and is_cudagraph_unsafe_fx_node(node)]
+    return found + [f"mutated input {i}" for i in mutated]
+
+
+@pytest.mark.parametrize("mode", ["ar", "nt"])
 @pytest.mark.parametrize("case", [c for c in CASES if not ranks_with_host_rho(_cfg(c, "ar"))],
                          ids=lambda c: "-".join(c))
-def test_cuda_step_compiles_to_one_graph(cuda_code_paths: torch.device, case) -> None:
-    """CUDA graph trees capture what Dynamo compiles; a graph break would leave eager launches between
-    graphs. Full AR, the mode whose steps wait on kernel launches (docs/results/bench_cuda.md)."""
-    cfg = _cfg(case, "ar")
+def test_cuda_step_is_one_cudagraph_safe_graph(cuda_code_paths: torch.device, case, mode: str) -> None:
+    """CUDA graph trees capture what Dynamo and AOT autograd compile: the step must be one graph (a graph break
+    would leave eager launches between graphs), and its forward and backward graphs must hold nothing inductor
+    refuses to capture and mutate none of their inputs (either makes inductor skip CUDA graphs, silently)."""
+    cfg = _cfg(case, mode)
     state = TorchBackend(cuda_code_paths).init(cfg)
     prepare_for_compile(state.module)
     rng = np.random.default_rng(0)
     x = torch.as_tensor(rng.integers(3, 64, (3, 24)), device=cuda_code_paths)
-    y = torch.as_tensor(rng.integers(3, 64, (3, 24)), device=cuda_code_paths)
+    y = torch.as_tensor(rng.integers(3, 64, (3,) if mode == "nt" else (3, 24)), device=cuda_code_paths)
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(TrainingLoss(state.module))(x, y, "ar")
+    explained = torch._dynamo.explain(TrainingLoss(state.module))(x, y, mode)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    graphs, mutated = _aot_graphs(TrainingLoss(state.module), x, y, mode)
+    assert len(graphs) == 2 and _cudagraph_unsafe(graphs, mutated) == []
+
+
+def test_cudagraph_safety_check_sees_unsafe_nodes() -> None:
+    """The check above finds what it looks for: a boolean-mask assignment (a host sync inside ``index_put``)
+    and an in-place update of a buffer."""
+
+    class Unsafe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+            self.register_buffer("count", torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.count.add_(1.0)
+            y = x * self.w
+            y[y > 1] = 0.0
+            return y.sum()
+
+    found = _cudagraph_unsafe(*_aot_graphs(Unsafe(), torch.arange(4.0)))
+    assert any("index_put" in f for f in found) and any("mutated input" in f for f in found), found
 
 
 @pytest.mark.slow
