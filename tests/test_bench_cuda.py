@@ -59,6 +59,7 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert "(T=1024, batch 8, cudagraphs) | 330 / 150 = 2.20x | **missed by 1.14x** |" in text
     assert "81.0% eager, 81.0% cudagraphs" in text and "7.0x | **met** |" in text
     assert "| fp32 | eager |" in text  # the profile table's compile column
+    assert "A `cudagraphs` row's step peak is what one replay allocates" in text
     assert "largest difference 0.0020 nats | **met** |" in text  # step 20 is in the first third
     assert "## Routing on the GPU" in text and "## Where the full-AR step's time goes" in text
     summary = bench_cuda_report.bf16_summary(run)
