@@ -64,7 +64,9 @@ bench-precision: $(VENV)/.installed data
 # The speed targets on a CUDA GPU (bf16 autocast against fp32, fraction of peak, next-token against SDPA, routing,
 # a profile of the full-AR step) and the bf16 learning curves at the WikiText-2 paper shape in full AR, rendered
 # into docs/results/bench_cuda.md with its CSVs in docs/results/bench_cuda/ (about 3 minutes on one H100: 112 s
-# of benchmarks, then the curves; the paper-shape row reads the tokenized WikiText-2 release, data.layout=tokens).
+# of benchmarks, then the curves, before the CUDA-graph cases were added: 8 more compiled cases and 2 compiled
+# profiles, each compile about 20 s there; the paper-shape row reads the tokenized WikiText-2 release,
+# data.layout=tokens).
 CUDA_RESULTS := docs/results/bench_cuda
 bench-cuda: $(VENV)/.installed data
 	$(PY) -m benchmarks.bench_cuda --out-dir bench/cuda
