@@ -31,7 +31,7 @@ help:
 	@echo "               (idle machine; BACKENDS_ROUNDS=2 saves about 4 min);"
 	@echo "               BENCH=quick (make bench-quick): under 2 min (72 s Xeon, 59-115 s EPYC), renders bench/quick/bench.md"
 	@echo "make bench-decode | bench-kernels | bench-train-step | bench-precision | bench-data - the other benchmarks"
-	@echo "make bench-cuda    - the speed targets on a CUDA GPU, bf16 included, eager and as CUDA graphs (3 min on one H100 before the 10 CUDA-graph compiles, about 20 s each): docs/results/bench_cuda.md"
+	@echo "make bench-cuda    - GPU speed targets, bf16 included, eager and as CUDA graphs: docs/results/bench_cuda.md"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -173,8 +173,19 @@ def _policy(cfg) -> str:
     return cpu_policy(cfg)
 
 
+def _failure(case: GpuCase, section: str, err: Exception) -> dict:
+    """A compiled case that did not run: its labels and the error's first line (the page lists them)."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    print(f"[bench_cuda {section} {case.model} {case.mode} T={case.T} batch={case.batch} {case.precision} "
+          f"{case.compile}] did not run: {message}", file=sys.stderr, flush=True)
+    return {"section": section, "model": case.model, "mode": case.mode, "T": case.T, "batch": case.batch,
+            "dtype": case.precision, "compile": case.compile, "error": message}
+
+
 def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str = "cuda",
-                   smoke: bool = False) -> list[dict]:
+                   smoke: bool = False) -> tuple[list[dict], list[dict]]:
+    """The timed rows, and the compiled cases that failed to build or compile (an eager failure is a bug and
+    stops the run; a compiled case's is recorded so that one case cannot cost the whole run)."""
     import torch
 
     from backends.torch.backend import TorchBackend
@@ -188,20 +199,26 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
     for case in gpu_cases(smoke):
         groups.setdefault((case.mode, case.T, case.batch if case.model != "dense Transformer (SDPA)" else 0),
                           []).append(case)
-    rows = []
+    rows, failures = [], []
     for group in groups.values():
         entries = []
         for case in group:
             cpu_case = Case(case.model, case.mode, case.T, case.batch, case.dropout, case.compile, case.precision)
             cfg = run_config(cpu_case)
-            backend = TorchBackend(device)
-            state = backend.init(cfg)
-            x, y, source = _batch(cfg)
-            t0 = time.perf_counter()
-            state, loss = backend.train_step(state, x, y, 1e-4)
-            first = time.perf_counter() - t0
-            for _ in range(warmup):
-                state, _ = backend.train_step(state, x, y, 1e-4)
+            try:
+                backend = TorchBackend(device)
+                state = backend.init(cfg)
+                x, y, source = _batch(cfg)
+                t0 = time.perf_counter()
+                state, loss = backend.train_step(state, x, y, 1e-4)
+                first = time.perf_counter() - t0
+                for _ in range(warmup):
+                    state, _ = backend.train_step(state, x, y, 1e-4)
+            except (RuntimeError, ValueError, torch._dynamo.exc.TorchDynamoException) as err:
+                if case.compile == "eager":
+                    raise
+                failures.append(_failure(case, "models", err))
+                continue
             _sync(device)
             before = allocated()
             reset_peak()
@@ -233,9 +250,11 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
                   f"{row['compile']}] {row['tokens_per_s']:.0f} tokens/s, {row['step_ms']:.2f} ms/step, "
                   f"{row['model_pct']}% of {dtype_peak} GFLOP/s", file=sys.stderr, flush=True)
         del entries
+        # The group's compiled code and CUDA graph pools go with its models.
+        torch._dynamo.reset()
         if device != "cpu":
             torch.cuda.empty_cache()
-    return rows
+    return rows, failures
 
 
 def routing_section(repeats: int, device: str = "cuda", smoke: bool = False) -> list[dict]:
@@ -265,25 +284,33 @@ def routing_section(repeats: int, device: str = "cuda", smoke: bool = False) -> 
     return rows
 
 
-def profile_section(out: Path, device: str = "cuda", smoke: bool = False) -> list[dict]:
+def profile_section(out: Path, device: str = "cuda", smoke: bool = False) -> tuple[list[dict], list[dict]]:
+    """The profiled rows (and op tables under ``out``), and the compiled cases that failed (as in
+    :func:`models_section`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from backends.torch.backend import TorchBackend
     from benchmarks.bench_models import Case, _batch, run_config
 
-    rows = []
+    rows, failures = [], []
     T, batch = (64, 2) if smoke else (1024, 8)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
     compiles = ("eager",) if device == "cpu" else ("eager", "cudagraphs")
     for compile_, precision in ((c, p) for c in compiles for p in ("fp32", "bf16")):
         case = Case("PCAF-context", "ar", T, batch, 0.1, compile_, precision)
         cfg = run_config(case)
-        backend = TorchBackend(device)
-        state = backend.init(cfg)
-        x, y, _ = _batch(cfg)
-        for _ in range(3 if compile_ == "eager" else 5):  # a compiled case: the compile, then the graphs' capture
-            state, _ = backend.train_step(state, x, y, 1e-4)
+        try:
+            backend = TorchBackend(device)
+            state = backend.init(cfg)
+            x, y, _ = _batch(cfg)
+            for _ in range(3 if compile_ == "eager" else 5):  # compiled: the compile, the capture, replays
+                state, _ = backend.train_step(state, x, y, 1e-4)
+        except (RuntimeError, ValueError, torch._dynamo.exc.TorchDynamoException) as err:
+            if compile_ == "eager":
+                raise
+            failures.append(_failure(GpuCase(case.model, "ar", T, batch, precision, compile_), "profile", err))
+            continue
         steps = 3
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()
@@ -303,7 +330,20 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False) -> lis
                      "kernels_per_step": round(len(kernels) / steps, 1)})
         print(f"[bench_cuda profile {precision} {compile_}] step {wall * 1e3:.2f} ms, GPU busy {busy_ms:.2f} ms, "
               f"{len(kernels) / steps:.0f} kernels a step", file=sys.stderr, flush=True)
-    return rows
+        del backend, state
+        torch._dynamo.reset()
+    return rows, failures
+
+
+def write_failures(out: Path, section: str, failures: list[dict]) -> None:
+    """``failures.csv``: this run's failed cases of ``section`` replace that section's earlier ones (a run of
+    some sections keeps the others' records); no file when nothing failed."""
+    path = out / "failures.csv"
+    kept = [r for r in read_csv(path) if r["section"] != section] if path.exists() else []
+    if kept or failures:
+        write_csv(path, kept + failures)
+    elif path.exists():
+        path.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,12 +385,16 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"the models section divides by the GEMM peaks: run it with gemm (no {out}/gemm.csv)")
         peaks = {d: max(float(r["gflops"]) for r in read_csv(out / "gemm.csv") if r["dtype"] == d)
                  for d in ("fp32", "bf16")}
-        write_csv(out / "models.csv", models_section(peaks, args.warmup, args.steps, args.device, args.smoke))
+        model_rows, failures = models_section(peaks, args.warmup, args.steps, args.device, args.smoke)
+        write_csv(out / "models.csv", model_rows)
+        write_failures(out, "models", failures)
     if "routing" in sections:
         write_csv(out / "routing.csv", routing_section(args.repeats, args.device, args.smoke))
     if "profile" in sections:
         out.mkdir(parents=True, exist_ok=True)
-        write_csv(out / "profile.csv", profile_section(out, args.device, args.smoke))
+        profile_rows, failures = profile_section(out, args.device, args.smoke)
+        write_csv(out / "profile.csv", profile_rows)
+        write_failures(out, "profile", failures)
     write_csv(out / "labels.csv", [{**cuda_labels(args.device), "bench_set": "smoke" if args.smoke else "full",
                                     "wall_s": round(time.perf_counter() - start, 1)}])
     print(f"{out} ({time.perf_counter() - start:.0f} s)")

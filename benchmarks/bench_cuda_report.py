@@ -132,8 +132,10 @@ def render(bench_dir: Path, doc: Path) -> None:
             gemm_fp = float(fp["model_gflop_per_step"]) / peak["fp32"] * 1e3
             gemm_bf = float(bf["model_gflop_per_step"]) / peak["bf16"] * 1e3
             ceiling = float(fp["step_ms"]) / busy
-            remedy = ("so 2.5x needs most of the launch gaps gone (one CUDA graph per step: the `cudagraphs` "
-                      "rows); fusing the remaining elementwise kernels would add margin."
+            graphed = any(r["compile"] == "cudagraphs" for r in models)
+            remedy = ("so 2.5x needs most of the launch gaps gone (one CUDA graph per step" +
+                      (": the `cudagraphs` rows" if graphed else ", `train.compile=cudagraphs`, which this run "
+                       "predates") + "); fusing the remaining elementwise kernels would add margin."
                       if ceiling >= BF16_TARGET else "so removing the launch gaps alone cannot reach 2.5x: the "
                       "non-GEMM kernels themselves must shrink (fusion).")
             out += ["", f"Why eager bf16 stops at {ratio:.2f}x: the step's "
@@ -151,7 +153,7 @@ def render(bench_dir: Path, doc: Path) -> None:
             "`TorchBackend(\"cuda\").train_step` per step, median of the timed steps; % of peak: analytic model "
             "FLOPs (`pcaf_core.flops`, next-token counted over the full window) / step time / the same dtype's "
             "GEMM peak above." + (" A `cudagraphs` row's step peak is what one replay allocates beyond the graphs' "
-                                  "memory pool, which holds the step's buffers from capture on, so it is near zero."
+                                  "memory pool, which holds the step's buffers from capture on."
                                   if any(r["compile"] == "cudagraphs" for r in models) else ""), "",
             "| model | mode | T | batch | dtype | compile | dropout | step (ms) | tokens/s | targets/s | step peak "
             "(MB) | model GFLOP/s | % of peak | first step (s) |", "|---" * 14 + "|"]
@@ -159,6 +161,13 @@ def render(bench_dir: Path, doc: Path) -> None:
         out.append(f"| {r['model']} | {r['mode']} | {r['T']} | {r['batch']} | {r['dtype']} | {r['compile']} | "
                    f"{r['dropout']} | {r['step_ms']} | {_f(r['tokens_per_s'], 0)} | {_f(r['targets_per_s'], 0)} | "
                    f"{r['step_peak_mb']} | {_f(r['model_gflops'], 0)} | {r['model_pct']} | {r['first_step_s']} |")
+    failures = read_csv(bench_dir / "failures.csv") if (bench_dir / "failures.csv").exists() else []
+    if failures:
+        out += ["", "## Compiled cases that did not run", "",
+                "Each failed to build or compile; the rest of the run went on without it.", "",
+                "| section | model | mode | T | batch | dtype | compile | error |", "|---" * 8 + "|"]
+        out += [f"| {r['section']} | {r['model']} | {r['mode']} | {r['T']} | {r['batch']} | {r['dtype']} | "
+                f"{r['compile']} | {r['error'].replace('|', '/')} |" for r in failures]
     if routing:
         mem = {(r["route"], int(r["T"])): float(r["peak_mb"]) for r in routing}
         out += ["", "## Routing on the GPU", "",

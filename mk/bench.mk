@@ -72,7 +72,8 @@ bench-cuda: $(VENV)/.installed data
 	$(PY) -m benchmarks.bench_cuda --out-dir bench/cuda
 	$(PY) -m benchmarks.precision_check --row wt2-nt-1024/pcaf_context --scale paper --steps 600 --every 100 \
 		--out bench/cuda/precision.md --csv bench/cuda/precision.csv train.mode=ar train.batch_size=8 data.layout=tokens
-	mkdir -p $(CUDA_RESULTS) && cp bench/cuda/*.csv bench/cuda/profile_*.txt bench/cuda/precision.md $(CUDA_RESULTS)/
+	mkdir -p $(CUDA_RESULTS) && rm -f $(CUDA_RESULTS)/failures.csv && \
+		cp bench/cuda/*.csv bench/cuda/profile_*.txt bench/cuda/precision.md $(CUDA_RESULTS)/
 	$(PY) -m benchmarks.bench_cuda --render $(CUDA_RESULTS) --doc docs/results/bench_cuda.md
 
 # One training step of every PCAF variant and local conv (both modes) on torch and on JAX, in alternating fresh

@@ -50,10 +50,15 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
         write_csv(run / f"{name}.csv", read_csv(smoke_run / f"{name}.csv"))
     write_csv(run / "precision.csv", [{"step": s, "fp32_eval_loss": 5.0, "bf16_eval_loss": 5.0 + d, "abs_diff": d}
                                       for s, d in ((1, 0.0), (20, 0.2), (100, 0.002))])
+    bench_cuda.write_failures(run, "models", [{"section": "models", "model": "PCAF-context", "mode": "ar",
+                                               "T": 2048, "batch": 4, "dtype": "bf16", "compile": "cudagraphs",
+                                               "error": "train.compile=cudagraphs could not capture this step"}])
     doc = tmp_path / "page.md"
     bench_cuda_report.render(run, doc)
     text = doc.read_text()
     assert "smoke run" in text.splitlines()[0]
+    assert "## Compiled cases that did not run" in text
+    assert "| models | PCAF-context | ar | 2048 | 4 | bf16 | cudagraphs | train.compile=cudagraphs could not" in text
     assert "| Full-AR PCAF-context bf16 autocast >= 2.5x fp32 tokens/s (T=1024, batch 8, eager) | 300 / 100 = " \
            "3.00x | **met** |" in text
     assert "(T=1024, batch 8, cudagraphs) | 330 / 150 = 2.20x | **missed by 1.14x** |" in text
@@ -71,6 +76,18 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     write_csv(run / "models.csv", rows)
     assert bench_cuda_report.bf16_summary(run)["speed_verdict"] == "missed by 1.14x (best case: T=1024 batch 8 " \
                                                                    "cudagraphs)"
+
+
+def test_failures_of_a_section_replace_its_earlier_ones(tmp_path: Path) -> None:
+    one = {"section": "models", "model": "m", "mode": "ar", "T": 1, "batch": 1, "dtype": "bf16",
+           "compile": "cudagraphs", "error": "e"}
+    bench_cuda.write_failures(tmp_path, "models", [one])
+    bench_cuda.write_failures(tmp_path, "profile", [{**one, "section": "profile"}])
+    assert [r["section"] for r in read_csv(tmp_path / "failures.csv")] == ["models", "profile"]
+    bench_cuda.write_failures(tmp_path, "models", [])
+    assert [r["section"] for r in read_csv(tmp_path / "failures.csv")] == ["profile"]
+    bench_cuda.write_failures(tmp_path, "profile", [])
+    assert not (tmp_path / "failures.csv").exists()
 
 
 def test_cpu_device_needs_smoke() -> None:

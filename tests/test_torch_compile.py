@@ -22,6 +22,7 @@ from backends.torch.compile import (
     compile_min_steps,
     compile_training,
     compiled_label,
+    cuda_graph_errors,
     prepare_for_compile,
     ranks_with_host_rho,
     use_compile,
@@ -154,15 +155,29 @@ def test_auto_compiles_long_runs_only_and_the_record_says_so() -> None:
 # ---------------------------------------------------------------- CUDA graphs (train.compile=cudagraphs)
 
 CUDA = torch.cuda.is_available()
-SYNCING_OPS = frozenset({"_local_scalar_dense", "nonzero", "nonzero_static", "unique", "_unique", "_unique2",
-                         "unique_consecutive", "unique_dim", "masked_select", "equal", "is_nonzero", "allclose",
-                         "repeat_interleave"})
+SYNCING_OPS = frozenset({"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive",
+                         "unique_dim", "masked_select", "equal", "is_nonzero", "allclose", "bincount"})
 """ATen ops that wait for the device to read a value back (``.item()``/``int()``/``bool()`` reach
 ``_local_scalar_dense``; the rest have data-dependent output shapes or a host result)."""
 
 
+def _syncs(name: str, args, kwargs) -> bool:
+    """Whether an op waits on the device: one of :data:`SYNCING_OPS`, ``repeat_interleave`` without its output
+    size, or indexing (``x[mask]``, ``x[mask] = v``) with a boolean mask, which runs ``nonzero`` inside the op."""
+    if name in SYNCING_OPS:
+        return True
+    if name == "repeat_interleave":
+        return kwargs.get("output_size") is None
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+    return False
+
+
 class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records every op of :data:`SYNCING_OPS` that runs, and any copy to the CPU of a device tensor."""
+    """Records every op that waits on the device (:func:`_syncs`), and any copy of a device tensor to the CPU.
+    A ``torch.library`` custom op dispatches as one op, so what runs inside one is checked separately
+    (:func:`test_cuda_custom_ops_read_nothing_back`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -171,13 +186,28 @@ class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name.split("::")[-1]
-        if name in SYNCING_OPS:
+        if _syncs(name, args, kwargs):
             self.reads.append(name)
         out = func(*args, **kwargs)
         if name in ("_to_copy", "copy_") and isinstance(out, torch.Tensor) and out.device.type == "cpu" and any(
                 isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args):
             self.reads.append(f"{name} to cpu")
         return out
+
+
+def test_device_read_check_sees_reads() -> None:
+    """The check finds what it looks for (on any device: the ops are the same)."""
+    x = torch.arange(6.0)
+    reads = _DeviceReads()
+    with reads:
+        float(x.sum())
+        _ = x[x > 2]
+        x[x > 4] = 0.0
+        torch.bincount(torch.tensor([1, 2]))
+        torch.repeat_interleave(torch.tensor([1, 2]))
+        torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)  # told its size: no read
+        _ = x[torch.tensor([0, 1])]  # integer indices: no read
+    assert reads.reads == ["_local_scalar_dense", "index", "index_put_", "bincount", "repeat_interleave"]
 
 
 @pytest.fixture
@@ -227,6 +257,25 @@ def test_cuda_step_reads_nothing_back_from_the_device(cuda_code_paths: torch.dev
             assert "_local_scalar_dense" in reads, case
         else:
             assert reads == [], (case, reads)
+
+
+def test_cuda_custom_ops_read_nothing_back(cuda_code_paths: torch.device) -> None:
+    """Inside the step's custom ops (``pcaf::ar_candidates``, ``pcaf::bucket_lookup_nt``,
+    ``pcaf::gather_dot_grad_y``: the Triton wrappers, interpreted on a CPU) nothing waits on the device either."""
+    from backends.torch.kernels import gather_grad, triton_impl
+
+    g = torch.Generator().manual_seed(0)
+    addresses = torch.randint(0, 5, (2, 40), generator=g).to(cuda_code_paths)
+    x = torch.randn(2, 40, 8, generator=g).to(cuda_code_paths)
+    grad = torch.randn(2, 40, 4, generator=g).to(cuda_code_paths)
+    index = torch.randint(0, 40, (2, 40, 4), generator=g).to(cuda_code_paths)
+    reads = _DeviceReads()
+    with reads:
+        for policy in ("recent", "first"):
+            triton_impl.candidates_ar_triton(addresses, 4, policy)
+            triton_impl.candidates_nt_triton(addresses, 4, policy)
+        gather_grad.gather_dot_grad_y_triton(x, grad, index, 40)
+    assert reads.reads == []
 
 
 def _aot_graphs(fn, *args) -> tuple[list[torch.fx.GraphModule], list[int]]:
@@ -330,20 +379,52 @@ def test_cudagraphs_refuses_what_it_cannot_replay() -> None:
     # No cache ranks nothing, whatever its policy says.
     check_compile_device(_cfg(("pcaf_no_cache", "context", "dense", "topk_score"), "ar", "cudagraphs"),
                          torch.device("cuda"), 1)
-    with pytest.raises(ValueError, match="inductor backend"):
+    with pytest.raises(ValueError, match="covers the PCAF variants and local conv, not 'transformer_dense'"):
+        check_compile_device(_cfg(("transformer_dense", "context", "dense", "first"), "ar", "cudagraphs"),
+                             torch.device("cuda"), 1)
+    with pytest.raises(ValueError, match="compile with backend='inductor'"):
         compile_training(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), backend="aot_eager", cuda_graphs=True)
+
+
+def test_a_step_that_cannot_be_captured_says_so_in_one_line() -> None:
+    """Inductor's refusal (``triton.cudagraph_or_error``) becomes one line naming its reason and the alternative;
+    other errors, and the same error outside a ``cudagraphs`` run, pass unchanged."""
+    case = ("pcaf", "context", "dense", "first")
+    refusal = RuntimeError("skipping cudagraphs due to cpu device (primals_1)\nFound from:\n  File ...")
+    with pytest.raises(RuntimeError, match=r"^train.compile=cudagraphs could not capture this step as a CUDA graph "
+                                           r"\(cpu device \(primals_1\)\): use train.compile=on$") as caught:
+        with cuda_graph_errors(_cfg(case, "ar", "cudagraphs")):
+            raise refusal
+    assert caught.value.__cause__ is refusal
+    wrapped = RuntimeError("backend='inductor' raised:\nRuntimeError: skipping cudagraphs due to mutated inputs (1 "
+                           "instances)")  # as Dynamo wraps the forward's compile error
+    with pytest.raises(RuntimeError, match=r"CUDA graph \(mutated inputs \(1 instances\)\): use train.compile=on$"):
+        with cuda_graph_errors(_cfg(case, "ar", "cudagraphs")):
+            raise wrapped
+    with pytest.raises(RuntimeError, match="^skipping cudagraphs due to"):
+        with cuda_graph_errors(_cfg(case, "ar", "on")):
+            raise refusal
+    with pytest.raises(RuntimeError, match="^out of memory$"):
+        with cuda_graph_errors(_cfg(case, "ar", "cudagraphs")):
+            raise RuntimeError("out of memory")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device; the step's CPU-side conditions (no device "
-                    "reads, one graph) are tested above on CPU tensors with the CUDA code paths chosen")
+                    "reads, one safe graph) are tested above on CPU tensors with the CUDA code paths chosen")
 def test_cudagraph_step_trains_like_eager_on_cuda() -> None:
-    """Four steps replayed as CUDA graphs give the eager steps' losses (dropout 0: same arithmetic up to
-    inductor's fusions), and with dropout on, replays at learning rate 0 draw fresh masks (different losses)."""
+    """Six steps (the first compiles, the second captures, four replay) give the eager steps' losses (dropout 0:
+    the same arithmetic up to inductor's fusions) with every graph captured (a skip would raise; the counter and the
+    graph tree say so too), and with dropout on, replays at learning rate 0 draw fresh masks (different losses)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    torch._dynamo.reset()
+    counters.clear()
     case = ("pcaf", "context", "dense", "first")
     rng = np.random.default_rng(0)
     batches = [(rng.integers(3, 64, (3, 24)).astype(np.int32), rng.integers(3, 64, (3, 24)).astype(np.int32))
-               for _ in range(4)]
+               for _ in range(6)]
     losses = {}
     for compile_mode in ("off", "cudagraphs"):
         cfg = _cfg(case, "ar", compile_mode)
@@ -351,8 +432,11 @@ def test_cudagraph_step_trains_like_eager_on_cuda() -> None:
         backend = TorchBackend("cuda")
         state = backend.init(cfg)
         losses[compile_mode] = [backend.train_step(state, x, y, 1e-3)[1] for x, y in batches]
-        torch._dynamo.reset()
     np.testing.assert_allclose(losses["cudagraphs"], losses["off"], rtol=2e-4)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None and manager.roots, "no CUDA graph was recorded"
+    torch._dynamo.reset()
     cfg = _cfg(case, "ar", "cudagraphs")
     backend = TorchBackend("cuda")
     state = backend.init(cfg)

@@ -23,6 +23,7 @@ from backends.torch.compile import (
     check_compile_device,
     compile_training,
     compiled_label,
+    cuda_graph_errors,
     use_compile,
     use_cuda_graphs,
 )
@@ -163,7 +164,7 @@ class TorchBackend:
             )
         if use_compile(cfg):
             wrapped = compile_training(module, wrapped, cuda_graphs=use_cuda_graphs(cfg))
-            if compiled_label(cfg) not in self.device:
+            if compiled_label(cfg) not in self.device.split("; "):
                 self.device += f"; {compiled_label(cfg)}"
         optimizer = build_optimizer(module, cfg.train, cfg.profile)
         return TorchState(module=module, wrapped=wrapped, optimizer=optimizer, cfg=cfg)
@@ -218,9 +219,10 @@ class TorchBackend:
             group["lr"] = lr
         state.wrapped.train()
         state.optimizer.zero_grad(set_to_none=True)
-        with self._autocast(cfg):
-            loss = state.wrapped(x, y, cfg.train.mode)
-        loss.backward()
+        with cuda_graph_errors(cfg):
+            with self._autocast(cfg):
+                loss = state.wrapped(x, y, cfg.train.mode)
+            loss.backward()
         fill_missing_grads(state.module)
         if cfg.profile.grad_clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(state.module.parameters(), cfg.profile.grad_clip_norm)

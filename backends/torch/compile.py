@@ -8,13 +8,14 @@ causal_depthwise_conv`) and their backward passes. It costs a one-off compile of
 force the choice. Evaluation stays eager (a small share of a run, which would compile a second graph).
 
 ``cudagraphs`` compiles the same way and replays the compiled forward and backward graphs as CUDA graphs
-(``torch.compile(mode="reduce-overhead")``, PyTorch's CUDA graph trees): one launch per graph instead of one
-per kernel. It is for steps that wait on the host rather than on the GPU: on an H100 the bf16 full-AR step
-was busy 9.8 of 17.1 ms (docs/results/bench_cuda.md). The step qualifies because it reads nothing back from
-the device before its loss (no ``.item()``, ``nonzero`` or data-dependent shape in the forward and backward:
-tests/test_torch_compile.py checks that on the CUDA code paths) and compiles to one graph. CUDA graphs need a
-CUDA device, and the graphs are captured per process, so it refuses a CPU device and DDP with a one-line
-error (:func:`check_compile_device`).
+(inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets: PyTorch's CUDA graph trees): one launch
+per graph instead of one per kernel. It is for steps that wait on the host rather than on the GPU: on an H100
+the bf16 full-AR step was busy 9.8 of 17.1 ms (docs/results/bench_cuda.md). The conv-backbone steps qualify:
+they read nothing back from the device before the loss and compile to one graph that inductor can capture
+(tests/test_torch_compile.py checks that on the CUDA code paths). :func:`check_compile_device` refuses what
+does not (a CPU device, DDP, the Transformers, the routes that rank with ρ read back), and a graph inductor
+still cannot capture stops the run (``triton.cudagraph_or_error``, :func:`cuda_graph_errors`) rather than
+running uncaptured under a CUDA-graph label.
 
 Dropout under compile draws its masks with ATen's generator (``fallback_random``): inductor's in-kernel
 random numbers are slower than ATen's vectorised generator on CPU, and the ATen path draws the same masks
@@ -23,11 +24,14 @@ as an eager step, so compiled and eager training agree to float rounding with dr
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from backends.torch.layers import ConvBlock
-from pcaf_core.config import RunConfig
+from pcaf_core.config import PCAF_VARIANTS, RunConfig
 
 COMPILE_MIN_STEPS = 1000
 """``train.compile=auto`` compiles next-token runs of at least this many steps (the one-off compile then
@@ -53,11 +57,12 @@ def compile_pays_off(cfg: RunConfig) -> bool:
       specialises on the value, which every optimiser step changes, and recompiles each step (5.5 s a step
       against 0.35 s eager).
     """
-    from pcaf_core.config import PCAF_VARIANTS
+    return conv_backbone(cfg) and not ranks_with_host_rho(cfg)
 
-    if cfg.model.variant not in (*PCAF_VARIANTS, "local_conv"):
-        return False
-    return not ranks_with_host_rho(cfg)
+
+def conv_backbone(cfg: RunConfig) -> bool:
+    """Whether ``cfg`` trains a conv-backbone model: a PCAF variant or local conv (not a Transformer)."""
+    return cfg.model.variant in (*PCAF_VARIANTS, "local_conv")
 
 
 def ranks_with_host_rho(cfg: RunConfig) -> bool:
@@ -90,12 +95,16 @@ def use_cuda_graphs(cfg: RunConfig) -> bool:
 
 
 def check_compile_device(cfg: RunConfig, device: torch.device, world_size: int) -> None:
-    """Raise a one-line error when ``train.compile=cudagraphs`` cannot run here: it needs a CUDA device, one
+    """Raise a one-line error when ``train.compile=cudagraphs`` cannot run here: it covers the conv-backbone models
+    (:func:`conv_backbone`: what the tests check for device reads and graph breaks), needs a CUDA device, one
     process (each DDP rank would capture graphs around collectives that are not part of them), and a step that
     reads nothing back from the device (:func:`ranks_with_host_rho`: ρ changes every step, so each step would
     compile and capture anew)."""
     if not use_cuda_graphs(cfg):
         return
+    if not conv_backbone(cfg):
+        raise ValueError(f"train.compile=cudagraphs covers the PCAF variants and local conv, not "
+                         f"{cfg.model.variant!r}: use train.compile=on or off")
     if ranks_with_host_rho(cfg):
         raise ValueError(f"train.compile=cudagraphs cannot replay route {cfg.memory.route!r} with policy "
                          f"{cfg.memory.candidate_policy!r} and semantic index {cfg.memory.semantic_index!r}: it "
@@ -127,13 +136,38 @@ def compile_training(module: nn.Module, wrapped: nn.Module, *, backend: str = "i
     inductor_config.fallback_random = True
     if cuda_graphs:
         if backend != "inductor":
-            raise ValueError(f"CUDA graphs come with the inductor backend, not {backend!r}")
-        return torch.compile(wrapped, dynamic=False, mode="reduce-overhead")
+            raise ValueError(f"CUDA graphs are an inductor option: compile with backend='inductor', not {backend!r}")
+        # mode="reduce-overhead" is triton.cudagraphs alone, which falls back to uncaptured code (logging a
+        # warning) when a graph cannot be captured; a run that asked for CUDA graphs raises instead
+        # (cuda_graph_errors turns that into a one-line message).
+        return torch.compile(wrapped, dynamic=False, backend="inductor",
+                             options={"triton.cudagraphs": True, "triton.cudagraph_or_error": True})
     return torch.compile(wrapped, dynamic=False, backend=backend)
 
 
+SKIPPED_CUDA_GRAPHS = "skipping cudagraphs due to"
+"""How inductor's error starts when it cannot capture a graph (``triton.cudagraph_or_error``)."""
+
+
+@contextlib.contextmanager
+def cuda_graph_errors(cfg: RunConfig) -> Iterator[None]:
+    """Inside a ``cudagraphs`` step, inductor's refusal to capture a graph becomes a one-line error that names the
+    reason and the alternative; other errors pass unchanged."""
+    try:
+        yield
+    except RuntimeError as err:
+        # Raised while Dynamo compiles the forward, it arrives wrapped ("backend='inductor' raised:\n
+        # RuntimeError: skipping cudagraphs due to ..."); raised while the backward compiles, as it is.
+        line = next((ln for ln in str(err).splitlines() if SKIPPED_CUDA_GRAPHS in ln), None)
+        if not use_cuda_graphs(cfg) or line is None:
+            raise
+        reason = line.split(SKIPPED_CUDA_GRAPHS, 1)[1].strip()
+        raise RuntimeError(f"train.compile=cudagraphs could not capture this step as a CUDA graph ({reason}): use "
+                           "train.compile=on") from err
+
+
 COMPILED_LABEL = "training step compiled (torch.compile, inductor)"
-CUDA_GRAPHS_LABEL = "training step compiled (torch.compile, inductor) and replayed as CUDA graphs"
+CUDA_GRAPHS_LABEL = f"{COMPILED_LABEL} and replayed as CUDA graphs"
 
 
 def compiled_label(cfg: RunConfig) -> str:
