@@ -27,6 +27,7 @@ Sections (``--sections``, comma-separated):
   i.e. how much of the step the GPU waits for the host.
 
     python -m benchmarks.bench_cuda [--out-dir bench/cuda] [--sections gemm,models,routing]
+        [--compiles eager,inductor,cudagraphs]
     python -m benchmarks.bench_cuda --render docs/results/bench_cuda --doc docs/results/bench_cuda.md
 
 ``make bench-cuda`` runs both, with ``benchmarks/precision_check.py`` at the paper shape in between.
@@ -47,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_cuda_report import render
+from benchmarks.bench_cuda_report import COMPILES, render
 from benchmarks.common import package_version, read_csv, write_csv
 
 SECTIONS = ("gemm", "models", "routing", "profile")
@@ -183,9 +184,10 @@ def _failure(case: GpuCase, section: str, err: Exception) -> dict:
 
 
 def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str = "cuda",
-                   smoke: bool = False) -> tuple[list[dict], list[dict]]:
-    """The timed rows, and the compiled cases that failed to build or compile (an eager failure is a bug and
-    stops the run; a compiled case's is recorded so that one case cannot cost the whole run)."""
+                   smoke: bool = False, compiles: tuple[str, ...] = COMPILES) -> tuple[list[dict], list[dict]]:
+    """The timed rows of the cases whose ``compile`` is in ``compiles``, and the compiled cases that failed to
+    build or compile (an eager failure is a bug and stops the run; a compiled case's is recorded so that one case
+    cannot cost the whole run)."""
     import torch
 
     from backends.torch.backend import TorchBackend
@@ -196,7 +198,7 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
     # under a compiled label, so hitting it stops the run instead.
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     groups: dict[tuple, list[GpuCase]] = {}
-    for case in gpu_cases(smoke):
+    for case in (c for c in gpu_cases(smoke) if c.compile in compiles):
         groups.setdefault((case.mode, case.T, case.batch if case.model != "dense Transformer (SDPA)" else 0),
                           []).append(case)
     rows, failures = [], []
@@ -284,9 +286,10 @@ def routing_section(repeats: int, device: str = "cuda", smoke: bool = False) -> 
     return rows
 
 
-def profile_section(out: Path, device: str = "cuda", smoke: bool = False) -> tuple[list[dict], list[dict]]:
-    """The profiled rows (and op tables under ``out``), and the compiled cases that failed (as in
-    :func:`models_section`)."""
+def profile_section(out: Path, device: str = "cuda", smoke: bool = False,
+                    compiles: tuple[str, ...] = COMPILES) -> tuple[list[dict], list[dict]]:
+    """The profiled rows (and op tables under ``out``) of the eager and CUDA-graph steps in ``compiles``, and the
+    compiled cases that failed (as in :func:`models_section`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -296,8 +299,8 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False) -> tup
     rows, failures = [], []
     T, batch = (64, 2) if smoke else (1024, 8)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
-    compiles = ("eager",) if device == "cpu" else ("eager", "cudagraphs")
-    for compile_, precision in ((c, p) for c in compiles for p in ("fp32", "bf16")):
+    profiled = [c for c in (("eager",) if device == "cpu" else ("eager", "cudagraphs")) if c in compiles]
+    for compile_, precision in ((c, p) for c in profiled for p in ("fp32", "bf16")):
         case = Case("PCAF-context", "ar", T, batch, 0.1, compile_, precision)
         cfg = run_config(case)
         try:
@@ -349,6 +352,9 @@ def write_failures(out: Path, section: str, failures: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default="bench/cuda")
+    parser.add_argument("--compiles", default=",".join(COMPILES),
+                        help="the training steps to time and profile (comma-separated; default all): a subset "
+                             "writes models.csv and profile.csv with those rows alone, so give it its own --out-dir")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -375,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise SystemExit(f"unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    compiles = tuple(args.compiles.split(","))
+    if set(compiles) - set(COMPILES):
+        raise SystemExit(f"unknown compile mode(s) {sorted(set(compiles) - set(COMPILES))}; choose from "
+                         f"{', '.join(COMPILES)}")
     start = time.perf_counter()
     if args.smoke:
         args.warmup, args.steps, args.repeats = 1, 2, 2
@@ -385,14 +395,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"the models section divides by the GEMM peaks: run it with gemm (no {out}/gemm.csv)")
         peaks = {d: max(float(r["gflops"]) for r in read_csv(out / "gemm.csv") if r["dtype"] == d)
                  for d in ("fp32", "bf16")}
-        model_rows, failures = models_section(peaks, args.warmup, args.steps, args.device, args.smoke)
+        model_rows, failures = models_section(peaks, args.warmup, args.steps, args.device, args.smoke, compiles)
         write_csv(out / "models.csv", model_rows)
         write_failures(out, "models", failures)
     if "routing" in sections:
         write_csv(out / "routing.csv", routing_section(args.repeats, args.device, args.smoke))
     if "profile" in sections:
         out.mkdir(parents=True, exist_ok=True)
-        profile_rows, failures = profile_section(out, args.device, args.smoke)
+        profile_rows, failures = profile_section(out, args.device, args.smoke, compiles)
         write_csv(out / "profile.csv", profile_rows)
         write_failures(out, "profile", failures)
     write_csv(out / "labels.csv", [{**cuda_labels(args.device), "bench_set": "smoke" if args.smoke else "full",

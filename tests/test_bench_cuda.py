@@ -90,6 +90,17 @@ def test_failures_of_a_section_replace_its_earlier_ones(tmp_path: Path) -> None:
     assert not (tmp_path / "failures.csv").exists()
 
 
+def test_compiles_selects_the_steps(tmp_path: Path) -> None:
+    """``--compiles eager`` times and profiles the eager steps alone (a CPU smoke run has no other profile);
+    an unknown mode is refused."""
+    assert bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--sections",
+                            "gemm,models,profile", "--compiles", "eager"]) == 0
+    assert {r["compile"] for r in read_csv(tmp_path / "models.csv")} == {"eager"}
+    assert {r["compile"] for r in read_csv(tmp_path / "profile.csv")} == {"eager"}
+    with pytest.raises(SystemExit, match="unknown compile mode"):
+        bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--compiles", "graphs"])
+
+
 def test_cpu_device_needs_smoke() -> None:
     with pytest.raises(SystemExit, match="--smoke"):
         bench_cuda.main(["--device", "cpu", "--out-dir", "/nonexistent"])
