@@ -128,8 +128,9 @@ def compile_training(module: nn.Module, wrapped: nn.Module, *, backend: str = "i
                      cuda_graphs: bool = False) -> nn.Module:
     """``wrapped`` (the training-loss module, DDP-wrapped or not) compiled with ``backend`` (inductor; tests
     also use ``aot_eager``, the same graph capture without code generation), ``module``'s layers switched
-    to their fusable forms first. ``cuda_graphs``: inductor with ``mode="reduce-overhead"`` (CUDA graph trees;
-    on a CPU tensor inductor runs the graphs without them)."""
+    to their fusable forms first. ``cuda_graphs``: inductor with its CUDA graph trees (``triton.cudagraphs``)
+    and an error where a graph cannot be captured (``triton.cudagraph_or_error``; a graph on CPU tensors runs
+    uncaptured, which is no error)."""
     import torch._inductor.config as inductor_config
 
     prepare_for_compile(module)
