@@ -236,11 +236,22 @@ def _device_reads(case, mode: str, precision: str, device: torch.device) -> list
     loss_module = TrainingLoss(state.module)
     state.module.train()
     reads = _DeviceReads()
-    with reads:
-        with backend._autocast(cfg):
-            loss = loss_module(x, y, mode)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(state.module.parameters(), 1.0, foreach=CUDA)
+    # On a CUDA device the driver-level check runs too: a synchronising call raises (the host-ρ routes, which
+    # read ρ back on purpose, are left to the op check).
+    strict = device.type == "cuda" and not ranks_with_host_rho(cfg)
+    if strict:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with reads:
+            with backend._autocast(cfg):
+                loss = loss_module(x, y, mode)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(state.module.parameters(), 1.0, foreach=CUDA)
+            if device.type == "cuda":
+                state.optimizer.step()  # fused AdamW: no read on a GPU (its CPU form reads the step count)
+    finally:
+        if strict:
+            torch.cuda.set_sync_debug_mode("default")
     return reads.reads
 
 
@@ -248,9 +259,10 @@ def _device_reads(case, mode: str, precision: str, device: torch.device) -> list
 @pytest.mark.parametrize("mode", ["nt", "ar"])
 def test_cuda_step_reads_nothing_back_from_the_device(cuda_code_paths: torch.device, mode: str,
                                                       precision: str) -> None:
-    """What CUDA graphs need of a step: its forward, backward and clipping wait on the device nowhere, for
-    every case that ``cudagraphs`` accepts; the two ρ-ranking routes it refuses do read ρ back (which also
-    shows that the check sees a read)."""
+    """What CUDA graphs need of a step: its forward, backward and clipping (and on a GPU the optimiser step,
+    under CUDA's own synchronisation check as well) wait on the device nowhere, for every case that
+    ``cudagraphs`` accepts; the two ρ-ranking routes it refuses do read ρ back (which also shows that the check
+    sees a read)."""
     for case in CASES:
         reads = _device_reads(case, mode, precision, cuda_code_paths)
         if ranks_with_host_rho(_cfg(case, mode)):
