@@ -438,17 +438,13 @@ def test_cudagraph_step_trains_like_eager_on_cuda() -> None:
     batches = [(rng.integers(3, 64, (3, 24)).astype(np.int32), rng.integers(3, 64, (3, 24)).astype(np.int32))
                for _ in range(6)]
     losses = {}
-    tf32 = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False  # eager's nn.Conv1d against the compiled shifted form, both in fp32
-    try:
-        for compile_mode in ("off", "cudagraphs"):
-            cfg = _cfg(case, "ar", compile_mode)
-            cfg.profile.dropout = 0.0
-            backend = TorchBackend("cuda")
-            state = backend.init(cfg)
-            losses[compile_mode] = [backend.train_step(state, x, y, 1e-3)[1] for x, y in batches]
-    finally:
-        torch.backends.cudnn.allow_tf32 = tf32
+    for compile_mode in ("off", "cudagraphs"):  # fp32 both: the backend turns cuDNN's TF32 off
+        cfg = _cfg(case, "ar", compile_mode)
+        cfg.profile.dropout = 0.0
+        backend = TorchBackend("cuda")
+        state = backend.init(cfg)
+        assert not torch.backends.cudnn.allow_tf32
+        losses[compile_mode] = [backend.train_step(state, x, y, 1e-3)[1] for x, y in batches]
     np.testing.assert_allclose(losses["cudagraphs"], losses["off"], rtol=2e-4)
     assert counters["inductor"]["cudagraph_skips"] == 0
     manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)

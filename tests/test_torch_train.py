@@ -240,6 +240,15 @@ def test_bf16_autocast_runs_with_finite_loss(tmp_path, wt2_cache):
     assert all(v.dtype == np.float32 for v in w.values())  # ...the master weights stay fp32
 
 
+def test_fp32_convolutions_are_not_tf32(wt2_cache, monkeypatch: pytest.MonkeyPatch):
+    """fp32 means fp32 on a GPU too: building a backend turns off cuDNN's TF32 convolutions (PyTorch's default
+    is on; matmuls default to full fp32 already)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    TorchBackend("cpu").init(tiny_cfg(wt2_cache))
+    assert not torch.backends.cudnn.allow_tf32
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
 # --------------------------------------------------------------------------- checkpoint files
 
 

@@ -142,6 +142,9 @@ class TorchBackend:
         # costs a memory pass per allocation (183 against 154 ms a cpu-scale full-AR step); every kernel writes
         # its output before reading it, so results are the same without it.
         torch.utils.deterministic.fill_uninitialized_memory = False
+        # fp32 means fp32 on a GPU too: matmuls already are (float32_matmul_precision "highest", PyTorch's
+        # default), while cuDNN's convolutions default to TF32 (10-bit mantissa inputs). bf16 runs use autocast.
+        torch.backends.cudnn.allow_tf32 = False
         # build_model draws the initial weights from its own generator seeded with train.seed.
         module = build_model(cfg.model, cfg.memory, cfg.profile, seed=cfg.train.seed, device=self.torch_device)
         if hasattr(module, "nt_receptive_field"):
