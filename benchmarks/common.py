@@ -2,7 +2,9 @@
 
 The labels name everything that decides a CPU number: the CPU model and cores, the vector and matrix units
 that matter (AVX2, AVX-512, AVX-512 BF16, AMX), the library versions (read from package metadata, so a
-torch-only process does not import JAX), the intra-op thread count and the glibc malloc tunables.
+torch-only process does not import JAX), the intra-op thread count, the glibc malloc tunables and oneMKL's
+``MKL_CBWR`` mode (``backends/torch/runtime.py``: the labels set it as the torch backend does, so worker
+processes started afterwards inherit what the label says).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def environment_labels(threads: int | None = None, quick: bool = False) -> dict[
     """The labels every benchmark row carries (module docstring). ``threads``: the intra-op thread count the
     process runs with (default: every core); ``quick``: the row comes from a ``--quick`` stand-in run
     (``bench_set`` quick, else full), which the report renderer never mixes with a full run."""
+    from backends.torch.runtime import configure_mkl  # the torch workers' oneMKL mode, set here if not yet
+
     flags = cpu_flags()
     return {
         "machine": machine_label(),
@@ -73,6 +77,7 @@ def environment_labels(threads: int | None = None, quick: bool = False) -> dict[
         "jax": package_version("jax"),
         "threads": threads if threads is not None else os.cpu_count(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "unset"),
+        "mkl_cbwr": configure_mkl(),
         # backends/jax/runtime.py: unset or 0 = synchronous XLA:CPU dispatch, 1 = JAX's asynchronous default
         "jax_cpu_async_dispatch": os.environ.get("PCAF_JAX_CPU_ASYNC_DISPATCH", "unset"),
         "bench_set": "quick" if quick else "full",
@@ -83,6 +88,7 @@ def labels_line(labels: dict) -> str:
     """The environment of a report in one line (``benchmarks.common.environment_labels``)."""
     return (f"machine: {labels['machine']} ({labels['cpu_flags']}); torch {labels['torch']}, jax {labels['jax']}; "
             f"{labels['threads']} threads (torch intra-op, XLA CPU pool); GLIBC_TUNABLES {labels['glibc_tunables']}; "
+            f"MKL_CBWR {labels.get('mkl_cbwr', 'not recorded')}; "
             f"PCAF_JAX_CPU_ASYNC_DISPATCH {labels.get('jax_cpu_async_dispatch', 'not recorded')}")
 
 

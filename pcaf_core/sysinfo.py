@@ -39,6 +39,12 @@ def cpu_flags() -> set[str]:
     return set((_cpuinfo_field("flags") or "").split())
 
 
+def cpu_vendor() -> str | None:
+    """The CPU's vendor string (``/proc/cpuinfo``'s ``vendor_id``: ``AuthenticAMD``, ``GenuineIntel``, ...);
+    None where it is not reported."""
+    return _cpuinfo_field("vendor_id")
+
+
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (see :data:`BF16_MATMUL_FLAGS`)."""
     return bool(cpu_flags() & set(BF16_MATMUL_FLAGS))

@@ -3,7 +3,11 @@
 ``backends.torch`` is a package of this project (never put ``backends/`` itself on ``sys.path``).
 """
 
-from backends.torch.models import (
+from backends.torch.runtime import configure_mkl
+
+configure_mkl()  # before any oneMKL call (backends/torch/runtime.py says why)
+
+from backends.torch.models import (  # noqa: E402
     CanonicalLM,
     PCAFModel,
     TorchForwardOutput,
@@ -11,9 +15,9 @@ from backends.torch.models import (
     TransformerLM,
     build_model,
 )
-from backends.torch.params import init_params
-from backends.torch.routing import Candidates, SelectionInputs
-from backends.torch.weights import (
+from backends.torch.params import init_params  # noqa: E402
+from backends.torch.routing import Candidates, SelectionInputs  # noqa: E402
+from backends.torch.weights import (  # noqa: E402
     canonical_shapes,
     load_canonical,
     load_safetensors,
