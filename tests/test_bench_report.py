@@ -133,6 +133,23 @@ def test_the_bf16_demo_note_reports_what_the_pair_measured(tmp_path):
     assert note in render(bench, tmp_path / "results" / "bench.md").read_text()
 
 
+def test_every_judged_fp32_case_counts_toward_the_every_variant_target(tmp_path):
+    """The fp32 half of the bf16 demonstration is a PCAF-context case the parity table judges: a miss there
+    is a miss of the target, named with its shape, not a row the target line leaves out."""
+    parity = [_backend(m, "parity", 1.1, mode=mode) for m in PARITY_MODELS for mode in ("ar", "nt")]
+    fp = {**_backend("PCAF-context", "bf16 demo", 0.51), "T": 64, "batch": 1}
+    bf = {**fp, "precision": "bf16", "jax_over_torch_time": 0.78}
+    for demo_ratio, verdict in ((0.51, "missed by 1.31x"), (0.78, "met")):
+        bench = tmp_path / str(demo_ratio)
+        write_csv(bench / "backends.csv", [*parity, {**fp, "jax_over_torch_time": demo_ratio}, bf])
+        text = render(bench, tmp_path / "results" / f"{demo_ratio}.md").read_text()
+        row = [line for line in text.splitlines() if line.startswith("| JAX within 1.5x of torch, either way, for "
+                                                                     "every PCAF variant |")]
+        assert len(row) == 1 and f"**{verdict}**" in row[0], row
+        assert f"{len(parity) + 1} cases" in row[0]
+        assert ("missed: PCAF-context ar T=64 batch 1 (bf16 demo) (0.51)" in row[0]) == (verdict != "met")
+
+
 def test_renderer_judges_every_target_from_the_csvs(tmp_path):
     bench = tmp_path / "bench"
     write_csv(bench / "routing.csv", _routing())
