@@ -121,6 +121,30 @@ def test_shifted_conv_equals_the_convolution() -> None:
                                atol=1e-14)
 
 
+@pytest.mark.parametrize("form", ["auto", "conv1d", "shifted"])
+def test_conv_form_picks_the_shifted_sum_for_cpu_training_only(monkeypatch, form: str) -> None:
+    """``auto``: the shifted multiply-adds when a backward pass follows on a CPU, the convolution under
+    ``no_grad``; both give the same output and the shifted form the convolution's gradients."""
+    import backends.torch.layers as layers
+
+    calls = []
+    monkeypatch.setattr(layers, "causal_depthwise_conv", lambda *a: calls.append(1) or causal_depthwise_conv(*a))
+    torch.manual_seed(0)
+    block = ConvBlock(6, 8, 5, "tanh", 0.0).double()
+    block.conv_form = form
+    x = torch.randn(3, 9, 6, dtype=torch.float64, requires_grad=True)
+    out = block(x)
+    grads = torch.autograd.grad(out.sum(), [x, *block.parameters()])
+    assert len(calls) == (form != "conv1d")
+    with torch.no_grad():
+        evaluated = block(x)
+    assert len(calls) == (form != "conv1d") + (form == "shifted")
+    torch.testing.assert_close(evaluated, out.detach(), rtol=1e-13, atol=1e-13)
+    block.conv_form = "conv1d"
+    for got, want in zip(grads, torch.autograd.grad(block(x).sum(), [x, *block.parameters()]), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+
+
 def test_auto_compiles_long_runs_only_and_the_record_says_so() -> None:
     case = ("pcaf", "context", "dense", "first")
     short, long_ = _cfg(case, "nt", "auto"), _cfg(case, "nt", "auto")
