@@ -2,9 +2,9 @@
 
 Compiling fuses what an eager step spends most of its non-matmul time on: LayerNorm, GELU, dropout's
 masks and multiplies, the depthwise conv (as shifted multiply-adds, :func:`backends.torch.layers.
-causal_depthwise_conv`) and their backward passes. It costs a one-off compile of about a minute on a
-2-core CPU, so ``train.compile=auto`` compiles only runs long enough to repay it
-(:func:`compile_min_steps`), and only where it measured faster (:func:`compile_pays_off`); ``on`` / ``off``
+causal_depthwise_conv`) and their backward passes. It costs a one-off compile of 20-70 s on a 2-core
+CPU, so ``train.compile=auto`` compiles only runs long enough to repay it
+(:data:`COMPILE_MIN_STEPS`), and only where it measured faster (:func:`compile_pays_off`); ``on`` / ``off``
 force the choice. Evaluation stays eager (a small share of a run, which would compile a second graph).
 
 ``cudagraphs`` compiles the same way and replays the compiled forward and backward graphs as CUDA graphs
@@ -33,21 +33,20 @@ from torch import nn
 from backends.torch.layers import ConvBlock
 from pcaf_core.config import PCAF_VARIANTS, RunConfig
 
-COMPILE_MIN_STEPS = 1000
-"""``train.compile=auto`` compiles next-token runs of at least this many steps (the one-off compile then
-costs a few percent of the run at most)."""
-
-COMPILE_MIN_STEPS_AR = 5000
-"""... and full-AR runs of at least this many: compiling gains them only 1-8% a step (the vocabulary head's
-products are most of the work), so a 20-70 s compile is repaid only by a long run (a paper-shape step takes
-about 1 s, a cpu-scale one 0.12 s)."""
+COMPILE_MIN_STEPS = 5000
+"""``train.compile=auto`` compiles runs of at least this many steps, either mode. Compiling gains a step 0-14%
+(the eager step already trains the conv as the shifted sum compiling fuses; the vocabulary head's products,
+which compiling leaves as they are, are most of a full-AR step) and costs 28-30 s the first time (5-7 s with
+inductor's on-disk cache warm). Measured on a 2-core AMD EPYC, next-token PCAF-context: cpu scale (d=128,
+batch 32) 105-114 ms eager against 100 ms compiled, so 2,500 steps about repay a cold compile; paper scale
+(d=256, batch 64) 583-603 against 575-586 ms; full AR 0-1% at the paper shape."""
 
 
 def compile_pays_off(cfg: RunConfig) -> bool:
     """Where compiling measured faster than eager (2-core CPU, steps interleaved in one process):
 
-    - next-token steps of the conv-backbone models (PCAF family, local conv): 1.13x at the WikiText-2 paper
-      shape with dropout 0.1, single thread;
+    - next-token steps of the conv-backbone models (PCAF family, local conv): 1.05x at the WikiText-2 paper
+      shape with dropout 0.1 (90% interval 1.03-1.06 over 20 paired rounds, ``make bench``);
     - full-AR steps of the same models: compiled/eager 1.07 for PCAF-context ``recent`` at the cpu scale (T=256,
       batch 2, V=8,000; 40 rounds), 1.01 for local conv there; a tie (0.99) at the paper shape (T=1,024
       batch 4 and T=2,048 batch 2, V=20,000, dropout 0.1; 8 rounds), where the three vocabulary products are
@@ -74,18 +73,12 @@ def ranks_with_host_rho(cfg: RunConfig) -> bool:
     return cfg.model.variant in ("pcaf", "pcaf_no_gate") and host_rho
 
 
-def compile_min_steps(cfg: RunConfig) -> int:
-    """The shortest run ``train.compile=auto`` compiles: :data:`COMPILE_MIN_STEPS` next-token,
-    :data:`COMPILE_MIN_STEPS_AR` full AR."""
-    return COMPILE_MIN_STEPS if cfg.train.mode == "nt" else COMPILE_MIN_STEPS_AR
-
-
 def use_compile(cfg: RunConfig) -> bool:
     """Whether the training step of ``cfg`` is compiled: ``train.compile`` on/off; ``auto`` for runs of at
-    least :func:`compile_min_steps` steps where :func:`compile_pays_off`."""
+    least :data:`COMPILE_MIN_STEPS` steps where :func:`compile_pays_off`."""
     mode = cfg.train.compile
     if mode == "auto":
-        return cfg.train.steps >= compile_min_steps(cfg) and compile_pays_off(cfg)
+        return cfg.train.steps >= COMPILE_MIN_STEPS and compile_pays_off(cfg)
     return mode in ("on", "cudagraphs")
 
 
