@@ -3,8 +3,8 @@
 Parity cases: every PCAF variant (context, semantic with the bucketed index, hybrid with the bucketed index,
 no gate, no cache) and local conv, in both modes: full AR at the default cpu table's shapes (``main-303m`` at
 ``SCALE=cpu``: T=256, V=8,000, d=128, 2 blocks, batch 2, profile ``reference_jax``) and next-token at
-``wt2-nt-1024``'s (T=1024, V=20,000, d=128, batch 8, profile ``reference_torch``, dropout 0.1). Torch runs
-eager (``train.compile=off``: a run shorter than 1,000 steps does) except in the one case labelled
+``wt2-nt-1024``'s (T=1024, V=8,000, d=128, batch 32, profile ``reference_torch``, dropout 0.1). Torch runs
+eager (``train.compile=off``: a run shorter than 5,000 steps does) except in the one case labelled
 ``inductor`` (next-token PCAF-context compiled, what ``train.compile=auto`` gives a long next-token run);
 JAX always runs ``jax.jit``. Precision fp32; bf16 only where the CPU has a bf16 matrix unit (AMX),
 otherwise one small demonstration pair (full AR, T=64, batch 1, fp32 beside bf16).
@@ -257,7 +257,7 @@ def bf16_demo_note(rows: list[dict]) -> str:
             f"torch's bf16 step took {bf['torch_step_ms']} ms against {fp['torch_step_ms']} ms in fp32 "
             f"({speed['torch']:.2f}x the fp32 speed), JAX's {bf['jax_step_ms']} against {fp['jax_step_ms']} ms "
             f"({speed['jax']:.2f}x). Torch runs oneDNN's bf16 GEMM with the bf16 instructions the CPU has "
-            "(`make bench` times it beside fp32 in `bench_gemm.csv`: 1.72x fp32 on a 2-core AMD EPYC with "
+            "(`make bench` times it beside fp32 in `bench_gemm.csv`: 1.6-1.7x fp32 on a 2-core AMD EPYC with "
             "AVX-512 BF16, 0.5-0.7x on a Xeon with AVX-512 BF16 alone, a 2 GFLOP/s scalar fallback on a Zen 3 "
             "EPYC). "
             "`train.precision=auto` picks fp32 on any CPU without AMX; `train.precision=bf16` asks for bf16.")

@@ -5,9 +5,10 @@
 # The benchmark report: routing cost against T, training throughput and fraction of the matmul peak, torch
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
 # run one after another (never in parallel: they time the whole machine); run it on an otherwise idle machine.
-# Measured alone on 2-core machines: 1,540 s = 25.7 minutes on an AMD EPYC (routing 142 s, models 688 s,
-# backends 704 s; the committed report's run, 3 backend rounds, full-AR steps of 4,096 tokens); 1,560 s = 26.0
-# minutes on a Xeon with AVX-512 (routing 153 s, models 600 s, backends 801 s; the same settings);
+# Measured alone on 2-core machines: 1,351 s = 22.5 minutes on an AMD EPYC (routing 126 s, models 563 s,
+# backends 657 s; the committed report's run, 3 backend rounds, full-AR steps of 4,096 tokens); 1,540 s on the
+# EPYC before the eager conv and oneMKL changes (routing 142 s, models 688 s, backends 704 s); 1,560 s = 26.0
+# minutes on a Xeon with AVX-512 (routing 153 s, models 600 s, backends 801 s; the same settings, earlier code);
 # BACKENDS_ROUNDS=2 saves about 250 s; 1,054-1,143 s in earlier runs with 2 rounds and full-AR batch 1);
 # 1,638 s = 27.3 minutes on an AMD EPYC in an earlier version (2 rounds, full-AR batch 1).
 # BENCH=quick (or make bench-quick) runs T=256-1024 stand-ins in under 2 minutes (72 s on the Xeon, 59-115 s on
