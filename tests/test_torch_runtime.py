@@ -58,3 +58,12 @@ def test_configure_mkl_by_vendor(monkeypatch, vendor: str | None, expected: str)
     assert os.environ.get(MKL_CBWR_ENV, "unset") == expected
     monkeypatch.setenv(MKL_CBWR_ENV, "AVX2")  # the user's choice wins on any vendor
     assert configure_mkl() == "AVX2"
+
+
+def test_the_cpu_device_label_names_the_mode() -> None:
+    """Run records carry the mode in their ``device`` text, after the part figure legends show."""
+    from backends.torch.backend import TorchBackend
+
+    device = TorchBackend("cpu").device
+    assert f"; oneMKL MKL_CBWR={os.environ.get(MKL_CBWR_ENV, 'unset')}; " in device
+    assert "MKL" not in device.split(";")[0]

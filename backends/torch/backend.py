@@ -28,6 +28,7 @@ from backends.torch.compile import (
     use_cuda_graphs,
 )
 from backends.torch.optim import build_optimizer, fill_missing_grads
+from backends.torch.runtime import configure_mkl
 from pcaf_core.backend import EvalOutputs
 from pcaf_core.config import RunConfig
 from pcaf_core.sysinfo import cpu_has_bf16_matmul, peak_rss_mb
@@ -97,7 +98,7 @@ class TorchBackend:
             self.device = f"{torch.cuda.get_device_name(self.torch_device)} (torch {torch.__version__})"
         else:
             self.device = (f"cpu (torch {torch.__version__}, {torch.get_num_threads()} threads; "
-                           "peak memory = process max RSS)")
+                           f"oneMKL MKL_CBWR={configure_mkl()}; peak memory = process max RSS)")
 
     # ------------------------------------------------------------------ distributed members
 
