@@ -21,7 +21,8 @@ def query_positions(seq_len: int, mode: str, device: torch.device | str | None =
     """``[Q]`` int64 query positions: ``[T-1]`` in NT, ``0..T-1`` in AR."""
     check_mode(mode)
     if mode == "nt":
-        return torch.tensor([seq_len - 1], dtype=torch.int64, device=device)
+        # A fill, not torch.tensor: a host-to-device copy would make every step wait on the device.
+        return torch.full((1,), seq_len - 1, dtype=torch.int64, device=device)
     return torch.arange(seq_len, dtype=torch.int64, device=device)
 
 

@@ -117,8 +117,7 @@ def topk_rows(rank: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Te
     ok = torch.zeros((N, k), dtype=torch.bool, device=rank.device)
     if N == 0 or kk == 0:
         return index, ok
-    neg_inf = torch.tensor(-math.inf, dtype=rank.dtype, device=rank.device)
-    masked = torch.where(valid, rank, neg_inf)
+    masked = rank.masked_fill(~valid, -math.inf)
     kth = torch.topk(masked, kk, dim=-1).values[:, -1:]  # [N, 1]
     above = valid & (masked > kth)
     ties = valid & (masked == kth)
@@ -129,7 +128,7 @@ def topk_rows(rank: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Te
     picked = torch.topk(torch.where(chosen, T - col, torch.zeros_like(col)), kk, dim=-1).values
     got = picked > 0
     cols = torch.where(got, T - picked, torch.zeros_like(picked))
-    score = torch.where(got, masked.gather(1, cols), neg_inf)
+    score = masked.gather(1, cols).masked_fill(~got, -math.inf)
     # Columns are ascending, so a stable descending sort breaks score ties to the lower column.
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices
     got = got.gather(1, order)
@@ -269,8 +268,7 @@ def _route_context_topk_score(
             idx_m = _recent_slots(layout, slot, count, M).index.clamp(min=0)
             dots = gather_dot(select.query, select.keys, idx_m, chunk_elements=chunk_elements)
             rec_m = select.recency[idx_m]
-        score = torch.where(ok_m, dots / math.sqrt(d) + select.rho * rec_m,
-                            torch.tensor(-math.inf, dtype=dots.dtype, device=device))
+        score = (dots / math.sqrt(d) + select.rho * rec_m).masked_fill(~ok_m, -math.inf)
         j, kth = _window_topk(score, K)
         keep = ok_m.gather(-1, j)
         picked = layout.order.gather(1, (slot[..., None] - 1 - j).clamp(min=0).reshape(B, -1)).view(B, Q, K)
