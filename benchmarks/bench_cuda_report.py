@@ -14,6 +14,9 @@ BF16_TARGET, SDPA_TARGET = 2.5, 6.1
 COMPILES = ("eager", "inductor", "cudagraphs")
 """The ``compile`` labels of ``benchmarks.bench_cuda`` rows: eager, ``torch.compile`` (inductor), and inductor
 replayed as CUDA graphs."""
+CURVE_RUNS = (("precision", "eager"), ("precision_cudagraphs", "cudagraphs"))
+"""The bf16-against-fp32 learning-curve runs of ``make bench-cuda``: the file stem of each (``<stem>.csv`` and
+``<stem>.md`` from ``benchmarks/precision_check.py``) and the step both of its runs trained with."""
 CURVE_TOLERANCE = 0.01
 """nats: bf16 and fp32 validation losses "match within noise" when no evaluation after the first third of the
 run differs by more (a PPL factor of 1.01)."""
@@ -50,11 +53,19 @@ def bf16_summary(bench_dir: Path) -> dict[str, str] | None:
     out = {"gpu": labels["gpu"], "speed": "; ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()),
            "speed_verdict": f"{verdict} (best case: {best})",
            "curves": "not measured", "curves_verdict": "not measured"}
-    if (bench_dir / "precision.csv").exists():
-        worst = late_curve_gap(read_csv(bench_dir / "precision.csv"))
-        out.update(curves=f"largest eval-loss difference {worst:.4f} nats after the first third",
-                   curves_verdict="met" if worst <= CURVE_TOLERANCE else "missed")
+    gaps = curve_gaps(bench_dir)
+    if gaps:
+        out.update(curves="; ".join(f"{step} step: largest eval-loss difference {gap:.4f} nats after the first third"
+                                    for step, gap in gaps.items()),
+                   curves_verdict="met" if max(gaps.values()) <= CURVE_TOLERANCE else "missed")
     return out
+
+
+def curve_gaps(bench_dir: Path) -> dict[str, float]:
+    """{step (``eager``, ``cudagraphs``): the largest bf16-fp32 eval-loss gap after the first third} for each
+    learning-curve run of ``CURVE_RUNS`` present under ``bench_dir``."""
+    return {step: late_curve_gap(read_csv(bench_dir / f"{stem}.csv")) for stem, step in CURVE_RUNS
+            if (bench_dir / f"{stem}.csv").exists()}
 
 
 def render(bench_dir: Path, doc: Path) -> None:
@@ -106,13 +117,10 @@ def render(bench_dir: Path, doc: Path) -> None:
                        f"{_f(d['targets_per_s'], 0)} targets/s = {ratio:.1f}x | "
                        f"{_verdict(ratio >= SDPA_TARGET, SDPA_TARGET / ratio)} |")
     by = {(r["route"], int(r["T"])): float(r["fwd_bwd_ms"]) for r in routing}
-    prec_csv = bench_dir / "precision.csv"
-    if prec_csv.exists():
-        worst = late_curve_gap(read_csv(prec_csv))
-        out.append(f"| bf16 learning curves match fp32 within noise (at most {CURVE_TOLERANCE} nats apart after the "
-                   f"first third; [below](#bf16-learning-curves-on-the-same-gpu)) | largest difference {worst:.4f} "
-                   f"nats | {'**met**' if worst <= CURVE_TOLERANCE else '**missed**'} |")
-    prec = bench_dir / "precision.md"
+    for step, worst in curve_gaps(bench_dir).items():
+        out.append(f"| bf16 learning curves match fp32 within noise ({step} step; at most {CURVE_TOLERANCE} nats "
+                   f"apart after the first third; [below](#bf16-learning-curves-on-the-same-gpu)) | largest "
+                   f"difference {worst:.4f} nats | {'**met**' if worst <= CURVE_TOLERANCE else '**missed**'} |")
     profile = bench_dir / "profile.csv"
     if profile.exists():
         out += ["", "## Where the full-AR step's time goes", "",
@@ -145,6 +153,14 @@ def render(bench_dir: Path, doc: Path) -> None:
                     f"{busy:.2f} ms of it (the profile above) and waits for the host to launch "
                     f"{_f(prof['bf16']['kernels_per_step'], 0)} kernels the rest of the time. Even with no launch "
                     f"gaps the ratio would stop near {ceiling:.1f}x (fp32 step / bf16 GPU busy time), {remedy}"]
+            gfp, gbf = (row_of("PCAF-context", "ar", 1024, d, "cudagraphs") for d in ("fp32", "bf16"))
+            gprof = {r["dtype"]: r for r in prof_rows if r.get("compile") == "cudagraphs"}
+            if gfp and gbf and "bf16" in gprof:
+                out[-1] += (f" Replayed as CUDA graphs, the bf16 step takes {gbf['step_ms']} ms (the GPU busy "
+                            f"{float(gprof['bf16']['gpu_busy_ms']):.2f} ms of a profiled step, "
+                            f"{_f(gprof['bf16']['kernels_per_step'], 0)} kernels) against fp32's "
+                            f"{gfp['step_ms']} ms: "
+                            f"{float(gbf['tokens_per_s']) / float(gfp['tokens_per_s']):.2f}x.")
     out += ["", "## GEMM peaks", "", "| GEMM | dtype | shape | ms | GFLOP/s |", "|---|---|---|---|---|"]
     out += [f"| {r['gemm']} | {r['dtype']} | [{r['m']}, {r['k']}] @ [{r['k']}, {r['n']}] | {r['ms']} | "
             f"{_f(r['gflops'], 0)} |" for r in gemm]
@@ -184,8 +200,10 @@ def render(bench_dir: Path, doc: Path) -> None:
             mratio = mem[("dense", T)] / float(r["peak_mb"]) if ("dense", T) in mem and float(r["peak_mb"]) else 0
             out.append(f"| {r['route']} | {T} | {r['fwd_bwd_ms']} | {ratio:.1f}x | {r['peak_mb']} | "
                        f"{mratio:.1f}x |")
-    if prec.exists():
-        body = prec.read_text().splitlines()
-        out += ["", "## bf16 learning curves on the same GPU", "", *body[2:]]
+    curve_pages = [(step, bench_dir / f"{stem}.md") for stem, step in CURVE_RUNS if (bench_dir / f"{stem}.md").exists()]
+    if curve_pages:
+        out += ["", "## bf16 learning curves on the same GPU"]
+        for step, page in curve_pages:
+            out += ["", f"### {step} step", "", *page.read_text().splitlines()[2:]]
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(out) + "\n")

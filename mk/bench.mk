@@ -63,18 +63,22 @@ bench-precision: $(VENV)/.installed data
 	$(PY) -m benchmarks.precision_check --steps 120 --every 30 --out docs/results/bf16-vs-fp32.md --csv bench/precision.csv
 
 # The speed targets on a CUDA GPU (bf16 autocast against fp32, fraction of peak, next-token against SDPA, routing,
-# a profile of the full-AR step) and the bf16 learning curves at the WikiText-2 paper shape in full AR, rendered
-# into docs/results/bench_cuda.md with its CSVs in docs/results/bench_cuda/ (about 3 minutes on one H100: 112 s
-# of benchmarks, then the curves, before the CUDA-graph cases were added: 8 more compiled cases and 2 compiled
-# profiles, each compile about 20 s there; the paper-shape row reads the tokenized WikiText-2 release,
-# data.layout=tokens).
+# a profile of the full-AR step) and the bf16 learning curves at the WikiText-2 paper shape in full AR, with the
+# eager step and with the step replayed as CUDA graphs, rendered into docs/results/bench_cuda.md with its CSVs in
+# docs/results/bench_cuda/. About 8 minutes on one H100: 191-249 s of benchmarks (22 cases, 14 of them compiled,
+# each compile 9-17 s there), then 66 s (eager) and about 90 s (CUDA graphs) of curves; the paper-shape rows read
+# the tokenized WikiText-2 release (data.layout=tokens).
 CUDA_RESULTS := docs/results/bench_cuda
+CUDA_CURVES := --row wt2-nt-1024/pcaf_context --scale paper --steps 600 --every 100
+CUDA_CURVE_ROW := train.mode=ar train.batch_size=8 data.layout=tokens
 bench-cuda: $(VENV)/.installed data
 	$(PY) -m benchmarks.bench_cuda --out-dir bench/cuda
-	$(PY) -m benchmarks.precision_check --row wt2-nt-1024/pcaf_context --scale paper --steps 600 --every 100 \
-		--out bench/cuda/precision.md --csv bench/cuda/precision.csv train.mode=ar train.batch_size=8 data.layout=tokens
+	$(PY) -m benchmarks.precision_check $(CUDA_CURVES) --out bench/cuda/precision.md --csv bench/cuda/precision.csv \
+		$(CUDA_CURVE_ROW)
+	$(PY) -m benchmarks.precision_check $(CUDA_CURVES) --out bench/cuda/precision_cudagraphs.md \
+		--csv bench/cuda/precision_cudagraphs.csv $(CUDA_CURVE_ROW) train.compile=cudagraphs
 	mkdir -p $(CUDA_RESULTS) && rm -f $(CUDA_RESULTS)/failures.csv && \
-		cp bench/cuda/*.csv bench/cuda/profile_*.txt bench/cuda/precision.md $(CUDA_RESULTS)/
+		cp bench/cuda/*.csv bench/cuda/profile_*.txt bench/cuda/precision*.md $(CUDA_RESULTS)/
 	$(PY) -m benchmarks.bench_cuda --render $(CUDA_RESULTS) --doc docs/results/bench_cuda.md
 
 # One training step of every PCAF variant and local conv (both modes) on torch and on JAX, in alternating fresh

@@ -50,6 +50,10 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
         write_csv(run / f"{name}.csv", read_csv(smoke_run / f"{name}.csv"))
     write_csv(run / "precision.csv", [{"step": s, "fp32_eval_loss": 5.0, "bf16_eval_loss": 5.0 + d, "abs_diff": d}
                                       for s, d in ((1, 0.0), (20, 0.2), (100, 0.002))])
+    (run / "precision.md").write_text("# title\n\nCommand: eager curves\n\n| step |\n")
+    write_csv(run / "precision_cudagraphs.csv", [{"step": s, "fp32_eval_loss": 5.0, "bf16_eval_loss": 5.0 + d,
+                                                  "abs_diff": d} for s, d in ((1, 0.0), (100, 0.004))])
+    (run / "precision_cudagraphs.md").write_text("# title\n\nCommand: graphed curves\n")
     bench_cuda.write_failures(run, "models", [{"section": "models", "model": "PCAF-context", "mode": "ar",
                                                "T": 2048, "batch": 4, "dtype": "bf16", "compile": "cudagraphs",
                                                "error": "train.compile=cudagraphs could not capture this step"}])
@@ -65,11 +69,20 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert "81.0% eager, 81.0% cudagraphs" in text and "7.0x | **met** |" in text
     assert "| fp32 | eager |" in text  # the profile table's compile column
     assert "A `cudagraphs` row's step peak is what one replay allocates" in text
-    assert "largest difference 0.0020 nats | **met** |" in text  # step 20 is in the first third
+    assert "(eager step; at most 0.01 nats" in text and "largest difference 0.0020 nats | **met** |" in text
+    assert "(cudagraphs step; at most 0.01 nats" in text and "largest difference 0.0040 nats | **met** |" in text
+    curves = text[text.index("## bf16 learning curves on the same GPU"):]
+    assert curves.index("### eager step") < curves.index("Command: eager curves") < curves.index(
+        "### cudagraphs step") < curves.index("Command: graphed curves")
     assert "## Routing on the GPU" in text and "## Where the full-AR step's time goes" in text
     summary = bench_cuda_report.bf16_summary(run)
     assert summary is not None and summary["speed_verdict"] == "met (best case: T=1024 batch 8 eager)"
     assert "T=1024 batch 8 cudagraphs: 2.20x" in summary["speed"] and summary["curves_verdict"] == "met"
+    assert summary["curves"] == ("eager step: largest eval-loss difference 0.0020 nats after the first third; "
+                                 "cudagraphs step: largest eval-loss difference 0.0040 nats after the first third")
+    write_csv(run / "precision_cudagraphs.csv", [{"step": 100, "fp32_eval_loss": 5.0, "bf16_eval_loss": 5.05,
+                                                  "abs_diff": 0.05}])
+    assert bench_cuda_report.bf16_summary(run)["curves_verdict"] == "missed"  # either step's gap counts
     for r in rows:  # every case short of the target: the best one says by how much
         if r["mode"] == "ar" and r["dtype"] == "bf16":
             r["tokens_per_s"] = 200.0 if r["compile"] == "eager" else 330.0  # 2.0x and 2.2x
@@ -116,8 +129,11 @@ def test_committed_gpu_run_is_summarised() -> None:
 
 
 def test_committed_gpu_run_renders(tmp_path: Path) -> None:
-    """The committed run's CSVs (written before the profile gained its compile column) still render."""
+    """The committed run renders: the eager and CUDA-graph profiles, the graphed step's ratio, both curve runs."""
     doc = tmp_path / "page.md"
     bench_cuda_report.render(CUDA_DIR, doc)
     text = doc.read_text()
     assert "| bf16 | eager |" in text and "Why eager bf16 stops at" in text
+    assert "| bf16 | cudagraphs |" in text and "Replayed as CUDA graphs, the bf16 step takes" in text
+    assert "### eager step" in text and "### cudagraphs step" in text
+    assert "(cudagraphs step; at most 0.01 nats" in text
