@@ -257,7 +257,8 @@ class TrainConfig:
     eps: float = 1e-8
     precision: str = "fp32"
     # Compile the training step (torch: torch.compile of the forward; JAX always jit-compiles).
-    # auto: where it pays for its compile time (backends.torch.compile.use_compile says when);
+    # auto: where it pays for its compile time (backends.torch.compile.use_compile says when), on one CUDA
+    # device also replayed as CUDA graphs (use_cuda_graphs);
     # cudagraphs: compiled and replayed as CUDA graphs (torch, one CUDA device, one process).
     compile: str = "auto"
     seed: int = 1234

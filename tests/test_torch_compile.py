@@ -399,8 +399,9 @@ def test_inductor_compiles_the_cuda_full_ar_step_like_eager(cuda_code_paths: tor
 def test_cudagraphs_refuses_what_it_cannot_replay() -> None:
     case = ("pcaf", "context", "dense", "first")
     cfg = _cfg(case, "ar", "cudagraphs")
-    assert use_compile(cfg) and use_cuda_graphs(cfg) and compiled_label(cfg) == CUDA_GRAPHS_LABEL
-    assert compiled_label(_cfg(case, "ar", "on")) == COMPILED_LABEL and not use_cuda_graphs(_cfg(case, "ar", "on"))
+    assert use_compile(cfg) and use_cuda_graphs(cfg) and compiled_label(True) == CUDA_GRAPHS_LABEL
+    on = _cfg(case, "ar", "on")
+    assert compiled_label(False) == COMPILED_LABEL and not use_cuda_graphs(on, torch.device("cuda"))
     with pytest.raises(ValueError, match="needs a CUDA device, and this run trains on cpu: use train.compile=on"):
         TorchBackend("cpu").init(cfg)
     with pytest.raises(ValueError, match="runs in one process, and this run has 2"):
@@ -419,6 +420,28 @@ def test_cudagraphs_refuses_what_it_cannot_replay() -> None:
         compile_training(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), backend="aot_eager", cuda_graphs=True)
 
 
+def test_auto_replays_compiled_steps_as_cuda_graphs_on_one_gpu() -> None:
+    """``auto`` compiles what pays off (:func:`use_compile`) and, on one CUDA device in one process, replays it as
+    CUDA graphs (faster than inductor alone in every ``make bench-cuda`` case); not on a CPU, not under DDP, and
+    never a step it does not compile. A CPU backend builds the inductor step and labels it so."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    long_ = _cfg(("pcaf", "context", "dense", "first"), "ar", "auto")
+    long_.train.steps = COMPILE_MIN_STEPS
+    assert use_cuda_graphs(long_, cuda, 1)
+    assert not use_cuda_graphs(long_, cpu, 1) and not use_cuda_graphs(long_, cuda, 2) and not use_cuda_graphs(long_)
+    short = _cfg(("pcaf", "context", "dense", "first"), "ar", "auto")
+    short.train.steps = COMPILE_MIN_STEPS - 1
+    assert not use_cuda_graphs(short, cuda, 1)
+    for case in (("transformer_dense", "context", "dense", "first"), ("pcaf", "context", "dense", "topk_score")):
+        cfg = _cfg(case, "nt", "auto")
+        cfg.train.steps = COMPILE_MIN_STEPS
+        assert not use_cuda_graphs(cfg, cuda, 1), case
+    assert not use_cuda_graphs(_cfg(("pcaf", "context", "dense", "first"), "ar", "off"), cuda, 1)
+    backend = TorchBackend("cpu")
+    state = backend.init(long_)
+    assert not state.cuda_graphs and backend.device.endswith(f"; {COMPILED_LABEL}")
+
+
 def test_a_step_that_cannot_be_captured_says_so_in_one_line() -> None:
     """Inductor's refusal (``triton.cudagraph_or_error``) becomes one line naming its reason and the alternative;
     other errors, and the same error outside a ``cudagraphs`` run, pass unchanged."""
@@ -426,19 +449,23 @@ def test_a_step_that_cannot_be_captured_says_so_in_one_line() -> None:
     refusal = RuntimeError("skipping cudagraphs due to cpu device (primals_1)\nFound from:\n  File ...")
     with pytest.raises(RuntimeError, match=r"^train.compile=cudagraphs could not capture this step as a CUDA graph "
                                            r"\(cpu device \(primals_1\)\): use train.compile=on$") as caught:
-        with cuda_graph_errors(_cfg(case, "ar", "cudagraphs")):
+        with cuda_graph_errors(_cfg(case, "ar", "cudagraphs"), True):
             raise refusal
     assert caught.value.__cause__ is refusal
+    with pytest.raises(RuntimeError, match=r"^train.compile=auto \(auto replays compiled steps as CUDA graphs on a "
+                                           r"GPU\) could not capture this step as a CUDA graph \(cpu device"):
+        with cuda_graph_errors(_cfg(case, "ar", "auto"), True):
+            raise refusal
     wrapped = RuntimeError("backend='inductor' raised:\nRuntimeError: skipping cudagraphs due to mutated inputs (1 "
                            "instances)")  # as Dynamo wraps the forward's compile error
     with pytest.raises(RuntimeError, match=r"CUDA graph \(mutated inputs \(1 instances\)\): use train.compile=on$"):
-        with cuda_graph_errors(_cfg(case, "ar", "cudagraphs")):
+        with cuda_graph_errors(_cfg(case, "ar", "cudagraphs"), True):
             raise wrapped
     with pytest.raises(RuntimeError, match="^skipping cudagraphs due to"):
-        with cuda_graph_errors(_cfg(case, "ar", "on")):
+        with cuda_graph_errors(_cfg(case, "ar", "on"), False):
             raise refusal
     with pytest.raises(RuntimeError, match="^out of memory$"):
-        with cuda_graph_errors(_cfg(case, "ar", "cudagraphs")):
+        with cuda_graph_errors(_cfg(case, "ar", "cudagraphs"), True):
             raise RuntimeError("out of memory")
 
 
@@ -446,9 +473,10 @@ def test_a_step_that_cannot_be_captured_says_so_in_one_line() -> None:
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device; the step's CPU-side conditions (no device "
                     "reads, one safe graph) are tested above on CPU tensors with the CUDA code paths chosen")
 def test_cudagraph_step_trains_like_eager_on_cuda() -> None:
-    """Six steps (the first compiles, the second captures, four replay) give the eager steps' losses (dropout 0:
-    the same arithmetic up to inductor's fusions) with every graph captured (a skip would raise; the counter and the
-    graph tree say so too), and with dropout on, replays at learning rate 0 draw fresh masks (different losses)."""
+    """``cudagraphs``, and ``auto`` for a long run, replay the step as CUDA graphs: six steps (the first compiles,
+    the second captures, four replay) give the eager steps' losses (dropout 0: the same arithmetic up to
+    inductor's fusions) with every graph captured (a skip would raise; the counter and the graph tree say so
+    too), and with dropout on, replays at learning rate 0 draw fresh masks (different losses)."""
     from torch._dynamo.utils import counters
     from torch._inductor import cudagraph_trees
 
@@ -459,14 +487,18 @@ def test_cudagraph_step_trains_like_eager_on_cuda() -> None:
     batches = [(rng.integers(3, 64, (3, 24)).astype(np.int32), rng.integers(3, 64, (3, 24)).astype(np.int32))
                for _ in range(6)]
     losses = {}
-    for compile_mode in ("off", "cudagraphs"):  # fp32 both: the backend turns cuDNN's TF32 off
+    for compile_mode in ("off", "cudagraphs", "auto"):  # fp32 all: the backend turns cuDNN's TF32 off
         cfg = _cfg(case, "ar", compile_mode)
         cfg.profile.dropout = 0.0
+        cfg.train.steps = COMPILE_MIN_STEPS  # long enough for auto to compile, so on one GPU to replay graphs
         backend = TorchBackend("cuda")
         state = backend.init(cfg)
         assert not torch.backends.cudnn.allow_tf32
+        assert state.cuda_graphs == (compile_mode != "off"), compile_mode
+        assert backend.device.endswith(f"; {CUDA_GRAPHS_LABEL}") == (compile_mode != "off"), backend.device
         losses[compile_mode] = [backend.train_step(state, x, y, 1e-3)[1] for x, y in batches]
     np.testing.assert_allclose(losses["cudagraphs"], losses["off"], rtol=2e-4)
+    np.testing.assert_allclose(losses["auto"], losses["off"], rtol=2e-4)
     assert counters["inductor"]["cudagraph_skips"] == 0
     manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     assert manager is not None and manager.roots, "no CUDA graph was recorded"

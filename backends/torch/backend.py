@@ -76,6 +76,8 @@ class TorchState:
     wrapped: nn.Module
     optimizer: torch.optim.AdamW
     cfg: RunConfig
+    cuda_graphs: bool = False
+    """Whether ``wrapped`` is compiled and replayed as CUDA graphs (``compile.use_cuda_graphs``)."""
 
 
 class TorchBackend:
@@ -166,12 +168,13 @@ class TorchBackend:
                 device_ids=[self.torch_device.index] if self.torch_device.type == "cuda" else None,
                 static_graph=True,
             )
+        graphs = use_cuda_graphs(cfg, self.torch_device, self.world_size)
         if use_compile(cfg):
-            wrapped = compile_training(module, wrapped, cuda_graphs=use_cuda_graphs(cfg))
-            if compiled_label(cfg) not in self.device.split("; "):
-                self.device += f"; {compiled_label(cfg)}"
+            wrapped = compile_training(module, wrapped, cuda_graphs=graphs)
+            if compiled_label(graphs) not in self.device.split("; "):
+                self.device += f"; {compiled_label(graphs)}"
         optimizer = build_optimizer(module, cfg.train, cfg.profile)
-        return TorchState(module=module, wrapped=wrapped, optimizer=optimizer, cfg=cfg)
+        return TorchState(module=module, wrapped=wrapped, optimizer=optimizer, cfg=cfg, cuda_graphs=graphs)
 
     def init(self, cfg: RunConfig) -> TorchState:
         """Build the model (``backends.torch.models.build_model``, seeded by ``train.seed``), AdamW,
@@ -214,7 +217,7 @@ class TorchBackend:
     ) -> tuple[TorchState, float]:
         """Forward, backward, optional clipping and one AdamW step at ``lr``; returns the loss."""
         cfg = state.cfg
-        if use_cuda_graphs(cfg):
+        if state.cuda_graphs:
             # A new step: the graphs' outputs of the last one (its loss, its gradients, already consumed by
             # the optimiser) may be overwritten by this replay.
             torch.compiler.cudagraph_mark_step_begin()
@@ -223,7 +226,7 @@ class TorchBackend:
             group["lr"] = lr
         state.wrapped.train()
         state.optimizer.zero_grad(set_to_none=True)
-        with cuda_graph_errors(cfg):
+        with cuda_graph_errors(cfg, state.cuda_graphs):
             with self._autocast(cfg):
                 loss = state.wrapped(x, y, cfg.train.mode)
             loss.backward()

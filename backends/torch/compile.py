@@ -10,7 +10,9 @@ force the choice. Evaluation stays eager (a small share of a run, which would co
 ``cudagraphs`` compiles the same way and replays the compiled forward and backward graphs as CUDA graphs
 (inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets: PyTorch's CUDA graph trees): one launch
 per graph instead of one per kernel. It is for steps that wait on the host rather than on the GPU: on an H100
-the bf16 full-AR step was busy 9.8 of 17.1 ms (docs/results/bench_cuda.md). The conv-backbone steps qualify:
+the eager bf16 full-AR step was busy 9.2 of 20.4 ms, and replayed as graphs it takes 6.7 ms, 3.85x fp32
+(docs/results/bench_cuda.md); ``auto`` replays what it compiles this way on one CUDA device
+(:func:`use_cuda_graphs`). The conv-backbone steps qualify:
 they read nothing back from the device before the loss and compile to one graph that inductor can capture
 (tests/test_torch_compile.py checks that on the CUDA code paths). :func:`check_compile_device` refuses what
 does not (a CPU device, DDP, the Transformers, the routes that rank with ρ read back), and a graph inductor
@@ -82,9 +84,20 @@ def use_compile(cfg: RunConfig) -> bool:
     return mode in ("on", "cudagraphs")
 
 
-def use_cuda_graphs(cfg: RunConfig) -> bool:
-    """Whether the compiled step is replayed as CUDA graphs (``train.compile=cudagraphs``)."""
-    return cfg.train.compile == "cudagraphs"
+def use_cuda_graphs(cfg: RunConfig, device: torch.device | None = None, world_size: int = 1) -> bool:
+    """Whether the compiled step of ``cfg`` on ``device`` is replayed as CUDA graphs: ``train.compile=
+    cudagraphs``; ``auto`` wherever it compiles (:func:`use_compile`) on one CUDA device in one process.
+
+    ``auto`` picks the graphs there because they were faster than inductor alone in every case measured, at the
+    same compile time (9-17 s a case; ``make bench-cuda`` on an H100, WikiText-2 paper shape, steps interleaved):
+    full-AR PCAF-context fp32 25.8 against 26.9 ms (eager 30.2), bf16 6.7 against 14.3 ms (eager 20.4);
+    next-token fp32 5.2 against 10.7 ms (eager 18.0). The steps it compiles qualify by construction
+    (:func:`compile_pays_off`: conv-backbone models, no ρ read back), which :func:`check_compile_device` also
+    asks of ``cudagraphs``."""
+    if cfg.train.compile == "cudagraphs":
+        return True
+    return (cfg.train.compile == "auto" and use_compile(cfg) and device is not None and device.type == "cuda"
+            and world_size == 1)
 
 
 def check_compile_device(cfg: RunConfig, device: torch.device, world_size: int) -> None:
@@ -93,7 +106,7 @@ def check_compile_device(cfg: RunConfig, device: torch.device, world_size: int) 
     process (each DDP rank would capture graphs around collectives that are not part of them), and a step that
     reads nothing back from the device (:func:`ranks_with_host_rho`: ρ changes every step, so each step would
     compile and capture anew)."""
-    if not use_cuda_graphs(cfg):
+    if cfg.train.compile != "cudagraphs":
         return
     if not conv_backbone(cfg):
         raise ValueError(f"train.compile=cudagraphs covers the PCAF variants and local conv, not "
@@ -144,26 +157,28 @@ SKIPPED_CUDA_GRAPHS = "skipping cudagraphs due to"
 
 
 @contextlib.contextmanager
-def cuda_graph_errors(cfg: RunConfig) -> Iterator[None]:
-    """Inside a ``cudagraphs`` step, inductor's refusal to capture a graph becomes a one-line error that names the
-    reason and the alternative; other errors pass unchanged."""
+def cuda_graph_errors(cfg: RunConfig, cuda_graphs: bool) -> Iterator[None]:
+    """Inside a step replayed as CUDA graphs (``cuda_graphs``: :func:`use_cuda_graphs`), inductor's refusal to
+    capture a graph becomes a one-line error that names the reason and the alternative; other errors pass
+    unchanged."""
     try:
         yield
     except RuntimeError as err:
         # Raised while Dynamo compiles the forward, it arrives wrapped ("backend='inductor' raised:\n
         # RuntimeError: skipping cudagraphs due to ..."); raised while the backward compiles, as it is.
         line = next((ln for ln in str(err).splitlines() if SKIPPED_CUDA_GRAPHS in ln), None)
-        if not use_cuda_graphs(cfg) or line is None:
+        if not cuda_graphs or line is None:
             raise
         reason = line.split(SKIPPED_CUDA_GRAPHS, 1)[1].strip()
-        raise RuntimeError(f"train.compile=cudagraphs could not capture this step as a CUDA graph ({reason}): use "
-                           "train.compile=on") from err
+        why = "" if cfg.train.compile == "cudagraphs" else " (auto replays compiled steps as CUDA graphs on a GPU)"
+        raise RuntimeError(f"train.compile={cfg.train.compile}{why} could not capture this step as a CUDA graph "
+                           f"({reason}): use train.compile=on") from err
 
 
 COMPILED_LABEL = "training step compiled (torch.compile, inductor)"
 CUDA_GRAPHS_LABEL = f"{COMPILED_LABEL} and replayed as CUDA graphs"
 
 
-def compiled_label(cfg: RunConfig) -> str:
-    """What the record's ``device`` field says about a compiled step of ``cfg``."""
-    return CUDA_GRAPHS_LABEL if use_cuda_graphs(cfg) else COMPILED_LABEL
+def compiled_label(cuda_graphs: bool) -> str:
+    """What the record's ``device`` field says about a compiled step (``cuda_graphs``: :func:`use_cuda_graphs`)."""
+    return CUDA_GRAPHS_LABEL if cuda_graphs else COMPILED_LABEL
