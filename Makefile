@@ -27,7 +27,7 @@ help:
 	@echo "make figures - re-render tables and figures from existing run records"
 	@echo "make params  - paper-scale parameter counts from the instantiated models"
 	@echo "make bench   - the benchmark report docs/results/bench.md (routing vs T, throughput and fraction of peak,"
-	@echo "               torch beside JAX; CSV and plots under bench/); 1,351 s (23 min) on a 2-core EPYC, 1,560 s on a Xeon"
+	@echo "               torch beside JAX; CSV and plots under bench/); 1,351-1,444 s (23-24 min) on a 2-core EPYC, 1,560 s on a Xeon"
 	@echo "               (idle machine; BACKENDS_ROUNDS=2 saves about 4 min);"
 	@echo "               BENCH=quick (make bench-quick): under 2 min (72 s Xeon, 59-115 s EPYC), renders bench/quick/bench.md"
 	@echo "make bench-decode | bench-kernels | bench-train-step | bench-precision | bench-data - the other benchmarks"

@@ -5,8 +5,9 @@
 # The benchmark report: routing cost against T, training throughput and fraction of the matmul peak, torch
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
 # run one after another (never in parallel: they time the whole machine); run it on an otherwise idle machine.
-# Measured alone on 2-core machines: 1,351 s = 22.5 minutes on an AMD EPYC (routing 126 s, models 563 s,
-# backends 657 s; the committed report's run, 3 backend rounds, full-AR steps of 4,096 tokens); 1,540 s on the
+# Measured alone on 2-core machines: 1,444 s = 24.1 minutes on an AMD EPYC from a fresh clone (routing 127 s,
+# models 646 s, backends 663 s; the committed report's run, 3 backend rounds, full-AR steps of 4,096 tokens),
+# 1,351 s in the run before it (at f4dcc7a: 126, 563, 657 s); 1,540 s on the
 # EPYC before the eager conv and oneMKL changes (routing 142 s, models 688 s, backends 704 s); 1,560 s = 26.0
 # minutes on a Xeon with AVX-512 (routing 153 s, models 600 s, backends 801 s; the same settings, earlier code);
 # BACKENDS_ROUNDS=2 saves about 250 s; 1,054-1,143 s in earlier runs with 2 rounds and full-AR batch 1);
