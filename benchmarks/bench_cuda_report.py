@@ -70,7 +70,8 @@ def curve_gaps(bench_dir: Path) -> dict[str, float]:
 
 def render(bench_dir: Path, doc: Path) -> None:
     """``doc`` from the CSVs of a run under ``bench_dir`` (gemm.csv, models.csv, routing.csv, labels.csv and,
-    when present, precision.csv / precision.md from ``benchmarks/precision_check.py`` on the same GPU)."""
+    when present, the learning-curve runs of ``CURVE_RUNS`` from ``benchmarks/precision_check.py`` on the same
+    GPU)."""
     labels = read_csv(bench_dir / "labels.csv")[0]
     gemm = read_csv(bench_dir / "gemm.csv")
     models = read_csv(bench_dir / "models.csv")
