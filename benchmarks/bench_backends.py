@@ -257,7 +257,7 @@ def bf16_demo_note(rows: list[dict]) -> str:
             f"torch's bf16 step took {bf['torch_step_ms']} ms against {fp['torch_step_ms']} ms in fp32 "
             f"({speed['torch']:.2f}x the fp32 speed), JAX's {bf['jax_step_ms']} against {fp['jax_step_ms']} ms "
             f"({speed['jax']:.2f}x). Torch runs oneDNN's bf16 GEMM with the bf16 instructions the CPU has "
-            "(`make bench` times it beside fp32 in `bench_gemm.csv`: 1.6-1.7x fp32 on a 2-core AMD EPYC with "
+            "(`make bench` times it beside fp32 in `bench_gemm.csv`: 1.6-2.0x fp32 on a 2-core AMD EPYC with "
             "AVX-512 BF16, 0.5-0.7x on a Xeon with AVX-512 BF16 alone, a 2 GFLOP/s scalar fallback on a Zen 3 "
             "EPYC). "
             "`train.precision=auto` picks fp32 on any CPU without AMX; `train.precision=bf16` asks for bf16.")

@@ -66,9 +66,9 @@ bench-precision: $(VENV)/.installed data
 # The speed targets on a CUDA GPU (bf16 autocast against fp32, fraction of peak, next-token against SDPA, routing,
 # a profile of the full-AR step) and the bf16 learning curves at the WikiText-2 paper shape in full AR, with the
 # eager step and with the step replayed as CUDA graphs, rendered into docs/results/bench_cuda.md with its CSVs in
-# docs/results/bench_cuda/. About 8 minutes on one H100: 191-249 s of benchmarks (22 cases, 14 of them compiled,
-# each compile 9-17 s there), then 66 s (eager) and about 90 s (CUDA graphs) of curves; the paper-shape rows read
-# the tokenized WikiText-2 release (data.layout=tokens).
+# docs/results/bench_cuda/. About 7 minutes on one H100: 191-240 s of benchmarks (22 cases, 12 of them compiled,
+# and 2 compiled profiles, each compile 10-22 s there), then about 66 s (eager) and 100 s (CUDA graphs) of
+# curves; the paper-shape rows read the tokenized WikiText-2 release (data.layout=tokens).
 CUDA_RESULTS := docs/results/bench_cuda
 CUDA_CURVES := --row wt2-nt-1024/pcaf_context --scale paper --steps 600 --every 100
 CUDA_CURVE_ROW := train.mode=ar train.batch_size=8 data.layout=tokens

@@ -88,8 +88,9 @@ def use_cuda_graphs(cfg: RunConfig, device: torch.device | None = None, world_si
     """Whether the compiled step of ``cfg`` on ``device`` is replayed as CUDA graphs: ``train.compile=
     cudagraphs``; ``auto`` wherever it compiles (:func:`use_compile`) on one CUDA device in one process.
 
-    ``auto`` picks the graphs there because they were faster than inductor alone in every case measured, at the
-    same compile time (9-17 s a case; ``make bench-cuda`` on an H100, WikiText-2 paper shape, steps interleaved):
+    ``auto`` picks the graphs there because they were faster than inductor alone in every case measured and took
+    no longer to compile (first step 10-20 s against 14-22 s; ``make bench-cuda`` on an H100, WikiText-2 paper
+    shape, steps interleaved):
     full-AR PCAF-context fp32 25.8 against 26.9 ms (eager 30.2), bf16 6.7 against 14.3 ms (eager 20.4);
     next-token fp32 5.2 against 10.7 ms (eager 18.0). The steps it compiles qualify by construction
     (:func:`compile_pays_off`: conv-backbone models, no ρ read back), which :func:`check_compile_device` also
