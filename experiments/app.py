@@ -152,8 +152,22 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     return validate(RunConfig(**{s: getattr(obj, s) for s in RUN_SECTIONS}))
 
 
+def label_from_experiment(cfg: DictConfig, task_overrides: list[str] | None) -> None:
+    """Set ``cfg.table``/``cfg.row`` from the ``experiment=<table>/<row>`` choice (a row file does not repeat its
+    own path), unless the command line set them itself."""
+    given = _overridden_keys(task_overrides or [])
+    choice = [o.split("=", 1)[1] for o in task_overrides or [] if o.lstrip("+~").startswith("experiment=")]
+    if choice and "/" in choice[-1]:
+        table, row = choice[-1].split("/", 1)
+        if "table" not in given:
+            cfg.table = table
+        if "row" not in given:
+            cfg.row = row
+
+
 def resolve(cfg: DictConfig, task_overrides: list[str] | None = None) -> ResolvedRun:
-    """Scale, validate and label a composed config (mutates ``cfg``)."""
+    """Label, scale and validate a composed config (mutates ``cfg``)."""
+    label_from_experiment(cfg, task_overrides)
     if cfg.backend.name not in ("torch", "jax"):
         raise ConfigError(f"backend.name={cfg.backend.name!r} is unknown: expected 'torch' or 'jax'")
     deviations = apply_scale(cfg, task_overrides)

@@ -144,6 +144,7 @@ def resolve_job(overrides: list[str], config_name: str = "config",
         raise ConfigError(f"{extra[0]} is not a setting (unknown key): drop the override that adds it "
                           f"(+{extra[0]}=...); the keys of {extra[0].rsplit('.', 1)[0]} are "
                           f"{', '.join(_schema_keys(extra[0]))}")
+    app.label_from_experiment(cfg, list(overrides))
     return app.resolve(cfg, list(overrides if user_overrides is None else user_overrides))
 
 

@@ -13,6 +13,7 @@ of the rendered Markdown table.
 from __future__ import annotations
 
 import argparse
+import copy
 import fnmatch
 import sys
 import time
@@ -40,7 +41,8 @@ def table_rows(table: str) -> list[str]:
     """Row ids of ``table`` in the paper's order (from paper_tables' spec when it lists them)."""
     if table not in available_tables():
         raise ConfigError(f"table={table!r} is unknown: expected one of {available_tables()}")
-    files = sorted(p.stem for p in (EXPERIMENT_DIR / table).glob("*.yaml"))
+    # ``_base.yaml`` holds what the table's rows share; it is not a row.
+    files = sorted(p.stem for p in (EXPERIMENT_DIR / table).glob("*.yaml") if not p.stem.startswith("_"))
     try:
         from paper_tables.specs import TABLES
 
@@ -70,7 +72,12 @@ def compose_row(table: str, row: str, scale: str, backend: str, overrides: list[
     runs = []
     for entry in seed_runs:
         seeded = [f"{k}={v}" for k, v in entry.items()]
-        resolved = preflight.resolve_job(base + seeded + overrides, user_overrides=overrides)
+        # The seed entries are plain values: set on a copy of the composition, as Hydra would set them from the
+        # command line, instead of composing the row again (most of a second each).
+        cfg_seed = copy.deepcopy(cfg)
+        for key, value in entry.items():
+            OmegaConf.update(cfg_seed, key, value, merge=False)
+        resolved = preflight.resolve_job(base + seeded + overrides, user_overrides=overrides, composed=cfg_seed)
         resolved.overrides = seeded + resolved.overrides  # the resume command must compose this seed
         runs.append(resolved)
     return runs

@@ -64,6 +64,7 @@ def main(cfg: DictConfig) -> None:
         if not multirun:
             sys.exit(CONFIG_ERROR_EXIT)
         # A sweep goes on with its other jobs; this one is recorded as failed where its runs would be.
+        app.label_from_experiment(cfg, list(HydraConfig.get().overrides.task))
         run_dir = _run_dir(cfg, None, str(cfg.row), cfg.train.seed)
         write_failed_record(run_dir, RunMetrics(table=str(cfg.table), row=str(cfg.row)), f"config error: {exc}")
         return

@@ -9,6 +9,8 @@
   one plot of ``METRIC`` over the values of each ``KEY`` found in a Hydra multirun; prints the paths,
   a Markdown path last.
 - ``list [--table T]``: the tables, or one table's rows with their experiment names.
+- ``docs [--check]``: rewrite the row and claim lists of ``docs/TABLES.md`` from the specs (``--check``: exit 1
+  when the committed lists are stale).
 
 ``render``, ``backends`` and ``sweep`` exit 1 with one line when ``--runs`` holds no run record at all (a mistyped
 root), instead of rendering a table of missing rows.
@@ -56,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="list tables, or the rows and experiment names of one table")
     ls.add_argument("--table", default=None)
+
+    d = sub.add_parser("docs", help="rewrite the row and claim lists of docs/TABLES.md from the specs")
+    d.add_argument("--check", action="store_true", help="only check that the committed lists are current")
     return p
 
 
@@ -79,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         for row in get_table(args.table).rows:
             print(f"{row.id}\texperiment={row.experiment}\t{row.display}")
         return 0
+    if args.command == "docs":
+        from paper_tables.tables_doc import main as docs_main
+
+        return docs_main(check=args.check)
 
     from paper_tables.collect import find_metrics_files
     from paper_tables.pipeline import render_table

@@ -1,12 +1,16 @@
-"""Every experiment file composes at every scale; paper budgets and parameter counts are the paper's."""
+"""Every experiment file composes at every scale, to the committed resolved configs; paper budgets are the
+paper's; row files state only what differs from their table's base; the table specs agree with the configs."""
 
 from __future__ import annotations
 
 import functools
 
 import pytest
+import yaml
 
-from experiments.reproduce import available_tables, compose_row, table_rows
+from experiments import preflight, resolved_configs
+from experiments.reproduce import EXPERIMENT_DIR, available_tables, compose_row, table_rows
+from paper_tables.published import load_published
 from paper_tables.specs import TABLES
 
 TABLE_NAMES = ["wt2-nt-1024", "wt2-nt-2048", "wt103-nt-baselines", "wt103-nt-ablations", "sweeps-41m",
@@ -16,7 +20,9 @@ ALL_ROWS = [(t, r) for t in TABLE_NAMES for r in table_rows(t)]
 
 @functools.cache
 def composed(table: str, row: str, scale: str):
-    return compose_row(table, row, scale, "torch", [])
+    # PIN: train.precision=auto would resolve to this machine's fastest precision (the committed copy is the
+    # same on every machine).
+    return compose_row(table, row, scale, "torch", resolved_configs.PIN)
 
 
 def test_every_paper_table_has_an_experiment_file_per_row():
@@ -25,17 +31,104 @@ def test_every_paper_table_has_an_experiment_file_per_row():
         assert sorted(table_rows(table)) == sorted(TABLES[table].row_ids), table
 
 
-@pytest.mark.parametrize("scale", ["paper", "cpu"])  # smoke: tests/test_experiments_smoke.py runs every row
-def test_every_row_composes_and_validates(scale):
-    for table, row in ALL_ROWS:
-        runs = composed(table, row, scale)
-        assert runs, (table, row)
-        for r in runs:
+def _check_composed(rows: list[tuple[str, str]], scale: str) -> None:
+    """Every run of ``rows`` at ``scale`` is labelled from its file's path, carries the scale's deviations, and
+    resolves to the committed config text (``python -m experiments.resolved_configs --write`` after an intended
+    change)."""
+    want = resolved_configs.read_snapshot()
+    got = resolved_configs.resolve_all(rows, [scale], compose=composed)
+    assert got, rows
+    assert not (diffs := resolved_configs.differences({k: want.get(k, "") for k in got}, got)), "\n".join(diffs)
+    for table, row in rows:
+        for r in composed(table, row, scale):
             assert (r.table, r.row, r.scale, r.backend) == (table, row, scale, "torch")
             if scale == "paper":
                 assert not [d for d in r.deviations if "(scale=" in d], (table, row, r.deviations)
             else:
                 assert any(f"(scale={scale})" in d for d in r.deviations)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", resolved_configs.SCALES)
+def test_every_row_resolves_to_its_committed_config(scale):
+    _check_composed(ALL_ROWS, scale)
+    if scale == resolved_configs.SCALES[-1]:  # nothing committed is left without a row
+        keys = {k.split("@")[0] for k in resolved_configs.read_snapshot()}
+        assert keys == {f"{t}/{r}" for t, r in ALL_ROWS}
+
+
+@pytest.mark.parametrize("scale", resolved_configs.SCALES)
+def test_one_row_per_table_resolves_to_its_committed_config(scale):
+    """The fast tier's share of the test above: the first row of every table."""
+    _check_composed([(t, table_rows(t)[0]) for t in TABLE_NAMES], scale)
+
+
+def _flat(node: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and key in ("model", "memory", "data", "train", "eval") and not prefix:
+            out.update(_flat(value, f"{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@functools.cache
+def _group_defaults(choices: tuple[tuple[str, str], ...]) -> dict:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(preflight.compose_config([f"{g}={o}" for g, o in choices]), resolve=True)
+    return _flat({k: cfg[k] for k in ("model", "memory", "data", "train", "eval", "notes", "seed_runs")})
+
+
+def _choices(defaults: list) -> dict[str, str]:
+    out = {}
+    for entry in defaults:
+        if isinstance(entry, dict):
+            ((key, value),) = entry.items()
+            out[key.removeprefix("override /")] = value
+    return out
+
+
+@pytest.mark.parametrize("table", TABLE_NAMES)
+def test_row_files_state_only_what_differs_from_their_base(table):
+    """A row file names its table's ``_base`` first, has no ``table``/``row`` keys (the path gives them), and every
+    value it sets differs from the one it would get without it (its base's, else its config groups' default)."""
+    base = yaml.safe_load((EXPERIMENT_DIR / table / "_base.yaml").read_text(encoding="utf-8"))
+    base_values = _flat({k: v for k, v in base.items() if k != "defaults"})
+    base_choices = _choices(base["defaults"])
+    for row in table_rows(table):
+        data = yaml.safe_load((EXPERIMENT_DIR / table / f"{row}.yaml").read_text(encoding="utf-8"))
+        assert data["defaults"][0] == f"{table}/_base", (row, data["defaults"])
+        assert "table" not in data and "row" not in data, row
+        choices = {**base_choices, **_choices(data["defaults"][1:])}
+        assert all(base_choices.get(g) != o for g, o in _choices(data["defaults"][1:]).items()), row
+        under = {**_group_defaults(tuple(sorted(choices.items()))), **base_values}
+        own = _flat({k: v for k, v in data.items() if k != "defaults"})
+        same = [k for k, v in own.items() if k in under and under[k] == v]
+        assert not same, f"{table}/{row} restates {same}: drop them"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("table", TABLE_NAMES)
+def test_table_specs_agree_with_the_paper_scale_configs(table):
+    """What ``paper_tables/specs.py`` says of each row (the paper's T, mode, steps, profile; the published batch)
+    is what the row's config trains at paper scale."""
+    spec = TABLES[table]
+    published = load_published(table)
+    for row in spec.rows:
+        run = composed(table, row.id, "paper")[0].run
+        assert run.train.mode == row.mode, row.id
+        assert run.profile.name == row.profile, row.id
+        if row.seq_len is not None:
+            assert run.train.seq_len == row.seq_len, row.id
+        if row.paper_steps is not None:
+            assert run.train.steps == row.paper_steps, row.id
+        if row.published_key and "batch" in published.columns:
+            line = published.loc[published["row"] == row.published_key].iloc[0]
+            batches = {int(line[c]) for c in ("batch", "throughput_alt_batch") if c in published.columns
+                       and line[c] == line[c] and line[c] is not None}  # NaN: the paper prints no batch
+            assert not batches or run.train.batch_size in batches, row.id
 
 
 def test_multi_seed_rows_expand_to_their_seeds():
@@ -109,6 +202,7 @@ def _measured(table: str, row: str, scale: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("table", TABLE_NAMES)
 def test_the_cpu_scale_keeps_what_each_row_sweeps(table):
     rows = table_rows(table)
