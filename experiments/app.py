@@ -328,9 +328,24 @@ def row_identities(resolved: ResolvedRun) -> list[str]:
     return list(resolved.row_identities)
 
 
-def _failed(run_dir: Path, resolved: ResolvedRun, error: str, *, resumable: bool = False) -> RunMetrics:
+def _record_bytes(run_dir: Path) -> bytes | None:
+    try:
+        return (run_dir / "metrics.json").read_bytes()
+    except OSError:
+        return None
+
+
+def _failed(run_dir: Path, resolved: ResolvedRun, error: str, *, resumable: bool = False,
+            before: bytes | None = None, trace: str = "") -> RunMetrics:
     """The record of a run that raised: the loop's own ``failed`` record when it wrote one, else one
-    written here (the run failed before the loop could start, or a worker died without recording)."""
+    written here (the run failed before the loop could start, or a worker died without recording), with
+    ``trace`` appended to ``error.txt``. ``before``: the run's record before this command; when this command
+    failed without the loop touching it, the run's files are left as they were (the failure is the
+    command's, not the run's) and the returned record is not written."""
+    if before is not None and _record_bytes(run_dir) == before:
+        return RunMetrics(table=resolved.table, row=resolved.row, status="failed", error=error)
+    if trace:
+        _write_error_file(run_dir, trace)
     try:
         metrics = read_metrics(run_dir)
         if metrics.status == "failed":
@@ -408,10 +423,11 @@ def _run_locked(resolved: ResolvedRun, run_dir: Path, progress: bool | None, res
         write_run_files(run_dir, resolved)
     else:
         check_resume(resolved, run_dir, existing or {})
+    before = _record_bytes(run_dir)
     try:
         backend = importlib.import_module(f"backends.{resolved.backend}.train")
     except ImportError as exc:
-        return _failed(run_dir, resolved, f"backend {resolved.backend!r} is not available: {exc}")
+        return _failed(run_dir, resolved, f"backend {resolved.backend!r} is not available: {exc}", before=before)
     from pcaf_core.loop import RESTART_DAMAGED, RunInterrupted
 
     try:
@@ -424,9 +440,8 @@ def _run_locked(resolved: ResolvedRun, run_dir: Path, progress: bool | None, res
         raise
     except (KeyboardInterrupt, RunInterrupted):
         _failed(run_dir, resolved, f"interrupted before training started; run the same command again to resume "
-                                   f"{run_dir}", resumable=True)
+                                   f"{run_dir}", resumable=True, before=before)
         raise
     except Exception as exc:  # noqa: BLE001 - recorded, the table shows the row as failed
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        _write_error_file(run_dir, traceback.format_exc())
-        return _failed(run_dir, resolved, detail)
+        return _failed(run_dir, resolved, detail, before=before, trace=traceback.format_exc())

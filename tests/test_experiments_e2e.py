@@ -170,6 +170,28 @@ def test_a_failing_run_leaves_a_failed_record(tmp_path, monkeypatch):
     assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "error.txt").exists()
 
 
+def test_a_command_that_fails_before_the_loop_leaves_an_existing_run_as_it_was(tmp_path, monkeypatch):
+    """A failure of the command, not of the run (here: the trainer cannot start), changes no file of the run it
+    was asked to continue."""
+    import backends.torch.train as torch_train
+    from pcaf_core.results import write_metrics
+
+    resolved = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch", [])[0]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    app.write_run_files(run_dir, resolved)
+    write_metrics(run_dir, app.initial_record(resolved, run_dir))  # a run stopped before its first checkpoint
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+
+    def cannot_start(*args, **kwargs):
+        raise RuntimeError("could not spawn the workers")
+
+    monkeypatch.setattr(torch_train, "train", cannot_start)
+    metrics = app.run_one(resolved, run_dir)
+    assert metrics.status == "failed" and "could not spawn" in metrics.error
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.name != ".lock"} == before
+
+
 def test_the_loop_writes_the_completed_record_and_its_deviation_lines_survive(tmp_path):
     """The app's deviations are the record's first lines, the loop's own (a capped full evaluation) follow,
     and nothing rewrites the record after the loop (the file on disk is the record the loop returned)."""
