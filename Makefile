@@ -2,8 +2,14 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTHON ?= python3.11
+# VENV names make targets ($(VENV)/.installed), which cannot hold spaces; every other path variable may hold
+# spaces, quotes or non-ASCII characters: recipes pass them through $(call q,...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# $(call q,TEXT): TEXT as one shell word, whatever it holds ('it'\''s').
+q = '$(subst ','\'',$(1))'
+# $(call hydra_str,TEXT): TEXT as a quoted Hydra override value ('a path', its quotes escaped as \').
+hydra_str = '$(subst ',\',$(1))'
 PYTEST_ARGS ?=
 # glibc malloc keeps freed memory instead of unmapping it: 1.6-1.8x faster CPU training steps, same
 # numbers (experiments/allocator.py explains; its entry points set this themselves when run directly).

@@ -9,9 +9,12 @@ The flow for one run:
 3. :func:`to_run_config` converts to :class:`pcaf_core.config.RunConfig`, running every value check
    (impossible values fail here, before any data is read or any weight allocated).
 4. :func:`run_one` makes a collision-proof run directory, holds its lock (one process at a time
-   trains in a run directory), writes the resolved config and the environment, and calls the backend's
-   ``train``. A failure leaves a ``failed`` record; a refused resume (damaged checkpoints, another
-   config) leaves the directory as it was.
+   trains in a run directory), writes the resolved config and the environment when it creates the run
+   (``config.yaml`` is written once, never rewritten), and calls the backend's ``train``. A command that
+   continues an existing run must have the run's own config (:func:`check_resume`, by
+   :mod:`pcaf_core.run_identity`'s resume view) and backend; otherwise it is refused before anything in the
+   directory changes. A failure leaves a ``failed`` record; a refused resume (damaged checkpoints, another
+   config or backend) leaves the directory as it was.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import importlib
 import json
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -35,10 +39,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from experiments import allocator
-from pcaf_core.checkpoints import RunRefused, newest_step
+from pcaf_core.checkpoints import RunRefused, checkpoint_backend, latest_checkpoint, newest_step
 from pcaf_core.config import ConfigError, RunConfig, validate
 from pcaf_core.fsutil import atomic_write_text
 from pcaf_core.results import CONFIG_FILE, RunMetrics, SchemaError, read_metrics
+from pcaf_core.resume import previous_divergence
+from pcaf_core.run_identity import identity_digest, read_run_config, resume_diff
 from pcaf_core.run_record import mark_failed, run_lock
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +65,7 @@ class ResolvedRun:
     backend: str
     deviations: list[str]
     overrides: list[str] = field(default_factory=list)  # what composes it besides experiment/scale/backend
+    row_identities: list[str] | None = None  # its row's identity digests (app.row_identities), once computed
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -132,8 +139,8 @@ def apply_scale(cfg: DictConfig, task_overrides: list[str] | None = None) -> lis
     return deviations
 
 
-_LABEL_KEYS = ("experiment=", "scale=", "backend=", "output_root=", "run_dir=", "restart_damaged=", "hydra.",
-               "hydra/")
+_LABEL_KEYS = ("experiment=", "scale=", "backend=", "output_root=", "run_dir=", "restart_damaged=", "restart=",
+               "confirm=", "hydra.", "hydra/")
 
 
 def command_line_deviations(task_overrides: list[str]) -> list[str]:
@@ -179,12 +186,69 @@ def resolve(cfg: DictConfig, task_overrides: list[str] | None = None) -> Resolve
                        overrides)
 
 
-def resume_command(resolved: ResolvedRun, run_dir: Path) -> str:
+def resume_command(resolved: ResolvedRun, run_dir: Path, backend: str | None = None) -> str:
     """The command line that continues the run in ``run_dir`` (same config; append a changed ``train.lr``
-    after a divergence)."""
+    after a divergence); ``backend``: another backend's name in place of the command's."""
     parts = ["python", "-m", "experiments.run", f"experiment={resolved.table}/{resolved.row}",
-             f"scale={resolved.scale}", f"backend={resolved.backend}", *resolved.overrides, f"run_dir={run_dir}"]
+             f"scale={resolved.scale}", f"backend={backend or resolved.backend}", *resolved.overrides,
+             f"run_dir={hydra_value(str(run_dir))}"]
     return " ".join(shlex.quote(p) for p in parts)
+
+
+def hydra_value(text: str) -> str:
+    """``text`` as a Hydra override value: as it is when Hydra's grammar reads it so, else quoted (a path with
+    spaces, commas or non-ASCII characters)."""
+    if re.fullmatch(r"[A-Za-z0-9_/.:+@%-]*", text):
+        return text
+    # Hydra's quoted strings: a quote is escaped by a backslash, and backslashes before a quote (or the closing
+    # quote) are doubled; other backslashes are literal.
+    text = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, text)
+    return "'" + text.replace("'", "\\'") + "'"
+
+
+def config_dict(resolved: ResolvedRun) -> dict[str, Any]:
+    """The resolved config as plain data (what ``config.yaml`` holds, less ``run_dir``)."""
+    return OmegaConf.to_container(resolved.cfg, resolve=True)
+
+
+def _recorded_command(run_dir: Path) -> str:
+    try:
+        return str(read_metrics(run_dir).extra.get("resume_command") or "")
+    except (FileNotFoundError, SchemaError):
+        return ""
+
+
+def check_resume(resolved: ResolvedRun, run_dir: Path, existing: dict[str, Any] | None = None) -> None:
+    """Raise :class:`RunRefused` (one line, nothing changed) when ``resolved`` cannot continue the run in
+    ``run_dir``: the run was trained by another backend, or the command changes a field of the run's resume
+    view (:func:`pcaf_core.run_identity.resume_diff`). The one change let through is a lower ``train.lr`` for a
+    run that diverged and has a checkpoint (the loop records it as a deviation). A directory without a
+    ``config.yaml`` is a new run."""
+    existing = read_run_config(run_dir) if existing is None else existing
+    if existing is None:
+        return
+    old_backend = str((existing.get("backend") or {}).get("name") or "")
+    if old_backend and old_backend != resolved.backend:
+        ckpt = latest_checkpoint(run_dir)
+        fmt = checkpoint_backend(ckpt)[1] if ckpt is not None else ""
+        held = f"its checkpoints are {fmt}" if fmt else ("it has checkpoints of that backend" if ckpt is not None
+                                                          else "it has no checkpoint yet")
+        command = _recorded_command(run_dir) or resume_command(resolved, run_dir, backend=old_backend)
+        raise RunRefused(
+            f"{run_dir} was trained by the {old_backend} backend ({held}); backend={resolved.backend} cannot resume "
+            f"it. Resume it with: {command} (or add restart=true to train this command as a new run from step 0). "
+            f"Nothing in {run_dir} was changed.")
+    diff = resume_diff(existing, config_dict(resolved))
+    if not diff:
+        return
+    if (all(d.startswith("train.lr: ") for d in diff) and previous_divergence(run_dir) is not None
+            and newest_step(run_dir)):
+        return
+    own = _recorded_command(run_dir)
+    raise RunRefused(
+        f"cannot resume {run_dir} with this command: it changes {'; '.join(diff)}. Nothing in {run_dir} was changed. "
+        f"To train this config, drop run_dir= (a new run directory) or add restart=true (a new run directory; "
+        f"{run_dir} is kept as it is)" + (f"; to continue the run, repeat its own settings: {own}" if own else ""))
 
 
 def new_run_dir(resolved: ResolvedRun, root: str | Path | None = None) -> Path:
@@ -242,8 +306,9 @@ def labels(resolved: ResolvedRun) -> dict[str, Any]:
 
 
 def write_run_files(run_dir: Path, resolved: ResolvedRun) -> None:
-    """``config.yaml`` (the resolved Hydra config) and ``environment.json`` (labels, argv, host), atomically."""
-    cfg = OmegaConf.to_container(resolved.cfg, resolve=True)
+    """``config.yaml`` (the resolved Hydra config) and ``environment.json`` (labels, argv, host), atomically: once,
+    when the run is created (nothing rewrites them afterwards)."""
+    cfg = config_dict(resolved)
     cfg["run_dir"] = str(run_dir)
     atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(cfg)))
     env = {**labels(resolved), "argv": sys.argv, "platform": platform.platform(), "host": platform.node(),
@@ -259,12 +324,42 @@ def initial_record(resolved: ResolvedRun, run_dir: Path | None = None) -> RunMet
         setattr(record, key, value)
     if run_dir is not None:
         record.extra["resume_command"] = resume_command(resolved, run_dir)
+    # The run's identity is its config.yaml's (written once; a resume after a divergence may lower train.lr,
+    # recorded as a deviation); the row's is what the row composes to at this scale and backend.
+    existing = read_run_config(run_dir) if run_dir is not None else None
+    record.identity = {"config": identity_digest(existing if existing is not None else config_dict(resolved)),
+                       "row": row_identities(resolved)}
     return record
 
 
-def _failed(run_dir: Path, resolved: ResolvedRun, error: str, *, resumable: bool = False) -> RunMetrics:
+def row_identities(resolved: ResolvedRun) -> list[str]:
+    """Identity digests of ``resolved``'s table row as composed at its scale and backend without command-line
+    overrides, one per seed entry; ``[]`` for a run that is no paper row."""
+    if resolved.row_identities is None:
+        from experiments.reproduce import row_identities as compose_identities  # reproduce imports this module
+
+        resolved.row_identities = compose_identities(resolved.table, resolved.row, resolved.scale, resolved.backend)
+    return list(resolved.row_identities)
+
+
+def _record_bytes(run_dir: Path) -> bytes | None:
+    try:
+        return (run_dir / "metrics.json").read_bytes()
+    except OSError:
+        return None
+
+
+def _failed(run_dir: Path, resolved: ResolvedRun, error: str, *, resumable: bool = False,
+            before: bytes | None = None, trace: str = "") -> RunMetrics:
     """The record of a run that raised: the loop's own ``failed`` record when it wrote one, else one
-    written here (the run failed before the loop could start, or a worker died without recording)."""
+    written here (the run failed before the loop could start, or a worker died without recording), with
+    ``trace`` appended to ``error.txt``. ``before``: the run's record before this command; when this command
+    failed without the loop touching it, the run's files are left as they were (the failure is the
+    command's, not the run's) and the returned record is not written."""
+    if before is not None and _record_bytes(run_dir) == before:
+        return RunMetrics(table=resolved.table, row=resolved.row, status="failed", error=error)
+    if trace:
+        _write_error_file(run_dir, trace)
     try:
         metrics = read_metrics(run_dir)
         if metrics.status == "failed":
@@ -337,11 +432,16 @@ def run_one(resolved: ResolvedRun, run_dir: Path | None = None, *, progress: boo
 
 
 def _run_locked(resolved: ResolvedRun, run_dir: Path, progress: bool | None, restart_damaged: bool) -> RunMetrics:
-    write_run_files(run_dir, resolved)
+    existing = read_run_config(run_dir)
+    if existing is None and not (run_dir / CONFIG_FILE).exists():
+        write_run_files(run_dir, resolved)
+    else:
+        check_resume(resolved, run_dir, existing or {})
+    before = _record_bytes(run_dir)
     try:
         backend = importlib.import_module(f"backends.{resolved.backend}.train")
     except ImportError as exc:
-        return _failed(run_dir, resolved, f"backend {resolved.backend!r} is not available: {exc}")
+        return _failed(run_dir, resolved, f"backend {resolved.backend!r} is not available: {exc}", before=before)
     from pcaf_core.loop import RESTART_DAMAGED, RunInterrupted
 
     try:
@@ -354,9 +454,8 @@ def _run_locked(resolved: ResolvedRun, run_dir: Path, progress: bool | None, res
         raise
     except (KeyboardInterrupt, RunInterrupted):
         _failed(run_dir, resolved, f"interrupted before training started; run the same command again to resume "
-                                   f"{run_dir}", resumable=True)
+                                   f"{run_dir}", resumable=True, before=before)
         raise
     except Exception as exc:  # noqa: BLE001 - recorded, the table shows the row as failed
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        _write_error_file(run_dir, traceback.format_exc())
-        return _failed(run_dir, resolved, detail)
+        return _failed(run_dir, resolved, detail, before=before, trace=traceback.format_exc())

@@ -149,14 +149,17 @@ def resolve_job(overrides: list[str], config_name: str = "config",
 
 
 def check_writable(path: str | os.PathLike[str], key: str) -> Path:
-    """Create ``path`` if needed and check a file can be written in it; else a one-line ConfigError naming
-    ``key`` (``output_root``, ``run_dir``, ``--output-root``)."""
+    """Check that ``path`` is, or can be created as, a directory a file can be written in, without creating
+    anything (the first run creates it); else a one-line ConfigError naming ``key`` (``output_root``,
+    ``run_dir``, ``--output-root``). Returns the absolute path."""
     path = Path(path)
     if not path.is_absolute():
         path = Path.cwd() / path
+    nearest = next((p for p in (path, *path.parents) if p.exists()), None)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        if nearest is None or not nearest.is_dir():
+            raise NotADirectoryError(20, "Not a directory", str(nearest))
+        with tempfile.TemporaryFile(dir=nearest):
             pass
     except OSError as exc:
         raise ConfigError(f"{key}={path} is not a writable directory ({exc.strerror or exc}): "
@@ -205,9 +208,11 @@ def _check_jobs(overrides: list[str], multirun: bool, config_name: str) -> int |
         print(f"config error: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     errors = []
+    resolved_jobs = []
     for num, job in enumerate(jobs):
         try:
             resolved = resolve_job(job, config_name)
+            resolved_jobs.append(resolved)
             if resolved.cfg.run_dir:
                 check_writable(resolved.cfg.run_dir, "run_dir")
             else:
@@ -215,6 +220,14 @@ def _check_jobs(overrides: list[str], multirun: bool, config_name: str) -> int |
         except ConfigError as exc:
             where = f" (job {num}: {_swept(job, jobs)})" if len(jobs) > 1 else ""
             errors.append(f"config error: {exc}{where}")
+    if not errors:
+        from experiments.long_run import assess
+
+        notice, too_long = assess(resolved_jobs, "confirm=true")
+        if too_long:
+            errors.append(f"config error: {too_long}")
+        elif notice:
+            print(notice, file=sys.stderr, flush=True)
     for line in errors:
         print(line, file=sys.stderr)
     if errors and len(jobs) > 1:

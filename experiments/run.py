@@ -5,7 +5,9 @@
 
 Each run writes its own directory (see :func:`experiments.app.new_run_dir`); ``run_dir=<path>``
 resumes an interrupted run from its last checkpoint (``restart_damaged=true`` starts it over when every
-checkpoint it has is damaged). Before Hydra starts, every job of the command line is composed and
+checkpoint it has is damaged). A command that does not repeat the run's own settings and backend is refused
+with one line and changes nothing (:func:`experiments.app.check_resume`); ``restart=true`` trains it in a new
+run directory instead, the old one kept as it is. Before Hydra starts, every job of the command line is composed and
 validated (:mod:`experiments.preflight`): a bad key, type, value or output directory exits 2 with one
 ``config error`` line per bad job, and nothing runs. In a sweep, a job that fails while running is
 recorded as failed and the others go on; the sweep's summary marks it, and the command exits 1.
@@ -68,11 +70,16 @@ def main(cfg: DictConfig) -> None:
         run_dir = _run_dir(cfg, None, str(cfg.row), cfg.train.seed)
         write_failed_record(run_dir, RunMetrics(table=str(cfg.table), row=str(cfg.row)), f"config error: {exc}")
         return
-    run_dir = _run_dir(cfg, resolved, resolved.row, resolved.run.train.seed) or app.new_run_dir(resolved)
-    note = app.resume_note(run_dir)
-    if note:
-        app.say(note)
+    run_dir = _run_dir(cfg, resolved, resolved.row, resolved.run.train.seed)
+    if run_dir is not None and cfg.restart and cfg.run_dir:
+        old, run_dir = run_dir, app.new_run_dir(resolved)
+        app.say(f"restart: training this command in a new run directory {run_dir}; {old} is kept as it is")
+    run_dir = run_dir or app.new_run_dir(resolved)
     try:
+        app.check_resume(resolved, run_dir)  # before saying "resuming": the run may not be this command's
+        note = app.resume_note(run_dir)
+        if note:
+            app.say(note)
         metrics = app.run_one(resolved, run_dir, restart_damaged=bool(cfg.restart_damaged))
     except RunRefused as exc:
         print(f"refused: {exc}", file=sys.stderr)

@@ -56,6 +56,8 @@ class ExperimentConfig(RunConfig):
     output_root: str = "outputs"
     run_dir: str | None = None  # set by the app; a fixed path here resumes that run
     restart_damaged: bool = False  # every checkpoint of run_dir damaged: start over (they are kept, set aside)
+    restart: bool = False  # with run_dir: train this command in a new run directory, run_dir kept as it is
+    confirm: bool = False  # start a command predicted to train longer than experiments.long_run.LONG_RUN_HOURS
 
 
 PROCESS_TOKEN = uuid.uuid4().hex[:6]

@@ -33,7 +33,7 @@ bench: $(VENV)/.installed
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory bench-routing && \
 	$(MAKE) --no-print-directory bench-models && \
-	$(MAKE) --no-print-directory bench-backends BACKENDS_RESULTS=$(BENCH_RESULTS) && \
+	$(MAKE) --no-print-directory bench-backends BACKENDS_RESULTS=$(call q,$(BENCH_RESULTS)) && \
 	$(MAKE) --no-print-directory bench-report && \
 	echo "make bench BENCH=$(BENCH): $$(( $$(date +%s) - start )) s wall"
 
@@ -42,14 +42,14 @@ bench-quick:
 
 # Full-AR routing forward + backward, dense reference-style against the sparse routes, T=1K-16K, torch and JAX.
 bench-routing: $(VENV)/.installed
-	$(PY) -m benchmarks.bench_routing $(BENCH_FLAGS) --out $(BENCH_DIR)/routing.csv
+	$(PY) -m benchmarks.bench_routing $(BENCH_FLAGS) --out $(call q,$(BENCH_DIR)/routing.csv)
 
 # Training throughput, step memory and fraction of the fp32 matmul peak at the WikiText-2 paper shapes (torch).
 bench-models: $(VENV)/.installed
-	$(PY) -m benchmarks.bench_models $(BENCH_FLAGS) --out $(BENCH_DIR)/models.csv --profile-dir $(BENCH_DIR)
+	$(PY) -m benchmarks.bench_models $(BENCH_FLAGS) --out $(call q,$(BENCH_DIR)/models.csv) --profile-dir $(call q,$(BENCH_DIR))
 
 bench-report: $(VENV)/.installed
-	$(PY) -m benchmarks.bench_report --bench-dir $(BENCH_DIR) --out $(BENCH_REPORT)
+	$(PY) -m benchmarks.bench_report --bench-dir $(call q,$(BENCH_DIR)) --out $(call q,$(BENCH_REPORT))
 
 bench-kernels: $(VENV)/.installed
 	$(PY) benchmarks/bench_kernels.py --out bench/kernels.csv
@@ -78,9 +78,9 @@ bench-cuda: $(VENV)/.installed data
 		$(CUDA_CURVE_ROW)
 	$(PY) -m benchmarks.precision_check $(CUDA_CURVES) --out bench/cuda/precision_cudagraphs.md \
 		--csv bench/cuda/precision_cudagraphs.csv $(CUDA_CURVE_ROW) train.compile=cudagraphs
-	mkdir -p $(CUDA_RESULTS) && rm -f $(CUDA_RESULTS)/failures.csv && \
-		cp bench/cuda/*.csv bench/cuda/profile_*.txt bench/cuda/precision*.md $(CUDA_RESULTS)/
-	$(PY) -m benchmarks.bench_cuda --render $(CUDA_RESULTS) --doc docs/results/bench_cuda.md
+	mkdir -p $(call q,$(CUDA_RESULTS)) && rm -f $(call q,$(CUDA_RESULTS)/failures.csv) && \
+		cp bench/cuda/*.csv bench/cuda/profile_*.txt bench/cuda/precision*.md $(call q,$(CUDA_RESULTS))/
+	$(PY) -m benchmarks.bench_cuda --render $(call q,$(CUDA_RESULTS)) --doc docs/results/bench_cuda.md
 
 # One training step of every PCAF variant and local conv (both modes) on torch and on JAX, in alternating fresh
 # processes, plus the JAX full-AR step at the 41M shape. BACKENDS_RESULTS=docs/results writes the committed copy
@@ -88,8 +88,8 @@ bench-cuda: $(VENV)/.installed data
 BACKENDS_RESULTS ?= bench
 BACKENDS_ROUNDS ?= 3
 bench-backends: $(VENV)/.installed
-	$(PY) -m benchmarks.bench_backends $(BENCH_FLAGS) --rounds $(BACKENDS_ROUNDS) --out $(BENCH_DIR)/backends.csv \
-		--results-dir $(BACKENDS_RESULTS)
+	$(PY) -m benchmarks.bench_backends $(BENCH_FLAGS) --rounds $(BACKENDS_ROUNDS) --out $(call q,$(BENCH_DIR)/backends.csv) \
+		--results-dir $(call q,$(BACKENDS_RESULTS))
 
 # Decode cost per generated token against context (1K-64K), batch 1 and 8: PCAF-context, the dense
 # Transformer with a KV cache, local conv (about 5 minutes on the 2-core CPU). DECODE_RESULTS=docs/results
@@ -97,4 +97,4 @@ bench-backends: $(VENV)/.installed
 DECODE_RESULTS ?= bench
 BENCH_ARGS ?=
 bench-decode: $(VENV)/.installed
-	$(PY) -m benchmarks.bench_decode --out bench/decode.csv --results-dir $(DECODE_RESULTS) $(BENCH_ARGS)
+	$(PY) -m benchmarks.bench_decode --out bench/decode.csv --results-dir $(call q,$(DECODE_RESULTS)) $(BENCH_ARGS)

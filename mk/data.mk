@@ -7,7 +7,8 @@
 DATA_DIR ?=
 DATA ?= wikitext2
 DATA_ARGS ?=
-DATA_ENV := $(if $(DATA_DIR),PCAF_DATA_DIR=$(abspath $(DATA_DIR)))
+# Relative to the repository (the recipes' working directory), quoted: it may hold spaces.
+DATA_ENV := $(if $(DATA_DIR),PCAF_DATA_DIR=$(call q,$(DATA_DIR)))
 
 .PHONY: data data-prepare data-summary bench-data
 

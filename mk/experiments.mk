@@ -13,34 +13,43 @@ OUTPUTS ?= outputs
 OVERRIDES ?=
 SWEEP_ROW ?= wt2-nt-1024/pcaf_context
 SWEEP ?= memory.top_k=4,8,16,32
+# The tables reproduce-all runs and figures renders (FIGURE_TABLES=wt2-nt-1024 renders one).
+ALL_TABLES := wt2-nt-1024 wt2-nt-2048 wt103-nt-baselines wt103-nt-ablations sweeps-41m main-303m semantic-leak-audit
+FIGURE_TABLES ?= $(ALL_TABLES)
+# OVERRIDES and SWEEP are lists of Hydra overrides (shell words); every path variable is quoted.
 
 .PHONY: reproduce-table reproduce-all sweep figures params step-cost
 
 # One paper table: run its rows (reusing completed runs), collect, render. The last line printed is
 # the path of the rendered Markdown table.
 reproduce-table: $(VENV)/.installed data
-	$(PY) -m experiments.reproduce --table $(TABLE) --scale $(SCALE) --backend $(BACKEND) \
-	  --rows '$(ROWS)' --output-root $(OUTPUTS) $(OVERRIDES)
+	$(PY) -m experiments.reproduce --table $(call q,$(TABLE)) --scale $(call q,$(SCALE)) --backend $(call q,$(BACKEND)) \
+	  --rows $(call q,$(ROWS)) --output-root $(call q,$(OUTPUTS)) $(OVERRIDES)
 
 reproduce-all: $(VENV)/.installed data
-	@for t in wt2-nt-1024 wt2-nt-2048 wt103-nt-baselines wt103-nt-ablations sweeps-41m main-303m semantic-leak-audit; do \
-	  $(PY) -m experiments.reproduce --table $$t --scale $(SCALE) --backend $(BACKEND) --output-root $(OUTPUTS) $(OVERRIDES) || exit $$?; \
+	@for t in $(ALL_TABLES); do \
+	  $(PY) -m experiments.reproduce --table $$t --scale $(call q,$(SCALE)) --backend $(call q,$(BACKEND)) \
+	    --output-root $(call q,$(OUTPUTS)) $(OVERRIDES) || exit $$?; \
 	done
 
 # Per-row step cost of a table at a scale (the row's own shapes and text, a few timed steps): what a scale's
 # budget is calibrated from. Run it alone on the machine.
 step-cost: $(VENV)/.installed data
-	$(PY) -m experiments.step_cost --table $(TABLE) --scale $(SCALE) --backend $(BACKEND) --rows '$(ROWS)' $(OVERRIDES)
+	$(PY) -m experiments.step_cost --table $(call q,$(TABLE)) --scale $(call q,$(SCALE)) --backend $(call q,$(BACKEND)) \
+	  --rows $(call q,$(ROWS)) $(OVERRIDES)
 
-# A Hydra multirun sweep over one row; ends in one table and one plot in the sweep directory.
+# A Hydra multirun sweep over one row; ends in one table and one plot in the sweep directory, under
+# $(OUTPUTS)/multirun/ (a sweep job is never taken for its row's run: docs/EXPERIMENTS.md, "Run identity").
 sweep: $(VENV)/.installed data
-	$(PY) -m experiments.run -m experiment=$(SWEEP_ROW) scale=$(SCALE) backend=$(BACKEND) \
-	  output_root=$(OUTPUTS) $(SWEEP) $(OVERRIDES)
+	$(PY) -m experiments.run -m experiment=$(call q,$(SWEEP_ROW)) scale=$(call q,$(SCALE)) backend=$(call q,$(BACKEND)) \
+	  $(call q,output_root=$(call hydra_str,$(OUTPUTS))) $(SWEEP) $(OVERRIDES)
 
-# Re-render every table and figure from the run records already under $(OUTPUTS).
+# Re-render every table and figure from the run records already under $(OUTPUTS) (each row from its own runs,
+# chosen by identity; sweep jobs are listed, not rendered as rows).
 figures: $(VENV)/.installed
-	@for t in wt2-nt-1024 wt2-nt-2048 wt103-nt-baselines wt103-nt-ablations sweeps-41m main-303m semantic-leak-audit; do \
-	  $(PY) -m paper_tables render --table $$t --scale $(SCALE) --backend $(BACKEND) --runs $(OUTPUTS) --out $(OUTPUTS)/tables || exit $$?; \
+	@for t in $(FIGURE_TABLES); do \
+	  $(PY) -m paper_tables render --table $$t --scale $(call q,$(SCALE)) --backend $(call q,$(BACKEND)) \
+	    --runs $(call q,$(OUTPUTS)) --out $(call q,$(OUTPUTS)/tables) || exit $$?; \
 	done
 
 # Every paper-scale row's parameter count from the instantiated model (meta device), beside the paper's.

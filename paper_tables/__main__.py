@@ -1,8 +1,10 @@
 """Command line: ``python -m paper_tables {render,backends,sweep,list} ...``.
 
-- ``render --table T --scale S --backend B --runs DIR --out DIR [--profile P] [--no-figures]``:
-  writes ``<T>_<S>_<B>.{md,tex,csv}``, ``<T>_<S>_<B>_claims.csv`` and the figures; prints every
-  path, the Markdown path last.
+- ``render --table T --scale S --backend B --runs DIR --out DIR [--profile P] [--no-figures] [--rows GLOBS]``:
+  writes ``<T>_<S>_<B>.{md,tex,csv}``, ``<T>_<S>_<B>_claims.csv`` and the figures (``<T>_<S>_<B>_<rows>.*`` for
+  a row selection); prints every path, the Markdown path last. A row's runs are chosen by their identity
+  (:func:`paper_tables.collect.run_role`): a sweep job under the same root is listed, never rendered as the
+  row; a damaged record is rendered as damaged, with a line on stderr naming it.
 - ``backends --table T --scale S --runs DIR --out DIR [--rows GLOBS]``: the table's rows measured on torch
   and on JAX side by side, with the JAX − torch differences: ``<T>_<S>_torch_vs_jax.{md,csv}``.
 - ``sweep --runs DIR --param KEY [--param KEY2] --out DIR [--y METRIC] [--name NAME]``: one table and
@@ -90,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         return docs_main(check=args.check)
 
     from paper_tables.collect import find_metrics_files
-    from paper_tables.pipeline import render_table
     from paper_tables.sweep import render_sweep
 
 
@@ -103,13 +104,8 @@ def main(argv: list[str] | None = None) -> int:
               "to (python -m experiments.reproduce --output-root, default outputs)", file=sys.stderr)
         return 1
     if args.command == "render":
-        paths = render_table(args.table, args.scale, args.backend, args.runs, args.out, profile=args.profile,
-                             figures=not args.no_figures, rows=args.rows)
-        for key, path in paths.items():
-            if key != "md":
-                print(path)
-        print(paths["md"])
-        return 0
+        return render_and_print(args.table, args.scale, args.backend, args.runs, args.out, profile=args.profile,
+                                figures=not args.no_figures, rows=args.rows)
     if args.command == "backends":
         from paper_tables.backend_diff import render_backend_comparison
 
@@ -120,6 +116,31 @@ def main(argv: list[str] | None = None) -> int:
     for path in render_sweep(args.runs, args.param, args.out, y=args.y, name=args.name):
         print(path)
     return 0
+
+
+def render_and_print(table: str, scale: str, backend: str, runs, out, *, profile: str | None = None,
+                     figures: bool = True, rows: str | None = None, expected=None) -> int:
+    """Render one table (:func:`paper_tables.pipeline.render_table`), print every path with the Markdown path
+    last, and say on stderr which rows are damaged. Returns 0."""
+    from paper_tables.pipeline import render_table
+
+    paths = render_table(table, scale, backend, runs, out, profile=profile, figures=figures, rows=rows,
+                         expected=expected)
+    for key, path in paths.items():
+        if key != "md":
+            print(path)
+    damaged = _damaged_rows(paths["csv"])
+    if damaged:
+        print(f"{len(damaged)} row(s) rendered as damaged ({', '.join(damaged)}): see {paths['md']}", file=sys.stderr)
+    print(paths["md"], flush=True)
+    return 0
+
+
+def _damaged_rows(csv_path: Path) -> list[str]:
+    import csv
+
+    with open(csv_path, newline="", encoding="utf-8") as fh:
+        return [line["row"] for line in csv.DictReader(fh) if line["status"] == "damaged"]
 
 
 if __name__ == "__main__":

@@ -6,6 +6,14 @@ the records' own ``table``/``scale``/``backend``/``profile`` fields. A record th
 kept as a failed run (attributed to a table/row from its path where the path names them), so a
 broken file shows up in the report instead of crashing it.
 
+Every record is checked before it is used (:func:`pcaf_core.record_check.check_run`): a record whose
+digests or best PPL do not match its files is ``damaged`` (its row says so, naming the file); a record from
+before the digests is used and listed as ``unverified``. Each run has a role (:func:`run_role`): ``row`` when
+its identity (:mod:`pcaf_core.run_identity`) is one of its row's (the row's composed configs, as the record
+carries them, or as the caller composed them: ``expected``), ``extra`` otherwise (a sweep job, a run with
+other settings): extra runs are listed, never aggregated into a row. A record that carries no identity (from
+before identities) counts for its row, as it always did.
+
 :func:`aggregate` reduces the runs of one table to one line per spec row, in the spec's order:
 seeds are averaged (mean, sample standard deviation with ddof=1, count ``n_runs``) over completed
 runs only. A row without runs is ``missing``; a row whose runs all failed is ``failed`` with the
@@ -23,10 +31,18 @@ from typing import Any
 import pandas as pd
 
 from paper_tables.specs import BACKENDS, SCALES, TABLES, RowSpec, TableSpec
+from pcaf_core.contention import describe as describe_sharing
+from pcaf_core.contention import shared as was_shared
+from pcaf_core.record_check import DAMAGED, UNVERIFIED, check_run
 from pcaf_core.results import METRICS_FILE, RunMetrics, SchemaError, read_metrics
+from pcaf_core.run_identity import identity_digest, is_row_run, read_run_config
 
 RUN_FIELDS = tuple(f.name for f in fields(RunMetrics))
-RUN_COLUMNS = (*RUN_FIELDS, "run_dir", "read_error")
+CHECK_COLUMNS = ("integrity", "integrity_note", "config_identity", "role", "shared_machine")
+RUN_COLUMNS = (*RUN_FIELDS, "run_dir", "read_error", *CHECK_COLUMNS)
+
+Expected = dict[tuple[str, str], list[str]]
+"""``(table, row) -> identity digests`` a caller composed for a row (``experiments.reproduce``)."""
 
 MEASURED_FIELDS = (
     "params", "final_ppl", "best_ppl", "acc_at_best", "acc_param_at_best", "final_acc", "final_acc_param",
@@ -38,7 +54,7 @@ MEASURED_FIELDS = (
 LEARNING_BAR_DIVISOR = 3.0
 """A row "meets" the learning bar when its best PPL is at most the validation unigram PPL / 3."""
 
-_STATUS_RANK = {"completed": 0, "running": 1, "failed": 2}
+_STATUS_RANK = {"completed": 0, "running": 1, "damaged": 2, "failed": 3}
 
 
 def find_metrics_files(root: str | os.PathLike[str]) -> list[Path]:
@@ -74,8 +90,34 @@ def _unreadable_record(path: Path, exc: Exception) -> dict[str, Any]:
     rec: dict[str, Any] = {name: None for name in RUN_FIELDS}
     rec.update(_attribute(path))
     rec.update(status="failed", deviations=[], error=f"unreadable {METRICS_FILE}: {exc}", updated_at="")
-    rec["read_error"] = str(exc)
+    rec.update(read_error=str(exc), integrity=DAMAGED, integrity_note=f"{path} is unreadable")
     return rec
+
+
+def _checked(run_dir: Path, rec: dict[str, Any]) -> None:
+    """Add the record check's outcome, the config's identity and the sharing flag to a record dict; a damaged
+    record's status becomes ``damaged`` with the check's problems as its error."""
+    check = check_run(run_dir)
+    rec["integrity"], rec["integrity_note"] = check.state, check.text()
+    if check.state == DAMAGED:
+        rec["status"], rec["error"] = "damaged", f"damaged record: {check.text()}"
+    config = read_run_config(run_dir)
+    rec["config_identity"] = identity_digest(config) if config is not None else None
+    rec["shared_machine"] = describe_sharing(rec["extra"].get("shared_machine")) if was_shared(
+        rec["extra"].get("shared_machine")) else ""
+
+
+def run_role(rec: dict[str, Any] | pd.Series, expected: Expected | None = None) -> str:
+    """``row`` when the run counts for its table row, ``extra`` when it is a sweep job or a run with other
+    settings (module docstring). ``expected`` wins over the identities the record carries."""
+    recorded = rec.get("identity") or {}
+    mine = recorded.get("config") or rec.get("config_identity")
+    key = (rec.get("table"), rec.get("row"))
+    if expected is not None and key in expected:
+        return "row" if mine is None or mine in expected[key] else "extra"
+    if not recorded:
+        return "row"  # a record from before identities, or an unreadable one: counted as it always was
+    return "row" if is_row_run(mine, recorded.get("row")) else "extra"
 
 
 def load_runs(
@@ -84,9 +126,12 @@ def load_runs(
     scale: str | None = None,
     backend: str | None = None,
     profile: str | None = None,
+    expected: Expected | None = None,
 ) -> pd.DataFrame:
-    """One row per run directory under ``root`` with every :class:`RunMetrics` field, ``run_dir``
-    and ``read_error`` (empty for readable records). ``None`` filters match everything.
+    """One row per run directory under ``root`` with every :class:`RunMetrics` field, ``run_dir``,
+    ``read_error`` (empty for readable records) and :data:`CHECK_COLUMNS` (the record check's
+    ``integrity`` and note, the config's identity, the run's ``role``, how it shared the machine).
+    ``None`` filters match everything.
 
     Columns have dtype ``object`` so that an unmeasured value stays ``None`` (distinct from a NaN
     that a diverged run reported); use ``pd.to_numeric`` for arithmetic.
@@ -96,9 +141,11 @@ def load_runs(
         try:
             rec = read_metrics(path).to_dict()
             rec["read_error"] = ""
+            _checked(path.parent, rec)
         except (SchemaError, OSError, TypeError, ValueError) as exc:
             rec = _unreadable_record(path, exc)
         rec["run_dir"] = str(path.parent)
+        rec["role"] = run_role(rec, expected)
         records.append(rec)
     df = pd.DataFrame(records, columns=list(RUN_COLUMNS), dtype=object)
     for key, value in (("table", table), ("scale", scale), ("backend", backend), ("profile", profile)):
@@ -171,10 +218,14 @@ def _unique(values: list[Any]) -> list[Any]:
 
 
 def _aggregate_row(sub: pd.DataFrame, row: RowSpec) -> dict[str, Any]:
+    if len(sub) and "role" in sub.columns:
+        sub = sub[sub["role"] != "extra"]
+    all_damaged = sub[sub["status"] == "damaged"] if len(sub) else sub
     sub = _dedupe_seeds(sub)
     done = sub[sub["status"] == "completed"]
     failed = sub[sub["status"] == "failed"]
     running = sub[sub["status"] == "running"]
+    damaged = sub[sub["status"] == "damaged"]
     out: dict[str, Any] = {
         "row": row.id,
         "n_runs": len(done),
@@ -184,6 +235,11 @@ def _aggregate_row(sub: pd.DataFrame, row: RowSpec) -> dict[str, Any]:
         "run_dirs": list(sub["run_dir"]),
         "curve_dirs": list(done["run_dir"]) if len(done) else list(running["run_dir"]),
         "error": _one_line(failed["error"].iloc[0]) if len(failed) else "",
+        "damaged": [f"{d}: {n}" for d, n in zip(all_damaged["run_dir"], all_damaged["integrity_note"])],
+        "unverified": [d for d, i in zip(done["run_dir"], done.get("integrity", [None] * len(done)))
+                       if i == UNVERIFIED],
+        "shared_machine": [f"{d}: {t}" for d, t in zip(done["run_dir"], done.get("shared_machine", [""] * len(done)))
+                           if t],
     }
     basis = done if len(done) else sub
     for key, col in (("profiles", "profile"), ("protocols", "protocol"), ("devices", "device"),
@@ -207,8 +263,12 @@ def _aggregate_row(sub: pd.DataFrame, row: RowSpec) -> dict[str, Any]:
             text += f"; {len(failed)} failed: {out['error']}"
         if len(running):
             text += f"; {len(running)} running"
+        if len(all_damaged):
+            text += f"; {len(all_damaged)} damaged record(s) not used: {_one_line(all_damaged['error'].iloc[0])}"
         if len(out["profiles"]) > 1:
             text += f"; mixed profiles: {', '.join(out['profiles'])}"
+    elif len(damaged):
+        status, text = "damaged", _one_line(damaged["error"].iloc[0], 400)
     elif len(running):
         r = running.iloc[0]
         planned = r["steps_planned"] if r["steps_planned"] is not None else "?"
@@ -228,6 +288,13 @@ def aggregate(runs: pd.DataFrame, spec: TableSpec) -> pd.DataFrame:
     return pd.DataFrame(lines, dtype=object).set_index("row", drop=False)
 
 
+def extra_runs(runs: pd.DataFrame, table: str) -> pd.DataFrame:
+    """Runs of ``table``'s rows that are not the rows' runs (sweep jobs, runs with other settings)."""
+    if runs.empty or "role" not in runs.columns:
+        return runs.iloc[0:0]
+    return runs[(runs["table"] == table) & (runs["role"] == "extra")]
+
+
 def unattributed_runs(runs: pd.DataFrame) -> pd.DataFrame:
     """Runs whose table/row is not a spec row (unknown names, unreadable files without a clue)."""
     if runs.empty:
@@ -240,12 +307,13 @@ def unattributed_runs(runs: pd.DataFrame) -> pd.DataFrame:
 
 def collect_tables(
     root: str | os.PathLike[str], names: list[str], scale: str | None, backend: str | None,
-    profile: str | None = None,
+    profile: str | None = None, expected: Expected | None = None,
 ) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
-    """Load the runs under ``root`` once and aggregate each table in ``names``.
+    """Load the runs under ``root`` once and aggregate each table in ``names`` (``expected``: see
+    :func:`run_role`).
 
     Returns ``(runs, {table: aggregated frame})``; ``runs`` holds every run of the selected
     scale/backend/profile (all tables).
     """
-    runs = load_runs(root, scale=scale, backend=backend, profile=profile)
+    runs = load_runs(root, scale=scale, backend=backend, profile=profile, expected=expected)
     return runs, {name: aggregate(runs, TABLES[name]) for name in names}

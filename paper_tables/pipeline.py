@@ -1,12 +1,19 @@
-"""End-to-end: run directories -> rendered table files and figures (sweeps: :mod:`paper_tables.sweep`)."""
+"""End-to-end: run directories -> rendered table files and figures (sweeps: :mod:`paper_tables.sweep`).
+
+A render of some rows of a table (``rows``) writes its own files, ``<table>_<scale>_<backend>_<rows>.*``, so
+commands that reproduce different rows of one table side by side never overwrite each other's table; the
+whole table is ``<table>_<scale>_<backend>.*``. Each set of files is written under a lock
+(``.<stem>.lock`` in the output directory), every file atomically.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from paper_tables.claims import evaluate_claims, referenced_tables
-from paper_tables.collect import collect_tables, unattributed_runs
+from paper_tables.collect import Expected, collect_tables, extra_runs, unattributed_runs
 from paper_tables.figures import (
     curve_axis,
     load_curves,
@@ -20,6 +27,7 @@ from paper_tables.figures import (
 from paper_tables.published import load_published
 from paper_tables.render import Report, render_claims_csv, render_csv, render_latex, render_markdown
 from paper_tables.specs import get_table, select_rows
+from pcaf_core.fsutil import atomic_write_text, file_lock
 
 
 def _vocabulary_caveat(agg) -> str:
@@ -41,14 +49,29 @@ def _device_caveat(spec, agg) -> str:
     return "\ntwo machines (legend): compare orderings, not tokens/s"
 
 
+def rows_tag(rows: str | None) -> str:
+    """The file-name part for a row selection: ``""`` for every row, else the globs without wildcards
+    (``*_wt103_t1024`` -> ``wt103_t1024``; several joined by ``+``)."""
+    if not rows or rows.strip() == "*":
+        return ""
+    parts = []
+    for glob in (g.strip() for g in rows.split(",")):
+        text = re.sub(r"[^A-Za-z0-9_.-]+", "_", glob.replace("*", "_").replace("?", "_"))
+        text = re.sub(r"_+", "_", text).strip("_.-")
+        parts.append(text or "all")
+    return "+".join(parts)
+
+
 def build_report(table: str, scale: str, backend: str, runs: str | os.PathLike[str],
-                 profile: str | None = None, rows: str | None = None) -> Report:
+                 profile: str | None = None, rows: str | None = None, expected: Expected | None = None) -> Report:
     """Collect the runs of ``table`` (and of the tables its claims reference) and judge the claims.
 
-    ``rows``: comma-separated globs over row ids (default: every row), see :func:`select_rows`."""
+    ``rows``: comma-separated globs over row ids (default: every row), see :func:`select_rows`.
+    ``expected``: the identity digests each row's runs must have (default: the ones the records carry),
+    see :func:`paper_tables.collect.run_role`."""
     spec = select_rows(get_table(table), rows)
     names = [spec.name, *referenced_tables(spec)]
-    all_runs, aggs = collect_tables(runs, names, scale, backend, profile)
+    all_runs, aggs = collect_tables(runs, names, scale, backend, profile, expected)
     pubs = {n: load_published(n) for n in names if get_table(n).has_published}
     stray = unattributed_runs(all_runs)
     mine = all_runs[all_runs["table"] == spec.name] if len(all_runs) else all_runs
@@ -58,23 +81,46 @@ def build_report(table: str, scale: str, backend: str, runs: str | os.PathLike[s
         profile_filter=profile, n_records=len(mine),
         unattributed=[f"{d}: table={t or '?'} row={r or '?'}" + (f" ({e})" if e else "")
                       for d, t, r, e in zip(stray["run_dir"], stray["table"], stray["row"], stray["read_error"])],
+        extra_runs=_extra_lines(extra_runs(all_runs, spec.name), spec),
     )
+
+
+def _extra_lines(extra, spec) -> list[str]:
+    """One line per run of the table's rows that is not a row's run: where, which row, what it changed."""
+    lines = []
+    for _, run in extra.iterrows():
+        if run["row"] not in spec.row_ids:
+            continue
+        changed = [d.removesuffix(" (command line)") for d in run["deviations"] or [] if d.endswith("(command line)")]
+        lines.append(f"`{run['run_dir']}`: {run['row']}, {run['status']}"
+                     + (f", best PPL {float(run['best_ppl']):.2f}" if run["best_ppl"] is not None else "")
+                     + (f"; differs from the row: {', '.join(changed)}" if changed else
+                        "; its config is not the row's composed config"))
+    return lines
 
 
 def render_table(table: str, scale: str, backend: str, runs: str | os.PathLike[str],
                  out: str | os.PathLike[str], profile: str | None = None, figures: bool = True,
-                 rows: str | None = None) -> dict[str, Path]:
-    """Write ``<table>_<scale>_<backend>.{md,tex,csv}``, ``..._claims.csv`` and (with ``figures``) the
-    curves/throughput/speed-quality figures (PNG+PDF) under ``out``. Returns name -> path."""
-    report = build_report(table, scale, backend, runs, profile, rows)
+                 rows: str | None = None, expected: Expected | None = None) -> dict[str, Path]:
+    """Write ``<stem>.{md,tex,csv}``, ``<stem>_claims.csv`` and (with ``figures``) the
+    curves/throughput/speed-quality figures (PNG+PDF) under ``out``, with ``stem`` =
+    ``<table>_<scale>_<backend>`` plus ``_<rows>`` for a row selection (module docstring). Returns name -> path."""
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{table}_{scale}_{backend}"
+    tag = rows_tag(rows)
+    stem = f"{table}_{scale}_{backend}" + (f"_{tag}" if tag else "")
+    with file_lock(out_dir / f".{stem}.lock"):
+        return _render_locked(table, scale, backend, runs, out_dir, stem, profile, figures, rows, expected)
+
+
+def _render_locked(table, scale, backend, runs, out_dir: Path, stem: str, profile, figures: bool, rows,
+                   expected) -> dict[str, Path]:
+    report = build_report(table, scale, backend, runs, profile, rows, expected)
     paths: dict[str, Path] = {}
     for key, text in (("tex", render_latex(report)), ("csv", render_csv(report)),
                       ("claims", render_claims_csv(report)), ("md", render_markdown(report))):
         path = out_dir / (f"{stem}_claims.csv" if key == "claims" else f"{stem}.{key}")
-        path.write_text(text, encoding="utf-8")
+        atomic_write_text(path, text)
         paths[key] = path
     if figures:
         spec = report.spec

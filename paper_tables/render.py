@@ -6,7 +6,11 @@ verdicts + run context) and returns text. A row without completed runs shows ``m
 ever invented. Besides the table a report lists the claims with their verdicts (on the paper's numbers
 and on the measured ones), each row's deviations from the paper's settings (as recorded by the runs,
 plus the differences this module can see in the records: steps, batch, T, parameters, profile,
-dataset) and the learning bar (measured best PPL <= validation unigram PPL / 3).
+dataset) and the learning bar (measured best PPL <= validation unigram PPL / 3). A row whose record failed
+its check shows ``damaged`` with the file and the mismatch; tokens/s measured while other training processes
+ran on the machine carry ``(shared)``, and the report lists those runs, the records it could not verify
+(written before record digests) and the runs of the table's rows that are not a row's run (sweep jobs, runs
+with other settings).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from paper_tables.claims import NOT_MEASURED, Verdict, claim_is_on_suite_rows
 from paper_tables.collect import LEARNING_BAR_DIVISOR
 from paper_tables.headline import headline_lines
 from paper_tables.published import published_value
+from paper_tables.record_notes import SHARED_MARK, claim_detail, record_lines
 from paper_tables.specs import ColumnSpec, RowSpec, TableSpec
 
 DATASET_IDS = {"WikiText-2": "wikitext2", "WikiText-103": "wikitext103", "PG-19": "pg19"}
@@ -34,7 +39,8 @@ PROTOCOL_TEXT = {
     "full": "full (one deterministic pass over the whole validation split; exact token-weighted PPL)",
 }
 
-MISSING_CELL = {"missing": "missing", "failed": "failed", "running": "running"}
+MISSING_CELL = {"missing": "missing", "failed": "failed", "running": "running", "damaged": "damaged"}
+
 DASH = "—"
 
 
@@ -46,7 +52,8 @@ class Report:
     (``None`` when the table has no published numbers); ``verdicts``: claim verdicts; ``scale``,
     ``backend``, ``profile_filter``: the selection; ``runs_root``: where runs were read;
     ``n_records``: run records read for this table; ``unattributed``: ``"path: reason"`` lines of
-    records that belong to no spec row.
+    records that belong to no spec row; ``extra_runs``: lines naming the runs of the table's rows that are
+    not a row's run (:func:`paper_tables.collect.run_role`).
     """
 
     spec: TableSpec
@@ -59,6 +66,7 @@ class Report:
     profile_filter: str | None = None
     n_records: int = 0
     unattributed: list[str] = field(default_factory=list)
+    extra_runs: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,6 +162,8 @@ def measured_cell(report: Report, row: RowSpec, col: ColumnSpec) -> str:
     text = _with_std(value, std if line["n_runs"] > 1 and col.spread else None, col, significant=MIN_SIGNIFICANT)
     if col.batch and line.get("batch_size") is not None:
         text += f" ({_int_text(line['batch_size'])})"
+    if col.metric == "tokens_per_sec" and line.get("shared_machine"):
+        text += SHARED_MARK
     return text
 
 
@@ -389,7 +399,7 @@ def render_markdown(report: Report) -> str:
     out += ["", "## Claims", ""]
     if report.verdicts:
         rows = [[v.claim.text, v.claim.metric, _verdict_published(report, v), v.measured,
-                 v.measured_detail] for v in report.verdicts]
+                 claim_detail(report, v)] for v in report.verdicts]
         out += _md_table(["Claim", "Metric", "Paper", "Measured", "Measured values"], rows)
     else:
         out.append("This table states no claims.")
@@ -398,6 +408,9 @@ def render_markdown(report: Report) -> str:
     notes = note_lines(report)
     if notes:
         out += ["", "## Notes", ""] + [f"- {line}" for line in notes]
+    for heading, lines in record_lines(report):
+        if lines:
+            out += ["", f"## {heading}", ""] + [f"- {line}" for line in lines]
     if report.unattributed:
         out += ["", "## Run records not matched to a row", ""] + [f"- {line}" for line in report.unattributed]
     out.append("")
@@ -509,6 +522,6 @@ def render_claims_csv(report: Report) -> str:
     for v in report.verdicts:
         c = v.claim
         writer.writerow([c.id, c.text, c.metric, c.op, c.factor, " ".join(c.left), " ".join(c.right),
-                         _verdict_published(report, v), v.measured, v.measured_detail, v.published_detail,
+                         _verdict_published(report, v), v.measured, claim_detail(report, v), v.published_detail,
                          c.source])
     return buf.getvalue()

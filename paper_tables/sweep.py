@@ -128,9 +128,9 @@ def aggregate_sweep(df: pd.DataFrame, param: str) -> pd.DataFrame:
     for value in sorted({_hashable(v) for v in known[param]}, key=_sort_key):
         sub = known[known[param].map(_hashable) == value]
         done = sub[sub["status"] == "completed"]
-        line: dict[str, Any] = {param: value, "n_runs": len(done), "n_failed": int((sub["status"] == "failed").sum()),
+        failed = sub[sub["status"].isin(["failed", "damaged"])]  # a damaged record is not a result
+        line: dict[str, Any] = {param: value, "n_runs": len(done), "n_failed": len(failed),
                                 "n_running": int((sub["status"] == "running").sum())}
-        failed = sub[sub["status"] == "failed"]
         line["error"] = " ".join(str(failed["error"].iloc[0]).split())[:200] if len(failed) else ""
         for metric in SWEEP_METRICS:
             nums = [float(v) for v in done[metric] if v is not None]

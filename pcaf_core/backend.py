@@ -50,6 +50,7 @@ class Backend(Protocol):
     """
 
     name: str  # "torch" or "jax"
+    checkpoint_format: str  # what save() writes, e.g. "torch-1: model.safetensors, optimizer.pt, ..."
     device: str  # accelerator description for the run record
     rank: int  # this process's data-parallel rank (0 when alone)
     world_size: int  # number of data-parallel processes

@@ -67,6 +67,9 @@ class LoopState:
     incidents: list[dict[str, Any]] = field(default_factory=list)  # checkpoints set aside, restarts: what, when
     config_hash: str = ""
     config: dict[str, Any] = field(default_factory=dict)
+    backend: str = ""  # the backend that wrote the state ("" in checkpoints from before this field)
+    checkpoint_format: str = ""  # what the backend's files are (Backend.checkpoint_format)
+    shared_machine: dict[str, Any] = field(default_factory=dict)  # pcaf_core.contention's tally of the timed steps
     version: int = LOOP_STATE_VERSION
 
 
@@ -236,6 +239,26 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
             return path
         log.warning("skipping checkpoint %s: %s", path, problem)
     return None
+
+
+# Files that only one backend's checkpoints hold: how the backend of a checkpoint written before LoopState
+# named it is told (backends/torch/checkpoint.py, backends/jax/checkpoint.py).
+_BACKEND_FILES = {"optimizer.pt": "torch", "optimizer.safetensors": "jax"}
+
+
+def checkpoint_backend(path: Path) -> tuple[str, str]:
+    """``(backend, format)`` of the checkpoint directory ``path``: as its loop state names them, or, for a
+    checkpoint from before they were named, the backend its files belong to (format ``""``); ``("", "")``
+    when neither tells."""
+    try:
+        data = load_json((Path(path) / LOOP_STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "", ""
+    if data.get("backend"):
+        return str(data["backend"]), str(data.get("checkpoint_format") or "")
+    names = {Path(name).name for name in (data.get("files") or {})}
+    found = {_BACKEND_FILES[n] for n in names if n in _BACKEND_FILES}
+    return (found.pop(), "") if len(found) == 1 else ("", "")
 
 
 def read_loop_state(path: Path) -> LoopState:

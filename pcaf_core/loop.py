@@ -14,11 +14,15 @@ identically for every backend:
 * the bookkeeping: best/final PPL and accuracies, the learning curve, throughput, and the run record
   (:mod:`pcaf_core.run_record`, the only writer of ``metrics.json``), which says ``failed`` with the
   reason when a run fails;
-* resume: bit-exact from the newest complete checkpoint, config hash checked; divergence detection.
-  Checkpoints that cannot be used are moved aside, never deleted; when every checkpoint is damaged
-  the run is refused (:class:`RunRefused`) unless ``resume="restart_damaged"``; a diverged run may be
+* resume: bit-exact from the newest complete checkpoint, config hash and backend checked; divergence
+  detection. Checkpoints that cannot be used are moved aside, never deleted; when every checkpoint is
+  damaged the run is refused (:class:`RunRefused`) unless ``resume="restart_damaged"``; a checkpoint of
+  another backend or config is refused before anything in the directory changes; a diverged run may be
   resumed with a lower ``train.lr`` (recorded as a deviation) from its newest checkpoint whose
-  evaluation was finite.
+  evaluation was finite. A record or curve that fails its check (:mod:`pcaf_core.record_check`) is kept
+  beside the run as ``<file>.damaged-<UTC time>`` when the run rebuilds it, and the record says so;
+* contention: the other training processes seen on the machine during the timed steps
+  (:mod:`pcaf_core.contention`), recorded with the throughput.
 
 NumPy/stdlib only: this module never imports torch or jax. The names other modules and tests import
 from here (``run_training``, ``latest_checkpoint``, ``config_to_dict``, ...) are re-exported.
@@ -69,6 +73,7 @@ from pcaf_core.config_io import (
     config_to_dict,
     hashable_config,
 )
+from pcaf_core.contention import ContentionSampler
 from pcaf_core.evaluation import (
     EvalResult,
     capped_ppl,
@@ -83,8 +88,10 @@ from pcaf_core.resume import (
     RESTART_DAMAGED,
     accept_config,
     divergence_message,
+    keep_damaged_record,
     previous_divergence,
     refuse_if_all_damaged,
+    refuse_other_backend,
     resume_hint,
     scan_checkpoints,
     set_aside_unusable,
@@ -228,6 +235,7 @@ class TrainingLoop:
         self._unigram: float | None = None
         self._segment_start = time.perf_counter()
         self._diverged: dict[str, Any] | None = None  # what the previous record says about a divergence
+        self._contention: ContentionSampler | None = None
 
     # ----------------------------------------------------------------- setup
 
@@ -304,6 +312,7 @@ class TrainingLoop:
         accept_config(ls, self.cfg, path, self.run_dir, self._diverged)
         self.state = self.backend.load(path, self.cfg)
         self.ls = ls
+        self.ls.backend, self.ls.checkpoint_format = self.backend.name, self._checkpoint_format()
         self.train_sampler.load_state_dict(ls.train_sampler)
         self.eval_sampler.load_state_dict(ls.eval_sampler)
         self.last_good_checkpoint = path
@@ -333,7 +342,11 @@ class TrainingLoop:
         self.backend.barrier()
         self.state = self.backend.init(self.cfg)
         self.ls = LoopState(config_hash=config_hash(self.cfg), config=hashable_config(self.cfg),
-                            incidents=list(incidents or []))
+                            incidents=list(incidents or []), backend=self.backend.name,
+                            checkpoint_format=self._checkpoint_format())
+
+    def _checkpoint_format(self) -> str:
+        return str(getattr(self.backend, "checkpoint_format", self.backend.name))
 
     # ----------------------------------------------------------------- records
 
@@ -349,6 +362,8 @@ class TrainingLoop:
     def _record(self, status: str, error: str | None = None, extra: dict[str, Any] | None = None) -> RunMetrics:
         template = identity(self.run_dir, self._template)
         template.extra.update(extra or {})
+        if self.ls.shared_machine:
+            template.extra["shared_machine"] = dict(self.ls.shared_machine)
         return build_record(
             template, self.cfg, self.ls, status=status, error=error,
             backend_name=self.backend.name, device=self.backend.device, backend_versions=self.backend.versions(),
@@ -425,6 +440,9 @@ class TrainingLoop:
         self._diverged = previous_divergence(self.run_dir)
         ckpt, skipped = scan_checkpoints(self.run_dir, self._diverged is not None)
         refuse_if_all_damaged(self.run_dir, ckpt, skipped, self.resume)
+        if ckpt is not None:  # refused here, before a checkpoint is set aside or a file rewritten
+            refuse_other_backend(ckpt, self.backend.name, self.run_dir)
+            accept_config(read_loop_state(ckpt), self.cfg, ckpt, self.run_dir, self._diverged)
         self._check_ranks_agree(ckpt)
         incidents = set_aside_unusable(self.run_dir, ckpt, skipped) if self.is_main else []
         self.backend.barrier()
@@ -456,12 +474,15 @@ class TrainingLoop:
                 shutil.rmtree(partial, ignore_errors=True)
         self.backend.barrier()
         ckpt, incidents = self._choose_checkpoint()
+        damaged = keep_damaged_record(self.run_dir, ckpt) if self.is_main else []
         if ckpt is not None:
             self._restore(ckpt)
-            self.ls.incidents += incidents
+            self.ls.incidents += incidents + damaged
         else:
-            self._fresh_start(incidents)
+            self._fresh_start(incidents + damaged)
         self.ls.segments += 1
+        if self.is_main:
+            self._contention = ContentionSampler(self.ls.shared_machine, exclude_siblings=self.world > 1)
         self._params = int(self.backend.param_count(self.state))
         self._train_iter = iter(self.train_sampler)
         self._eval_iter = iter(self.eval_sampler)
@@ -501,6 +522,8 @@ class TrainingLoop:
                 if segment_steps > THROUGHPUT_WARMUP_STEPS:
                     self.ls.timed_steps += 1
                     self.ls.timed_seconds += dt
+                    if self._contention is not None:  # outside the timed interval, which ended above
+                        self._contention.sample(force=segment_steps == THROUGHPUT_WARMUP_STEPS + 1 or step == steps)
                 self.ls.pending_loss_sum += loss
                 self.ls.pending_loss_count += 1
 

@@ -7,7 +7,15 @@ Every run owns one directory holding
   at start, ``"completed"`` or ``"failed"`` (with ``error``) at the end;
 - ``curve.csv``: the learning curve, one row per logged step (:data:`CURVE_COLUMNS` first, extra
   columns allowed), appended with :func:`append_curve_row`;
-- ``config.yaml``: the resolved configuration (written by the experiment entry point).
+- ``config.yaml``: the resolved configuration (written once, when the run is created, by the experiment
+  entry point).
+
+Every record written by :func:`write_metrics` carries ``digests``: the sha256 of the record itself and of
+the run's ``curve.csv`` and ``config.yaml`` as they were when it was written, so a record edited, truncated
+or swapped afterwards is caught before it is used (:mod:`pcaf_core.record_check`). The record's digest is the
+sha256 of its canonical JSON (keys sorted, no spaces, non-finite floats as strings) with ``digests.record``
+left out; the files' are ``{"bytes": n, "sha256": ...}`` of their first ``n`` bytes (a running run appends
+curve rows after its last record, a completed one has none after it).
 
 Conventions: a metric that was not measured is ``None`` (never a placeholder number); perplexities
 are ``exp(mean token NLL in nats)``; accuracies are fractions in [0, 1]; times are seconds; memory is
@@ -33,11 +41,12 @@ from typing import Any
 
 from pcaf_core.fsutil import atomic_write_text
 
-SCHEMA_VERSION = 1
-"""Version of the ``metrics.json`` layout written by :func:`write_metrics`."""
+SCHEMA_VERSION = 2
+"""Version of the ``metrics.json`` layout written by :func:`write_metrics` (2 added ``identity`` and
+``digests``)."""
 
-KNOWN_SCHEMA_VERSIONS = (1,)
-"""Versions :func:`read_metrics` understands."""
+KNOWN_SCHEMA_VERSIONS = (1, 2)
+"""Versions :func:`read_metrics` understands (a version-1 record has no identity and no digests)."""
 
 METRICS_FILE = "metrics.json"
 CURVE_FILE = "curve.csv"
@@ -142,6 +151,11 @@ class RunMetrics:
         ``git_commit``; ``versions``: package name -> version; ``config_hash``: hash of the
         resolved config (see :func:`hash_config`); ``overrides``: the command-line overrides of the
         run (Hydra syntax ``key=value``); ``extra``: further measurements, free-form JSON values.
+
+    Identity and integrity
+        ``identity``: ``{"config": digest, "row": [digests]}``, the identity of the run's ``config.yaml``
+        and of its table row's composed configs (:mod:`pcaf_core.run_identity`; empty when the run was
+        not made by the experiment app); ``digests``: set by :func:`write_metrics` (module docstring).
     """
 
     table: str
@@ -191,6 +205,8 @@ class RunMetrics:
     config_hash: str = ""
     overrides: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    identity: dict[str, Any] = field(default_factory=dict)
+    digests: dict[str, Any] = field(default_factory=dict)
     updated_at: str = ""
     schema_version: int = SCHEMA_VERSION
 
@@ -219,9 +235,10 @@ class RunMetrics:
             raise SchemaError("RunMetrics.status='failed' needs 'error' (the failure message)")
         if self.mode not in MODES:
             raise SchemaError(f"RunMetrics.mode={self.mode!r} is invalid: expected one of {list(MODES)}")
-        if self.schema_version != SCHEMA_VERSION:
+        if self.schema_version not in KNOWN_SCHEMA_VERSIONS:
             raise SchemaError(
-                f"RunMetrics.schema_version={self.schema_version!r}: this code writes version {SCHEMA_VERSION}"
+                f"RunMetrics.schema_version={self.schema_version!r}: this code reads versions "
+                f"{list(KNOWN_SCHEMA_VERSIONS)} and writes {SCHEMA_VERSION}"
             )
         for name in _LIST_FIELDS:
             value = getattr(self, name)
@@ -280,7 +297,7 @@ _INT_FIELDS = tuple(
 )
 _FLOAT_FIELDS = tuple(f.name for f in fields(RunMetrics) if f.type == "float | None")
 _LIST_FIELDS = ("deviations", "overrides")
-_DICT_FIELDS = ("versions", "extra")
+_DICT_FIELDS = ("versions", "extra", "identity", "digests")
 
 
 def _encode_nonfinite(value: Any) -> Any:
@@ -313,8 +330,39 @@ def curve_path(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / CURVE_FILE
 
 
+DIGESTED_FILES = (CURVE_FILE, CONFIG_FILE)
+"""Files of a run directory whose digest each record carries (when they exist as it is written)."""
+
+
+def file_digest(path: str | os.PathLike[str], size: int | None = None) -> dict[str, Any]:
+    """``{"bytes": n, "sha256": ...}`` of the first ``size`` bytes of ``path`` (all of it by default)."""
+    h = hashlib.sha256()
+    remaining = Path(path).stat().st_size if size is None else int(size)
+    n = 0
+    with open(path, "rb") as fh:
+        while remaining > 0:
+            chunk = fh.read(min(1 << 20, remaining))
+            if not chunk:
+                break
+            h.update(chunk)
+            n += len(chunk)
+            remaining -= len(chunk)
+    return {"bytes": n, "sha256": h.hexdigest()}
+
+
+def record_digest(data: dict[str, Any]) -> str:
+    """sha256 of a record dict's canonical JSON, ``digests.record`` left out (see the module docstring)."""
+    body = dict(data)
+    digests = dict(body.get("digests") or {})
+    digests.pop("record", None)
+    body["digests"] = digests
+    text = json.dumps(_encode_nonfinite(body), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def write_metrics(run_dir: str | os.PathLike[str], metrics: RunMetrics) -> Path:
-    """Validate ``metrics``, stamp ``updated_at`` and write ``<run_dir>/metrics.json`` atomically.
+    """Validate ``metrics``, stamp ``updated_at``, the schema version and the digests, and write
+    ``<run_dir>/metrics.json`` atomically.
 
     The record is serialised completely before the file system is touched, so an invalid record
     (e.g. a non-JSON value under ``extra``) raises without changing the previous file. Creates
@@ -322,8 +370,13 @@ def write_metrics(run_dir: str | os.PathLike[str], metrics: RunMetrics) -> Path:
     """
     metrics.validate()
     metrics.updated_at = datetime.now(UTC).isoformat(timespec="seconds")
+    metrics.schema_version = SCHEMA_VERSION
+    files = {name: file_digest(Path(run_dir) / name) for name in DIGESTED_FILES if (Path(run_dir) / name).is_file()}
+    metrics.digests = {"algorithm": "sha256", "files": files}
     try:
-        text = json.dumps(_encode_nonfinite(metrics.to_dict()), indent=2, sort_keys=False, allow_nan=False)
+        data = metrics.to_dict()
+        metrics.digests["record"] = data["digests"]["record"] = record_digest(data)
+        text = json.dumps(_encode_nonfinite(data), indent=2, sort_keys=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise SchemaError(f"run record for {metrics.table}/{metrics.row} is not JSON-serialisable: {exc}") from exc
     path = metrics_path(run_dir)

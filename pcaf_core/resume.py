@@ -8,6 +8,9 @@
   and the abandoned curve are set aside, the run starts from step 0 and the restart is recorded.
 * A run whose record says it diverged resumes from its newest checkpoint whose last evaluation was finite,
   and may change ``train.lr`` (only that) on the way, recorded as a deviation from that step on.
+* A checkpoint written by another backend is refused by name (:func:`refuse_other_backend`).
+* A ``metrics.json`` or ``curve.csv`` that fails its check (:mod:`pcaf_core.record_check`) is kept beside the
+  run as ``<file>.damaged-<UTC time>`` before the run rebuilds it (:func:`keep_damaged_record`).
 
 NumPy/stdlib only, like the loop.
 """
@@ -16,6 +19,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shlex
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +31,7 @@ from pcaf_core.checkpoints import (
     SET_ASIDE_DIR,
     LoopState,
     RunRefused,
+    checkpoint_backend,
     checkpoint_problem,
     list_checkpoints,
     read_loop_state,
@@ -32,7 +40,8 @@ from pcaf_core.checkpoints import (
 )
 from pcaf_core.config import RunConfig
 from pcaf_core.config_io import config_diff, config_hash, hashable_config
-from pcaf_core.results import RunMetrics
+from pcaf_core.record_check import DAMAGED, check_run
+from pcaf_core.results import CURVE_FILE, METRICS_FILE, RunMetrics
 
 log = logging.getLogger("pcaf.loop")
 
@@ -98,6 +107,39 @@ def set_aside_unusable(run_dir: Path, ckpt: Path | None, skipped: list[tuple[Pat
     return [{"utc": kept.name, "what": what, "kept": str(kept), "set_aside": [f"{p.name}: {w}" for p, w in skipped]}]
 
 
+def refuse_other_backend(ckpt: Path, backend: str, run_dir: Path) -> None:
+    """Raise :class:`RunRefused` when checkpoint ``ckpt`` was written by another backend than ``backend``."""
+    written_by, fmt = checkpoint_backend(ckpt)
+    if written_by and written_by != backend:
+        raise RunRefused(
+            f"{ckpt} was written by the {written_by} backend (checkpoint format {fmt or written_by}); the {backend} "
+            f"backend cannot resume it (only the weights, model.safetensors, are common to both backends): resume "
+            f"{run_dir} with backend={written_by}. Nothing in {run_dir} was changed.")
+
+
+def keep_damaged_record(run_dir: Path, ckpt: Path | None) -> list[dict[str, Any]]:
+    """Move a ``metrics.json`` or ``curve.csv`` of ``run_dir`` that fails its check aside (kept as
+    ``<name>.damaged-<UTC time>``) before the run rewrites it; say so on stderr and return the incident to
+    record (empty when nothing was damaged). Main rank only."""
+    if not results.metrics_path(run_dir).exists():
+        return []
+    check = check_run(run_dir)
+    names = [n for n in check.damaged_files() if n in (METRICS_FILE, CURVE_FILE) and (run_dir / n).is_file()]
+    if check.state != DAMAGED or not names:
+        return []
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    kept = []
+    for name in names:
+        target = run_dir / f"{name}.damaged-{stamp}"
+        os.replace(run_dir / name, target)
+        kept.append(target.name)
+    source = f"checkpoint {ckpt.name}" if ckpt is not None else "step 0 (there is no usable checkpoint)"
+    what = (f"{', '.join(names)} failed the record check ({check.text()}); kept as {', '.join(kept)}; the record "
+            f"is rebuilt from {source}")
+    print(f"warning: {run_dir}: {what}", file=sys.stderr, flush=True)
+    return [{"utc": stamp, "what": what, "kept": kept}]
+
+
 def accept_config(ls: LoopState, cfg: RunConfig, path: Path, run_dir: Path, diverged: dict[str, Any] | None) -> None:
     """Check that checkpoint ``path`` (state ``ls``) was written for ``cfg``; after a divergence a lower (or any
     other) ``train.lr`` is accepted and recorded in ``ls.deviations``. Anything else is refused."""
@@ -131,15 +173,27 @@ def resume_hint(run_dir: Path, ckpt: Path | None, template: RunMetrics | None) -
     return f"resume {run_dir} {where} with: {how}"
 
 
+def without_override(command: str, key: str) -> str:
+    """``command`` (a shell-quoted command line) without its ``key=...`` words."""
+    return " ".join(shlex.quote(w) for w in shlex.split(command) if not w.lstrip("+~").startswith(f"{key}="))
+
+
 def divergence_message(loss: float, step: int, lr: float, cfg: RunConfig, ckpt: Path | None, run_dir: Path,
                        template: RunMetrics | None) -> str:
-    """What a diverged run's record says: the step, the last good checkpoint and a command that continues
-    the run at a lower learning rate (or how to start over)."""
+    """What a diverged run's record says: the step, the last good checkpoint and the command that goes on at a
+    lower learning rate: continuing this run from its newest checkpoint when there is one, else a new run (the
+    run's own ``train.lr`` override is replaced, not repeated)."""
     command = _command(template)
-    how = (f"{command} train.lr=<below {cfg.train.lr:g}>" if command else
+    lower = f"train.lr=<below {cfg.train.lr:g}>"
+    head = (f"training diverged: non-finite loss {loss} at step {step} (lr={lr:.6g}). Last good checkpoint: "
+            f"{ckpt or 'none (no checkpoint was written before the failure)'}. ")
+    fresh = (f"{without_override(without_override(command, 'run_dir'), 'train.lr')} {lower}" if command else
+             "run_training(cfg with a lower train.lr, run_dir=<a new directory>)")
+    if ckpt is None:
+        return (head + f"There is no checkpoint to continue from: start a new run with a lower learning rate: "
+                f"{fresh}; or add warm-up or gradient clipping (profile.grad_clip_norm).")
+    how = (f"{without_override(command, 'train.lr')} {lower}" if command else
            f"run_training(cfg with a lower train.lr, run_dir={str(run_dir)!r}, resume=True)")
-    return (f"training diverged: non-finite loss {loss} at step {step} (lr={lr:.6g}). Last good checkpoint: "
-            f"{ckpt or 'none (no checkpoint was written before the failure)'}. To continue this run from its newest "
-            f"checkpoint with a finite evaluation at a lower learning rate (recorded as a deviation): {how}; or "
-            "start over with a lower train.lr, warm-up or gradient clipping (profile.grad_clip_norm) in a new run "
-            "directory.")
+    return (head + f"To continue this run from its newest checkpoint with a finite evaluation at a lower learning "
+            f"rate (recorded as a deviation): {how}; or start over with a lower train.lr, warm-up or gradient "
+            f"clipping (profile.grad_clip_norm) in a new run: {fresh}")

@@ -61,7 +61,8 @@ def test_make_reproduce_table_smoke_on_the_jax_backend(tmp_path):
                          env=_env(), timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     md_path = Path(res.stdout.strip().splitlines()[-1])
-    assert md_path == out / "tables" / "main-303m_smoke_jax.md"
+    # A row selection renders its own files (the whole table's are another command's).
+    assert md_path == out / "tables" / "main-303m_smoke_jax_pcaf_context_wt103_t1024+local_conv_wt103_t1024.md"
     md = md_path.read_text()
     assert "Backend: jax" in md and "cpu (jax " in md
     records = [read_metrics(p.parent) for p in (out / "main-303m" / "smoke" / "jax").rglob("metrics.json")]
@@ -122,6 +123,38 @@ def test_table_driver_validates_every_row_before_training(tmp_path, capsys):
     assert main(["--table", "no-such-table", "--scale", "smoke"]) == 2
 
 
+def test_a_config_error_creates_no_output_root(tmp_path, capsys):
+    """Issue 36, defect 8: nothing is created for a command that cannot run."""
+    from experiments.reproduce import main
+
+    root = tmp_path / "new-root"
+    assert main(["--table", "wt2-nt-1024", "--scale", "smoke", "--output-root", str(root), "memory.top_k=0"]) == 2
+    assert "memory.top_k=0 is invalid" in capsys.readouterr().err and not root.exists()
+    res = subprocess.run([sys.executable, "-m", "experiments.run", "experiment=wt2-nt-1024/pcaf_context",
+                          "scale=smoke", "memory.top_k=0", f"output_root={root}"],
+                         cwd=REPO, capture_output=True, text=True, env=_env(), timeout=300)
+    assert res.returncode == 2 and not root.exists(), res.stderr[-2000:]
+
+
+def test_paper_scale_on_a_cpu_says_how_long_it_would_train_and_needs_confirmation(tmp_path, capsys):
+    """Issue 36, defect 8: a command predicted to train for hours on a CPU gives the estimate and starts only
+    with --yes (confirm=true for experiments.run); nothing is created."""
+    from experiments.long_run import LONG_RUN_HOURS
+    from experiments.reproduce import main
+
+    root = tmp_path / "paper"
+    assert main(["--table", "main-303m", "--scale", "paper", "--rows", "pcaf_context_wt103_t1024",
+                 "--output-root", str(root), "backend.device=cpu"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    hours = float(line.split("for at least ")[1].split(" hours")[0].replace(",", ""))
+    assert line.startswith("config error: 1 run(s) of this command would train on this CPU") and hours > LONG_RUN_HOURS
+    assert "make step-cost TABLE=main-303m SCALE=paper" in line and "add --yes" in line and not root.exists()
+    res = subprocess.run([sys.executable, "-m", "experiments.run", "experiment=main-303m/pcaf_context_wt103_t1024",
+                          "scale=paper", "backend.device=cpu", f"output_root={root}"],
+                         cwd=REPO, capture_output=True, text=True, env=_env(), timeout=300)
+    assert res.returncode == 2 and "add confirm=true to start it anyway" in res.stderr and not root.exists()
+
+
 def test_a_failing_run_leaves_a_failed_record(tmp_path, monkeypatch):
     import backends.torch.train as torch_train
 
@@ -135,6 +168,28 @@ def test_a_failing_run_leaves_a_failed_record(tmp_path, monkeypatch):
     on_disk = read_metrics(tmp_path / "run")
     assert on_disk.status == "failed" and on_disk.table == "wt2-nt-1024" and on_disk.scale == "smoke"
     assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "error.txt").exists()
+
+
+def test_a_command_that_fails_before_the_loop_leaves_an_existing_run_as_it_was(tmp_path, monkeypatch):
+    """A failure of the command, not of the run (here: the trainer cannot start), changes no file of the run it
+    was asked to continue."""
+    import backends.torch.train as torch_train
+    from pcaf_core.results import write_metrics
+
+    resolved = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch", [])[0]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    app.write_run_files(run_dir, resolved)
+    write_metrics(run_dir, app.initial_record(resolved, run_dir))  # a run stopped before its first checkpoint
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+
+    def cannot_start(*args, **kwargs):
+        raise RuntimeError("could not spawn the workers")
+
+    monkeypatch.setattr(torch_train, "train", cannot_start)
+    metrics = app.run_one(resolved, run_dir)
+    assert metrics.status == "failed" and "could not spawn" in metrics.error
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.name != ".lock"} == before
 
 
 def test_the_loop_writes_the_completed_record_and_its_deviation_lines_survive(tmp_path):

@@ -247,7 +247,9 @@ def test_a_full_disk_while_checkpointing_is_reported_recorded_and_cleaned_up(tmp
     out = tmp_path / "out"
     res = subprocess.run(_reproduce(out), cwd=REPO, capture_output=True, text=True,
                          env=_env(PCAF_FAULT_DISK_FULL=str(out)), timeout=300)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]  # the row is failed, the table goes on
+    # The row is failed, the table goes on; the command says so last and exits 1.
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1].endswith("1 failed of 1 runs (their rows show why)")
     (run_dir,) = _run_dirs(out)
     rec = read_metrics(run_dir)
     assert rec.status == "failed" and rec.extra["resumable"], rec.error
@@ -335,7 +337,7 @@ def test_a_diverged_run_continues_from_its_last_finite_checkpoint_with_the_print
     monkeypatch.setattr(loop, "evaluate_reference", evaluate_reference)
     monkeypatch.setattr(torch_backend.TorchBackend, "train_step", train_step)
     out = tmp_path / "out"
-    assert reproduce.main([*RUN_ARGS, "--output-root", str(out)]) == 0
+    assert reproduce.main([*RUN_ARGS, "--output-root", str(out)]) == 1  # the row failed
     monkeypatch.undo()
     (run_dir,) = _run_dirs(out)
     rec = read_metrics(run_dir)

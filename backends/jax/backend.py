@@ -107,6 +107,9 @@ class JaxBackend:
     """
 
     name = "jax"
+    # What a checkpoint of this backend holds beside the shared canonical weights (backends.jax.checkpoint);
+    # the loop writes it into every checkpoint, so another backend's resume is refused by name.
+    checkpoint_format = "jax-1: model.safetensors, optimizer.safetensors"
 
     def __init__(self, device: str | None = None, *, num_devices: int | None = 1) -> None:
         platform = None if device in (None, "auto") else str(device)

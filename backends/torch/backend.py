@@ -89,6 +89,9 @@ class TorchBackend:
     """
 
     name = "torch"
+    # What a checkpoint of this backend holds beside the shared canonical weights (backends.torch.checkpoint);
+    # the loop writes it into every checkpoint, so another backend's resume is refused by name.
+    checkpoint_format = "torch-1: model.safetensors, optimizer.pt, rng_rank<r>.pt"
 
     def __init__(self, device: str | torch.device | None = None, *, rank: int = 0, world_size: int = 1) -> None:
         if device is None:
