@@ -22,7 +22,10 @@ export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=4294967295:glibc.malloc.tri
 
 help:
 	@echo "make setup   - create $(VENV) and install the project with dev extras"
-	@echo "make test    - run the test suite (runs setup first when $(VENV) is missing)"
+	@echo "make test    - run the whole test suite (runs setup first when $(VENV) is missing)"
+	@echo "make test-fast - the fast tier: no slow and no gpu tests (the edit-test loop)"
+	@echo "make test-hermetic - the fast tier with XLA_FLAGS=...device_count=4, then with OMP_NUM_THREADS=1"
+	@echo "               (times of all three: docs/results/README.md, \"Test suite\")"
 	@echo "make lint    - ruff check"
 	@echo "make data    - verify the corpora and build the token caches (WikiText-2 vendored; pg19-mini when found)"
 	@echo "make data-summary - splits, documents, tokens, vocabulary, OOV rate, cache location"
@@ -47,11 +50,25 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-# One pytest worker per core (pytest-xdist), each test file on one worker so its module fixtures are
-# built once; tests/conftest.py gives each worker one intra-op thread. 13.9 min on the 2-core machine.
+# Two tiers (pytest markers, tests/conftest.py): `make test-fast` leaves out the `slow` and `gpu` tests (the
+# edit-test loop), `make test` runs everything. One pytest worker per core (pytest-xdist), each test file on one
+# worker so its module fixtures are built once; tests/conftest.py gives each worker one intra-op thread. Both print
+# their wall time last; the measured times are in docs/results/README.md ("Test suite").
 PYTEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+.PHONY: test-fast test-hermetic
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	@start=$$SECONDS; $(PYTEST) --durations=25 $(PYTEST_ARGS); code=$$?; \
+	  echo "make test: $$((SECONDS - start)) s wall"; exit $$code
+
+test-fast: $(VENV)/.installed
+	@start=$$SECONDS; $(PYTEST) -m "not slow and not gpu" --durations=10 $(PYTEST_ARGS); code=$$?; \
+	  echo "make test-fast: $$((SECONDS - start)) s wall"; exit $$code
+
+# The fast tier under the environments a user may have set: several emulated JAX devices, one OpenMP thread.
+test-hermetic: $(VENV)/.installed
+	XLA_FLAGS=--xla_force_host_platform_device_count=4 $(MAKE) --no-print-directory test-fast
+	OMP_NUM_THREADS=1 $(MAKE) --no-print-directory test-fast
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check pcaf_core backends experiments paper_tables tests

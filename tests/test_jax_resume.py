@@ -19,6 +19,7 @@ import safetensors.numpy
 from pcaf_core.config import DataConfig
 from pcaf_core.loop import config_to_dict, latest_checkpoint, read_loop_state
 from pcaf_core.results import read_curve, read_metrics
+from tests.env_helpers import xla_flags
 from tests.test_jax_train import tiny_cfg
 
 RUNNER = """
@@ -53,7 +54,7 @@ QUALITY = ("final_ppl", "best_ppl", "best_step", "acc_at_best", "acc_param_at_be
 def _start(tmp_path: Path, cfg_file: Path, run_dir: Path, delay: float) -> subprocess.Popen:
     script = tmp_path / "runner.py"
     script.write_text(RUNNER)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
     return subprocess.Popen([sys.executable, str(script), str(cfg_file), str(run_dir), str(delay)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
@@ -134,7 +135,7 @@ def test_command_line_entry_point(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "backends.jax.train", "--config", str(cfg_file), "--run-dir", str(run_dir),
            "--device", "cpu", "--no-progress"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     m = read_metrics(run_dir)

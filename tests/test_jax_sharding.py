@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -18,6 +19,7 @@ import safetensors.numpy
 from backends.jax import sharding
 from pcaf_core.loop import latest_checkpoint
 from pcaf_core.results import read_curve, read_metrics
+from tests.env_helpers import xla_flags
 
 TOL = 1e-5
 
@@ -121,7 +123,7 @@ def mesh_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh")
     script = out / "runner.py"
     script.write_text(RUNNER)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(4)}
     proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -139,7 +141,7 @@ def test_two_processes_of_two_devices_match_one_device(mesh_runs, tmp_path):
     out, _ = mesh_runs
     script = tmp_path / "multihost.py"
     script.write_text(MULTIHOST)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2)}
     address = f"localhost:{_free_port()}"
     run_dir = tmp_path / "run"
     procs = [subprocess.Popen([sys.executable, str(script), address, str(pid), str(run_dir)],
@@ -176,5 +178,7 @@ def test_single_process_collectives_and_start_up():
         assert sharding.initialize_distributed("auto") is False
     with pytest.raises(ValueError, match="distributed mode 'yes' is invalid"):
         sharding.initialize_distributed("yes")
-    with pytest.raises(ValueError, match="xla_force_host_platform_device_count=3"):
-        sharding.select_devices("cpu", 3)
+    # One more device than this process has (XLA_FLAGS may emulate several).
+    too_many = len(jax.devices("cpu")) + 1
+    with pytest.raises(ValueError, match=f"xla_force_host_platform_device_count={too_many}"):
+        sharding.select_devices("cpu", too_many)
