@@ -12,7 +12,9 @@ Sections (``--sections``, comma-separated):
   bf16; CUDA events, median of 20 after 3 warm-ups. The largest FLOP/s per dtype is that dtype's peak.
 - ``models``: training steps, fp32 beside bf16 autocast (``train.precision``), eager, compiled
   (``train.compile=on``) and compiled and replayed as CUDA graphs (``train.compile=cudagraphs``), dropout 0.1
-  unless stated. Cases of one (mode, T, batch) are built together and
+  unless stated; the local and global-local Transformers with FlexAttention (``model.attention_impl=banded``)
+  beside the masked local one at T=2048, batch 32 (on a CPU, ``--smoke``, the FlexAttention cases train masked,
+  labelled so: FlexAttention has no backward pass there). Cases of one (mode, T, batch) are built together and
   their timed steps interleaved, one of each per round, so the bf16/fp32 ratios are side by side.
   ``step_peak_mb``: ``torch.cuda.max_memory_allocated`` over one step minus what was allocated before it.
   Fraction of peak: ``pcaf_core.flops.train_step_flops`` per step / step seconds / the dtype's GEMM peak.
@@ -69,14 +71,23 @@ class GpuCase:
     dropout: float = 0.1
 
 
+WINDOWED_MODELS = ("local Transformer (FlexAttention)", "global-local Transformer (FlexAttention)",
+                   "local Transformer (masked dense SDPA)")
+"""The windowed-attention cases (``benchmarks.bench_models.MODELS`` labels): FlexAttention over the window's block
+mask (``model.attention_impl=banded``, what ``auto`` runs on CUDA) and the masked ``[T, T]`` SDPA it replaces."""
+
+
 def gpu_cases(smoke: bool = False) -> list[GpuCase]:
     """Full AR at 8,192 tokens a step (T=1024 batch 8, T=2048 batch 4); next-token at T=2048 with the paper
-    row's batch 64 (PCAF) and the dense Transformer's batch 8, dropout matched; each fp32 beside bf16, the PCAF
-    cases eager, and also replayed as CUDA graphs (``cudagraphs``; the steps wait on kernel launches), some
-    compiled without them (``inductor``). ``smoke``: T=64 stand-ins of the eager full-AR and next-token cases."""
+    row's batch 64 (PCAF) and the dense Transformer's batch 8, and the local and global-local Transformers with
+    FlexAttention beside the masked local one at the ``wt2-nt-2048`` rows' batch 32, dropout matched; each fp32
+    beside bf16, the PCAF cases eager, and also replayed as CUDA graphs (``cudagraphs``; the steps wait on kernel
+    launches), some compiled without them (``inductor``). ``smoke``: T=64 stand-ins of the eager full-AR and
+    next-token cases."""
     P, S, D = "PCAF-context", "PCAF-semantic (bucketed)", "dense Transformer (SDPA)"
     if smoke:
         base = [GpuCase(P, "ar", 64, 2), GpuCase(P, "nt", 64, 4), GpuCase(D, "nt", 64, 2)]
+        base += [GpuCase(m, "nt", 64, 2) for m in WINDOWED_MODELS]
     else:
         base = [GpuCase(P, "ar", 1024, 8), GpuCase(P, "ar", 1024, 8, compile="inductor"),
                 GpuCase(P, "ar", 1024, 8, compile="cudagraphs"), GpuCase(S, "ar", 1024, 8),
@@ -84,6 +95,7 @@ def gpu_cases(smoke: bool = False) -> list[GpuCase]:
                 GpuCase(P, "ar", 2048, 4, compile="cudagraphs"), GpuCase(P, "nt", 2048, 64),
                 GpuCase(P, "nt", 2048, 64, compile="inductor"), GpuCase(P, "nt", 2048, 64, compile="cudagraphs"),
                 GpuCase(D, "nt", 2048, 8)]
+        base += [GpuCase(m, "nt", 2048, 32) for m in WINDOWED_MODELS]
     return [replace(c, precision=p) for c in base for p in ("fp32", "bf16")]
 
 
@@ -163,15 +175,31 @@ def gemm_section(device: str = "cuda", smoke: bool = False) -> list[dict]:
     return rows
 
 
-def _policy(cfg) -> str:
+def _policy(cfg, note: str = "") -> str:
     """``benchmarks.bench_models``' policy label, except for Transformers, whose SDPA kernel that module reads
-    off a CPU profile: here the device's own choice."""
+    off a CPU profile: here the device's own choice, or FlexAttention (``note``: what a CPU ran instead)."""
     from benchmarks.bench_models import _policy as cpu_policy
-    from pcaf_core.config import TRANSFORMER_VARIANTS
+    from pcaf_core.config import TRANSFORMER_VARIANTS, WINDOWED_VARIANTS
 
+    if cfg.model.variant in WINDOWED_VARIANTS:
+        if cfg.model.attention_impl == "banded":
+            return "FlexAttention over the window's block mask (torch.compile)"
+        return "SDPA under the [T, T] window mask (the kernel torch picks on the device)" + note
     if cfg.model.variant in TRANSFORMER_VARIANTS:
         return "causal SDPA (the kernel torch picks on the device)"
     return cpu_policy(cfg)
+
+
+CPU_STAND_IN = "; a CPU stand-in for FlexAttention, which has no backward pass on a CPU"
+
+
+def device_config(cfg, device: str) -> tuple[object, str]:
+    """``cfg`` for ``device`` and a note for its policy label: on a CPU (``--smoke``) a FlexAttention case trains
+    masked, since FlexAttention has no backward pass there, and its label says so."""
+    if device == "cpu" and cfg.model.attention_impl == "banded":
+        cfg.model.attention_impl = "masked"
+        return cfg, CPU_STAND_IN
+    return cfg, ""
 
 
 def _failure(case: GpuCase, section: str, err: Exception) -> dict:
@@ -206,7 +234,7 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
         entries = []
         for case in group:
             cpu_case = Case(case.model, case.mode, case.T, case.batch, case.dropout, case.compile, case.precision)
-            cfg = run_config(cpu_case)
+            cfg, note = device_config(run_config(cpu_case), device)
             try:
                 backend = TorchBackend(device)
                 state = backend.init(cfg)
@@ -229,7 +257,7 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
             row = {"model": case.model, "backend": "torch", "dtype": case.precision, "mode": case.mode, "T": case.T,
                    "batch": case.batch, "d": cfg.model.d_model, "d_hidden": cfg.model.d_hidden,
                    "layers": cfg.model.n_layers, "V": cfg.model.vocab_size, "dropout": case.dropout,
-                   "compile": case.compile, "profile": cfg.profile.name, "policy": _policy(cfg),
+                   "compile": case.compile, "profile": cfg.profile.name, "policy": _policy(cfg, note),
                    "tokens_source": source, "first_step_s": round(first, 2),
                    "first_loss": round(loss, 4), "step_peak_mb": round(peak_mb, 1),
                    "params": backend.param_count(state)}
