@@ -29,7 +29,7 @@ Sections (``--sections``, comma-separated):
   i.e. how much of the step the GPU waits for the host.
 
     python -m benchmarks.bench_cuda [--out-dir bench/cuda] [--sections gemm,models,routing]
-        [--compiles eager,inductor,cudagraphs]
+        [--compiles eager,inductor,cudagraphs] [--only-windowed]
     python -m benchmarks.bench_cuda --render docs/results/bench_cuda --doc docs/results/bench_cuda.md
 
 ``make bench-cuda`` runs both, with ``benchmarks/precision_check.py`` at the paper shape in between.
@@ -211,11 +211,18 @@ def _failure(case: GpuCase, section: str, err: Exception) -> dict:
             "dtype": case.precision, "compile": case.compile, "error": message}
 
 
+def windowed_cases(cases: list[GpuCase]) -> list[GpuCase]:
+    """``--only-windowed``: the windowed-attention cases and the next-token dense SDPA ones they are set beside."""
+    dense = "dense Transformer (SDPA)"
+    return [c for c in cases if c.model in WINDOWED_MODELS or (c.model == dense and c.mode == "nt")]
+
+
 def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str = "cuda",
-                   smoke: bool = False, compiles: tuple[str, ...] = COMPILES) -> tuple[list[dict], list[dict]]:
-    """The timed rows of the cases whose ``compile`` is in ``compiles``, and the compiled cases that failed to
-    build or compile (an eager failure is a bug and stops the run; a compiled case's is recorded so that one case
-    cannot cost the whole run)."""
+                   smoke: bool = False, compiles: tuple[str, ...] = COMPILES,
+                   only_windowed: bool = False) -> tuple[list[dict], list[dict]]:
+    """The timed rows of the cases whose ``compile`` is in ``compiles`` (``only_windowed``: of
+    :func:`windowed_cases`), and the compiled cases that failed to build or compile (an eager failure is a bug and
+    stops the run; a compiled case's is recorded so that one case cannot cost the whole run)."""
     import torch
 
     from backends.torch.backend import TorchBackend
@@ -226,7 +233,8 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
     # under a compiled label, so hitting it stops the run instead.
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     groups: dict[tuple, list[GpuCase]] = {}
-    for case in (c for c in gpu_cases(smoke) if c.compile in compiles):
+    cases = windowed_cases(gpu_cases(smoke)) if only_windowed else gpu_cases(smoke)
+    for case in (c for c in cases if c.compile in compiles):
         groups.setdefault((case.mode, case.T, case.batch if case.model != "dense Transformer (SDPA)" else 0),
                           []).append(case)
     rows, failures = [], []
@@ -384,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the training steps to time and profile (comma-separated; default all): a subset "
                              "writes models.csv and profile.csv with those rows alone, so give it its own --out-dir")
     parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--only-windowed", action="store_true",
+                        help="models section: only the windowed-attention cases and the next-token dense SDPA ones "
+                             "(give it its own --out-dir)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=20, help="timed runs of a route")
@@ -423,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"the models section divides by the GEMM peaks: run it with gemm (no {out}/gemm.csv)")
         peaks = {d: max(float(r["gflops"]) for r in read_csv(out / "gemm.csv") if r["dtype"] == d)
                  for d in ("fp32", "bf16")}
-        model_rows, failures = models_section(peaks, args.warmup, args.steps, args.device, args.smoke, compiles)
+        model_rows, failures = models_section(peaks, args.warmup, args.steps, args.device, args.smoke, compiles,
+                                              args.only_windowed)
         write_csv(out / "models.csv", model_rows)
         write_failures(out, "models", failures)
     if "routing" in sections:

@@ -141,6 +141,17 @@ def test_compiles_selects_the_steps(tmp_path: Path) -> None:
         bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--compiles", "graphs"])
 
 
+def test_only_windowed_times_the_attention_cases(tmp_path: Path) -> None:
+    """``--only-windowed``: the windowed-attention cases and the next-token dense SDPA one, nothing else."""
+    assert bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--sections", "gemm,models",
+                            "--only-windowed"]) == 0
+    models = {r["model"] for r in read_csv(tmp_path / "models.csv")}
+    assert models == {*bench_cuda.WINDOWED_MODELS, "dense Transformer (SDPA)"}
+    full = bench_cuda.windowed_cases(bench_cuda.gpu_cases())
+    assert {(c.model, c.T, c.batch) for c in full} == {(m, 2048, 32) for m in bench_cuda.WINDOWED_MODELS} | {
+        ("dense Transformer (SDPA)", 2048, 8)}
+
+
 def test_cpu_device_needs_smoke() -> None:
     with pytest.raises(SystemExit, match="--smoke"):
         bench_cuda.main(["--device", "cpu", "--out-dir", "/nonexistent"])
