@@ -45,9 +45,10 @@ def flex_backward_on_cpu(monkeypatch):
     monkeypatch.setattr(wa, "NO_BACKWARD_DEVICES", ())
 
 
-def _qkv(T: int, dtype=torch.float32, device="cpu", seed: int = 0) -> tuple[torch.Tensor, ...]:
+def _qkv(T: int, dtype=torch.float32, device="cpu", seed: int = 0, head_dim: int = 8) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(2, 2, T, 8, generator=g, dtype=dtype).to(device).requires_grad_() for _ in range(3))
+    return tuple(torch.randn(2, 2, T, head_dim, generator=g, dtype=dtype).to(device).requires_grad_()
+                 for _ in range(3))
 
 
 def _masked(q, k, v, variant, w, g) -> torch.Tensor:
@@ -127,9 +128,9 @@ def test_block_mask_is_built_once_per_length_and_device() -> None:
     assert int(other.kv_num_blocks.sum()) + int(other.full_kv_num_blocks.sum()) == 9
 
 
-def _model(impl: str, variant: str = "transformer_global_local", T: int = 150) -> torch.nn.Module:
-    model = ModelConfig(variant=variant, vocab_size=40, d_model=16, d_hidden=24, n_layers=2, n_heads=2, window=7,
-                        n_global=3, max_seq_len=T, attention_impl=impl)
+def _model(impl: str, variant: str = "transformer_global_local", T: int = 150, d_model: int = 16) -> torch.nn.Module:
+    model = ModelConfig(variant=variant, vocab_size=40, d_model=d_model, d_hidden=24, n_layers=2, n_heads=2,
+                        window=7, n_global=3, max_seq_len=T, attention_impl=impl)
     profile = get_profile("corrected")
     net = build_model(model, MemoryConfig(), profile)
     load_canonical(net, spec_params(model, MemoryConfig(), profile, seed=1))
@@ -218,12 +219,12 @@ def test_attention_impl_is_checked() -> None:
                     "code is checked above through FlexAttention's eager implementation")
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_compiled_flex_on_cuda_matches_masked(variant) -> None:
-    """On CUDA, the compiled kernels (the path ``auto`` takes there): fp32 values and gradients equal the masked
-    SDPA path's at every shape, and with dropout equal the dense formula under the same mask; the model's ``auto``
-    and ``masked`` losses agree."""
+    """On CUDA, the compiled kernels (the path ``auto`` takes there) at the paper's head dimension 48: fp32 values
+    and gradients equal the masked SDPA path's at every shape, and with dropout equal the dense formula under the
+    same mask; the model's ``auto`` and ``masked`` losses and gradients agree."""
     torch.backends.cuda.matmul.allow_tf32 = False
     for T, w, g in SHAPES:
-        q, k, v = (x.detach().cuda().repeat(1, 1, 1, 2).requires_grad_() for x in _qkv(T))  # head_dim 16
+        q, k, v = (x.detach().cuda().requires_grad_() for x in _qkv(T, head_dim=48))
         out = wa.flex_window_attention(q, k, v, variant, w, g)
         want = _masked(q, k, v, variant, w, g)
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
@@ -238,7 +239,7 @@ def test_compiled_flex_on_cuda_matches_masked(variant) -> None:
     x, y = (t.cuda() for t in _tokens())
     losses = {}
     for impl in ("auto", "masked"):
-        net = _model(impl, variant).cuda().train()
+        net = _model(impl, variant, d_model=96).cuda().train()  # head_dim 48
         loss = net(x, y, "ar").loss
         loss.backward()
         losses[impl] = (loss.item(), net.blocks[0].attn.qkv.weight.grad.norm().item())
