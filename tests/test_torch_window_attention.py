@@ -63,7 +63,8 @@ def _dropped_reference(q, k, v, variant, w, g, p, keep) -> torch.Tensor:
     pos = torch.arange(T, device=q.device)
     allowed = reference.attention_allowed(pos[:, None], pos[None, :], variant, w, g)
     weights = torch.softmax(torch.where(allowed, q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -math.inf), -1)
-    kept = keep[:, :, pos[:, None], wa.keep_index(pos[:, None], pos[None, :], w, T, wa.n_global_keys(variant, g))]
+    cols = min(w, T)
+    kept = keep[:, :, pos[:, None], wa.keep_index(pos[:, None], pos[None, :], w, cols, wa.n_global_keys(variant, g))]
     return (weights * kept / (1 - p)) @ v
 
 
@@ -118,19 +119,20 @@ def test_dropout_masks_come_from_the_global_generator() -> None:
 
 
 def test_block_mask_is_built_once_per_length_and_device() -> None:
-    """The block mask of a (T, variant, w, g, device) is kept; a new T builds its own, which skips blocks."""
+    """The block mask of a (T, w, g, device) is kept; a new T builds its own, which skips blocks."""
     wa._BLOCK_MASKS.clear()
-    first = wa.window_block_mask(300, "transformer_local", 20, 0, torch.device("cpu"))
-    assert wa.window_block_mask(300, "transformer_local", 20, 0, torch.device("cpu")) is first
-    other = wa.window_block_mask(600, "transformer_local", 20, 0, torch.device("cpu"))
+    first = wa.window_block_mask(300, 20, 0, torch.device("cpu"))
+    assert wa.window_block_mask(300, 20, 0, torch.device("cpu")) is first
+    other = wa.window_block_mask(600, 20, 0, torch.device("cpu"))
     assert other is not first and len(wa._BLOCK_MASKS) == 2
     # 600 positions = 5 blocks of 128: each query block reads itself and the block before, 9 of 25 block pairs.
     assert int(other.kv_num_blocks.sum()) + int(other.full_kv_num_blocks.sum()) == 9
 
 
-def _model(impl: str, variant: str = "transformer_global_local", T: int = 150, d_model: int = 16) -> torch.nn.Module:
+def _model(impl: str, variant: str = "transformer_global_local", T: int = 150, d_model: int = 16,
+           window: int = 7) -> torch.nn.Module:
     model = ModelConfig(variant=variant, vocab_size=40, d_model=d_model, d_hidden=24, n_layers=2, n_heads=2,
-                        window=7, n_global=3, max_seq_len=T, attention_impl=impl)
+                        window=window, n_global=3, max_seq_len=T, attention_impl=impl)
     profile = get_profile("corrected")
     net = build_model(model, MemoryConfig(), profile)
     load_canonical(net, spec_params(model, MemoryConfig(), profile, seed=1))
@@ -161,13 +163,21 @@ def test_training_banded_on_cpu_is_refused_in_one_line() -> None:
 
 
 def test_compiled_flex_forward_matches_masked_model() -> None:
-    """The one compiled case (inductor's CPU FlexAttention, about 15 s to compile here): a two-layer global-local
-    model in evaluation with ``banded`` gives the ``masked`` model's outputs, and the spec's."""
+    """The one compiled case (inductor's CPU FlexAttention, 6-15 s to compile here): a two-layer global-local
+    model in evaluation with ``banded`` gives the ``masked`` model's outputs, and the spec's; a local model with
+    another window then reuses the compiled kernel (w and g are tensors to Dynamo, not constants)."""
+    from torch._dynamo.utils import counters
+
     x, y = _tokens()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = _model("banded").eval()(x, y, "ar")
         want = _model("masked").eval()(x, y, "ar")
+        graphs = counters["stats"]["unique_graphs"]
+        local = _model("banded", "transformer_local", window=12).eval()(x, y, "ar")
+        assert counters["stats"]["unique_graphs"] == graphs
+        torch.testing.assert_close(local.hidden, _model("masked", "transformer_local", window=12).eval()(x, y, "ar")
+                                   .hidden, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out.hidden, want.hidden, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out.target_log_prob, want.target_log_prob, rtol=1e-4, atol=1e-5)
     model = ModelConfig(variant="transformer_global_local", vocab_size=40, d_model=16, d_hidden=24, n_layers=2,

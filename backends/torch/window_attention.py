@@ -28,6 +28,7 @@ from pcaf_core.config import WINDOWED_VARIANTS
 from pcaf_core.reference import attention_allowed
 
 _BLOCK_MASKS: dict[tuple, BlockMask] = {}
+_SCALARS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 NO_BACKWARD_DEVICES = ("cpu", "mps")
 """Device types where FlexAttention has no backward pass (torch refuses inputs that require grad there)."""
@@ -38,23 +39,35 @@ def n_global_keys(variant: str, n_global: int) -> int:
     return n_global if variant == "transformer_global_local" else 0
 
 
-def window_mask_mod(variant: str, window: int, n_global: int) -> Callable:
-    """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``: the spec's rule for ``variant``."""
+def window_scalars(window: int, n_global: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """w and g as 0-d int32 tensors on ``device``, made once. The masks read them as tensors, not Python ints, so
+    that Dynamo does not specialise on their values: every w and g (local is g = 0) share the compiled kernels of
+    a shape and dtype, which keeps a process within Dynamo's recompile limit (8 graphs of one function)."""
+    key = (window, n_global, torch.device(device))
+    if key not in _SCALARS:
+        _SCALARS[key] = tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (window, n_global))
+    return _SCALARS[key]
+
+
+def window_mask_mod(window: int | torch.Tensor, n_global: int | torch.Tensor) -> Callable:
+    """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``: the spec's rule, global-local with g global keys (the local
+    variant is g = 0)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return attention_allowed(q_idx, kv_idx, variant, window, n_global)
+        return attention_allowed(q_idx, kv_idx, "transformer_global_local", window, n_global)
 
     return mask_mod
 
 
-def window_block_mask(seq_len: int, variant: str, window: int, n_global: int, device: torch.device) -> BlockMask:
-    """The ``BlockMask`` of ``variant`` at length T on ``device`` (128-position blocks, FlexAttention's default),
-    built once per (T, variant, window, g, device) and kept: it depends on nothing else."""
-    key = (seq_len, variant, window, n_global, torch.device(device))
+def window_block_mask(seq_len: int, window: int, n_global: int, device: torch.device) -> BlockMask:
+    """The ``BlockMask`` of window w with g global keys (:func:`n_global_keys`) at length T on ``device``
+    (128-position blocks, FlexAttention's default), built once per (T, w, g, device) and kept: it depends on
+    nothing else."""
+    key = (seq_len, window, n_global, torch.device(device))
     mask = _BLOCK_MASKS.get(key)
     if mask is None:
-        mask = _BLOCK_MASKS[key] = create_block_mask(window_mask_mod(variant, window, n_global), None, None,
-                                                     seq_len, seq_len, device=device)
+        mask = _BLOCK_MASKS[key] = create_block_mask(window_mask_mod(*window_scalars(window, n_global, device)),
+                                                     None, None, seq_len, seq_len, device=device)
     return mask
 
 
@@ -78,20 +91,23 @@ def draw_keep(shape: tuple[int, int, int], window: int, n_global: int, p: float,
     return torch.rand(B, H, T, min(window, T) + n_global, device=device) >= p
 
 
-def keep_index(q_idx: torch.Tensor, kv_idx: torch.Tensor, window: int, seq_len: int, n_global: int) -> torch.Tensor:
-    """The column of :func:`draw_keep`'s mask that holds the (query, key) pair, clamped into range for the pairs
-    that are not visible (the block mask drops those; their index must still be valid)."""
-    w = min(window, seq_len)
+def keep_index(q_idx: torch.Tensor, kv_idx: torch.Tensor, window: int | torch.Tensor, cols: int | torch.Tensor,
+               n_global: int | torch.Tensor) -> torch.Tensor:
+    """The column of :func:`draw_keep`'s mask (``cols`` = min(w, T) window columns, then g global ones) that holds
+    the (query, key) pair, clamped into range for the pairs that are not visible (the block mask drops those;
+    their index must still be valid)."""
     lag = q_idx - kv_idx
-    j = torch.where(lag < window, lag, w + kv_idx)
-    return torch.clamp(j, 0, w + n_global - 1)
+    j = torch.where(lag < window, lag, cols + kv_idx)
+    j = torch.where(j < 0, 0, j)
+    last = cols + n_global - 1
+    return torch.where(j > last, last, j)
 
 
 def flex_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str, window: int,
                           n_global: int, dropout_p: float = 0.0, *, compiled: bool = True,
                           keep: torch.Tensor | None = None) -> torch.Tensor:
     """Windowed softmax attention ``[B, H, T, hd] x 3 -> [B, H, T, hd]`` (scale ``1/√hd``) over the
-    :func:`window_block_mask` of ``variant``; ``dropout_p`` drops attention weights (module docstring).
+    :func:`window_block_mask` of ``variant``'s w and g; ``dropout_p`` drops attention weights (module docstring).
 
     ``compiled``: the fused kernels of :func:`compiled_flex_attention` (False: FlexAttention's eager reference
     implementation, which builds every score: for tests). ``keep``: a given :func:`draw_keep` mask instead of a
@@ -106,15 +122,17 @@ def flex_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, var
                          "(or auto) there")
     B, H, T, _ = q.shape
     g = n_global_keys(variant, n_global)
-    block_mask = window_block_mask(T, variant, window, g, q.device)
+    block_mask = window_block_mask(T, window, g, q.device)
     attend = compiled_flex_attention() if compiled else flex_attention
     if dropout_p == 0.0:
         return attend(q, k, v, block_mask=block_mask)
     if keep is None:
         keep = draw_keep((B, H, T), window, g, dropout_p, q.device)
+    w_t, g_t = window_scalars(window, g, q.device)
+    cols = keep.shape[-1] - g  # min(w, T): a Python int, like T itself a shape Dynamo specialises on
 
     def drop_scores(score, b, h, q_idx, kv_idx):
-        return torch.where(keep[b, h, q_idx, keep_index(q_idx, kv_idx, window, T, g)], score, -float("inf"))
+        return torch.where(keep[b, h, q_idx, keep_index(q_idx, kv_idx, w_t, cols, g_t)], score, -float("inf"))
 
     lse_request = AuxRequest(lse=True)
     kept, kept_aux = attend(q, k, v, score_mod=drop_scores, block_mask=block_mask, return_aux=lse_request)
