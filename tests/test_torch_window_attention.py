@@ -197,7 +197,8 @@ def test_model_under_torch_compile_trains_like_masked(flex_backward_on_cpu) -> N
     nets = {impl: _model(impl).train() for impl in ("banded", "masked")}  # corrected profile: dropout 0
     losses, grads = {}, {}
     torch._dynamo.reset()
-    wa._BLOCK_MASKS.clear()
+    wa._BLOCK_MASKS.clear()  # built inside the traced step, as a fresh process does
+    wa._SCALARS.clear()
     for impl, net in nets.items():
         def loss(net=net):
             return net(x, y, "ar", need_log_probs=False, need_predictions=False).loss
