@@ -141,15 +141,27 @@ def test_compiles_selects_the_steps(tmp_path: Path) -> None:
         bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--compiles", "graphs"])
 
 
-def test_only_windowed_times_the_attention_cases(tmp_path: Path) -> None:
-    """``--only-windowed``: the windowed-attention cases and the next-token dense SDPA one, nothing else."""
-    assert bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--sections", "gemm,models",
+def test_only_windowed_times_the_attention_cases(tmp_path: Path, monkeypatch) -> None:
+    """``--only-windowed`` reaches the models section, which then builds the windowed-attention cases and the
+    next-token dense SDPA ones, nothing else (the smoke run above times those cases on a CPU)."""
+    seen = {}
+
+    def models_section(*args, **kwargs):
+        seen["only_windowed"] = args[-1]
+        return [{"model": "stand-in"}], []
+
+    monkeypatch.setattr(bench_cuda, "models_section", models_section)
+    write_csv(tmp_path / "gemm.csv", [{"gemm": "head", "dtype": d, "m": 1, "k": 1, "n": 1, "ms": 1, "gflops": 1}
+                                      for d in ("fp32", "bf16")])
+    assert bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--sections", "models",
                             "--only-windowed"]) == 0
-    models = {r["model"] for r in read_csv(tmp_path / "models.csv")}
-    assert models == {*bench_cuda.WINDOWED_MODELS, "dense Transformer (SDPA)"}
-    full = bench_cuda.windowed_cases(bench_cuda.gpu_cases())
-    assert {(c.model, c.T, c.batch) for c in full} == {(m, 2048, 32) for m in bench_cuda.WINDOWED_MODELS} | {
-        ("dense Transformer (SDPA)", 2048, 8)}
+    assert seen == {"only_windowed": True}
+    for smoke, T, batch in ((True, 64, 2), (False, 2048, 32)):
+        cases = bench_cuda.windowed_cases(bench_cuda.gpu_cases(smoke))
+        assert {(c.model, c.T, c.batch) for c in cases if c.model != "dense Transformer (SDPA)"} == {
+            (m, T, batch) for m in bench_cuda.WINDOWED_MODELS}
+        assert {(c.mode, c.T) for c in cases if c.model == "dense Transformer (SDPA)"} == {("nt", T)}
+        assert {c.precision for c in cases} == {"fp32", "bf16"}
 
 
 def test_cpu_device_needs_smoke() -> None:
