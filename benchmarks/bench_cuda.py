@@ -12,7 +12,9 @@ Sections (``--sections``, comma-separated):
   bf16; CUDA events, median of 20 after 3 warm-ups. The largest FLOP/s per dtype is that dtype's peak.
 - ``models``: training steps, fp32 beside bf16 autocast (``train.precision``), eager, compiled
   (``train.compile=on``) and compiled and replayed as CUDA graphs (``train.compile=cudagraphs``), dropout 0.1
-  unless stated. Cases of one (mode, T, batch) are built together and
+  unless stated; the local and global-local Transformers with FlexAttention (``model.attention_impl=banded``)
+  beside the masked local one at T=2048, batch 32 (on a CPU, ``--smoke``, the FlexAttention cases train masked,
+  labelled so: FlexAttention has no backward pass there). Cases of one (mode, T, batch) are built together and
   their timed steps interleaved, one of each per round, so the bf16/fp32 ratios are side by side.
   ``step_peak_mb``: ``torch.cuda.max_memory_allocated`` over one step minus what was allocated before it.
   Fraction of peak: ``pcaf_core.flops.train_step_flops`` per step / step seconds / the dtype's GEMM peak.
@@ -27,7 +29,7 @@ Sections (``--sections``, comma-separated):
   i.e. how much of the step the GPU waits for the host.
 
     python -m benchmarks.bench_cuda [--out-dir bench/cuda] [--sections gemm,models,routing]
-        [--compiles eager,inductor,cudagraphs]
+        [--compiles eager,inductor,cudagraphs] [--only-windowed]
     python -m benchmarks.bench_cuda --render docs/results/bench_cuda --doc docs/results/bench_cuda.md
 
 ``make bench-cuda`` runs both, with ``benchmarks/precision_check.py`` at the paper shape in between.
@@ -69,14 +71,23 @@ class GpuCase:
     dropout: float = 0.1
 
 
+WINDOWED_MODELS = ("local Transformer (FlexAttention)", "global-local Transformer (FlexAttention)",
+                   "local Transformer (masked dense SDPA)")
+"""The windowed-attention cases (``benchmarks.bench_models.MODELS`` labels): FlexAttention over the window's block
+mask (``model.attention_impl=banded``, what ``auto`` runs on CUDA) and the masked ``[T, T]`` SDPA it replaces."""
+
+
 def gpu_cases(smoke: bool = False) -> list[GpuCase]:
     """Full AR at 8,192 tokens a step (T=1024 batch 8, T=2048 batch 4); next-token at T=2048 with the paper
-    row's batch 64 (PCAF) and the dense Transformer's batch 8, dropout matched; each fp32 beside bf16, the PCAF
-    cases eager, and also replayed as CUDA graphs (``cudagraphs``; the steps wait on kernel launches), some
-    compiled without them (``inductor``). ``smoke``: T=64 stand-ins of the eager full-AR and next-token cases."""
+    row's batch 64 (PCAF) and the dense Transformer's batch 8, and the local and global-local Transformers with
+    FlexAttention beside the masked local one at the ``wt2-nt-2048`` rows' batch 32, dropout matched; each fp32
+    beside bf16, the PCAF cases eager, and also replayed as CUDA graphs (``cudagraphs``; the steps wait on kernel
+    launches), some compiled without them (``inductor``). ``smoke``: T=64 stand-ins of the eager full-AR and
+    next-token cases."""
     P, S, D = "PCAF-context", "PCAF-semantic (bucketed)", "dense Transformer (SDPA)"
     if smoke:
         base = [GpuCase(P, "ar", 64, 2), GpuCase(P, "nt", 64, 4), GpuCase(D, "nt", 64, 2)]
+        base += [GpuCase(m, "nt", 64, 2) for m in WINDOWED_MODELS]
     else:
         base = [GpuCase(P, "ar", 1024, 8), GpuCase(P, "ar", 1024, 8, compile="inductor"),
                 GpuCase(P, "ar", 1024, 8, compile="cudagraphs"), GpuCase(S, "ar", 1024, 8),
@@ -84,6 +95,7 @@ def gpu_cases(smoke: bool = False) -> list[GpuCase]:
                 GpuCase(P, "ar", 2048, 4, compile="cudagraphs"), GpuCase(P, "nt", 2048, 64),
                 GpuCase(P, "nt", 2048, 64, compile="inductor"), GpuCase(P, "nt", 2048, 64, compile="cudagraphs"),
                 GpuCase(D, "nt", 2048, 8)]
+        base += [GpuCase(m, "nt", 2048, 32) for m in WINDOWED_MODELS]
     return [replace(c, precision=p) for c in base for p in ("fp32", "bf16")]
 
 
@@ -163,15 +175,31 @@ def gemm_section(device: str = "cuda", smoke: bool = False) -> list[dict]:
     return rows
 
 
-def _policy(cfg) -> str:
+def _policy(cfg, note: str = "") -> str:
     """``benchmarks.bench_models``' policy label, except for Transformers, whose SDPA kernel that module reads
-    off a CPU profile: here the device's own choice."""
+    off a CPU profile: here the device's own choice, or FlexAttention (``note``: what a CPU ran instead)."""
     from benchmarks.bench_models import _policy as cpu_policy
-    from pcaf_core.config import TRANSFORMER_VARIANTS
+    from pcaf_core.config import TRANSFORMER_VARIANTS, WINDOWED_VARIANTS
 
+    if cfg.model.variant in WINDOWED_VARIANTS:
+        if cfg.model.attention_impl == "banded":
+            return "FlexAttention over the window's block mask (torch.compile)"
+        return "SDPA under the [T, T] window mask (the kernel torch picks on the device)" + note
     if cfg.model.variant in TRANSFORMER_VARIANTS:
         return "causal SDPA (the kernel torch picks on the device)"
     return cpu_policy(cfg)
+
+
+CPU_STAND_IN = "; a CPU stand-in for FlexAttention, which has no backward pass on a CPU"
+
+
+def device_config(cfg, device: str) -> tuple[object, str]:
+    """``cfg`` for ``device`` and a note for its policy label: on a CPU (``--smoke``) a FlexAttention case trains
+    masked, since FlexAttention has no backward pass there, and its label says so."""
+    if device == "cpu" and cfg.model.attention_impl == "banded":
+        cfg.model.attention_impl = "masked"
+        return cfg, CPU_STAND_IN
+    return cfg, ""
 
 
 def _failure(case: GpuCase, section: str, err: Exception) -> dict:
@@ -183,11 +211,18 @@ def _failure(case: GpuCase, section: str, err: Exception) -> dict:
             "dtype": case.precision, "compile": case.compile, "error": message}
 
 
+def windowed_cases(cases: list[GpuCase]) -> list[GpuCase]:
+    """``--only-windowed``: the windowed-attention cases and the next-token dense SDPA ones they are set beside."""
+    dense = "dense Transformer (SDPA)"
+    return [c for c in cases if c.model in WINDOWED_MODELS or (c.model == dense and c.mode == "nt")]
+
+
 def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str = "cuda",
-                   smoke: bool = False, compiles: tuple[str, ...] = COMPILES) -> tuple[list[dict], list[dict]]:
-    """The timed rows of the cases whose ``compile`` is in ``compiles``, and the compiled cases that failed to
-    build or compile (an eager failure is a bug and stops the run; a compiled case's is recorded so that one case
-    cannot cost the whole run)."""
+                   smoke: bool = False, compiles: tuple[str, ...] = COMPILES,
+                   only_windowed: bool = False) -> tuple[list[dict], list[dict]]:
+    """The timed rows of the cases whose ``compile`` is in ``compiles`` (``only_windowed``: of
+    :func:`windowed_cases`), and the compiled cases that failed to build or compile (an eager failure is a bug and
+    stops the run; a compiled case's is recorded so that one case cannot cost the whole run)."""
     import torch
 
     from backends.torch.backend import TorchBackend
@@ -198,7 +233,8 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
     # under a compiled label, so hitting it stops the run instead.
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     groups: dict[tuple, list[GpuCase]] = {}
-    for case in (c for c in gpu_cases(smoke) if c.compile in compiles):
+    cases = windowed_cases(gpu_cases(smoke)) if only_windowed else gpu_cases(smoke)
+    for case in (c for c in cases if c.compile in compiles):
         groups.setdefault((case.mode, case.T, case.batch if case.model != "dense Transformer (SDPA)" else 0),
                           []).append(case)
     rows, failures = [], []
@@ -206,7 +242,7 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
         entries = []
         for case in group:
             cpu_case = Case(case.model, case.mode, case.T, case.batch, case.dropout, case.compile, case.precision)
-            cfg = run_config(cpu_case)
+            cfg, note = device_config(run_config(cpu_case), device)
             try:
                 backend = TorchBackend(device)
                 state = backend.init(cfg)
@@ -229,7 +265,7 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
             row = {"model": case.model, "backend": "torch", "dtype": case.precision, "mode": case.mode, "T": case.T,
                    "batch": case.batch, "d": cfg.model.d_model, "d_hidden": cfg.model.d_hidden,
                    "layers": cfg.model.n_layers, "V": cfg.model.vocab_size, "dropout": case.dropout,
-                   "compile": case.compile, "profile": cfg.profile.name, "policy": _policy(cfg),
+                   "compile": case.compile, "profile": cfg.profile.name, "policy": _policy(cfg, note),
                    "tokens_source": source, "first_step_s": round(first, 2),
                    "first_loss": round(loss, 4), "step_peak_mb": round(peak_mb, 1),
                    "params": backend.param_count(state)}
@@ -356,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the training steps to time and profile (comma-separated; default all): a subset "
                              "writes models.csv and profile.csv with those rows alone, so give it its own --out-dir")
     parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--only-windowed", action="store_true",
+                        help="models section: only the windowed-attention cases and the next-token dense SDPA ones "
+                             "(give it its own --out-dir)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=20, help="timed runs of a route")
@@ -395,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"the models section divides by the GEMM peaks: run it with gemm (no {out}/gemm.csv)")
         peaks = {d: max(float(r["gflops"]) for r in read_csv(out / "gemm.csv") if r["dtype"] == d)
                  for d in ("fp32", "bf16")}
-        model_rows, failures = models_section(peaks, args.warmup, args.steps, args.device, args.smoke, compiles)
+        model_rows, failures = models_section(peaks, args.warmup, args.steps, args.device, args.smoke, compiles,
+                                              args.only_windowed)
         write_csv(out / "models.csv", model_rows)
         write_failures(out, "models", failures)
     if "routing" in sections:

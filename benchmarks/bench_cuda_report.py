@@ -68,6 +68,40 @@ def curve_gaps(bench_dir: Path) -> dict[str, float]:
             if (bench_dir / f"{stem}.csv").exists()}
 
 
+FLEX_MODELS = ("local Transformer (FlexAttention)", "global-local Transformer (FlexAttention)")
+MASKED_LOCAL, DENSE = "local Transformer (masked dense SDPA)", "dense Transformer (SDPA)"
+
+
+def windowed_section(models: list[dict]) -> list[str]:
+    """The page's lines on windowed attention: the next-token steps of the local and global-local Transformers with
+    FlexAttention beside the masked local one and the dense SDPA Transformer, per target (they train different
+    batches), each dtype; nothing when the run has no FlexAttention row."""
+    rows = [r for r in models if r["model"] in (*FLEX_MODELS, MASKED_LOCAL, DENSE) and r["mode"] == "nt"
+            and r["compile"] == "eager"]
+    if not any(r["model"] in FLEX_MODELS for r in rows):
+        return []
+    out = ["", "## Windowed attention beside SDPA", "",
+           "Next-token training steps of the Transformers (the WikiText-2 paper rows' model: d, layers and V in the "
+           "table below; dropout on the attention weights too), eager steps: the local (w=128) and global-local "
+           "(w=128, g=16) models with FlexAttention over the window's block mask (`model.attention_impl=banded`, what "
+           "`auto` runs on CUDA; two FlexAttention calls a layer with dropout, docs/BACKENDS.md), the local model "
+           "under the `[T, T]` mask (`masked`), and the dense causal SDPA Transformer. Per target, since the rows "
+           "train different batches (the `wt2-nt-2048` rows' 32 for the windowed models); `x masked`: targets/s over "
+           "the masked local model's in the same dtype, `x dense`: over the dense Transformer's.", "",
+           "| model | dtype | T | batch | step (ms) | targets/s | step peak (MB) | x masked | x dense | policy |",
+           "|---" * 10 + "|"]
+    for dtype in ("fp32", "bf16"):
+        same = [r for r in rows if r["dtype"] == dtype]
+        base = {m: next((float(r["targets_per_s"]) for r in same if r["model"] == m), 0.0)
+                for m in (MASKED_LOCAL, DENSE)}
+        for r in sorted(same, key=lambda r: (r["model"] not in FLEX_MODELS, r["model"])):
+            tps = float(r["targets_per_s"])
+            ratios = [f"{tps / base[m]:.2f}x" if base[m] else "-" for m in (MASKED_LOCAL, DENSE)]
+            out.append(f"| {r['model']} | {dtype} | {r['T']} | {r['batch']} | {r['step_ms']} | {_f(tps, 0)} | "
+                       f"{r['step_peak_mb']} | {ratios[0]} | {ratios[1]} | {r.get('policy', '')} |")
+    return out
+
+
 def render(bench_dir: Path, doc: Path) -> None:
     """``doc`` from the CSVs of a run under ``bench_dir`` (gemm.csv, models.csv, routing.csv, labels.csv and,
     when present, the learning-curve runs of ``CURVE_RUNS`` from ``benchmarks/precision_check.py`` on the same
@@ -162,6 +196,7 @@ def render(bench_dir: Path, doc: Path) -> None:
                             f"{_f(gprof['bf16']['kernels_per_step'], 0)} kernels) against fp32's "
                             f"{gfp['step_ms']} ms: "
                             f"{float(gbf['tokens_per_s']) / float(gfp['tokens_per_s']):.2f}x.")
+    out += windowed_section(models)
     out += ["", "## GEMM peaks", "", "| GEMM | dtype | shape | ms | GFLOP/s |", "|---|---|---|---|---|"]
     out += [f"| {r['gemm']} | {r['dtype']} | [{r['m']}, {r['k']}] @ [{r['k']}, {r['n']}] | {r['ms']} | "
             f"{_f(r['gflops'], 0)} |" for r in gemm]

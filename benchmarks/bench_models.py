@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import environment_labels, median_seconds, text_tokens, write_csv
-from pcaf_core.config import CACHE_VARIANTS, TRANSFORMER_VARIANTS
+from pcaf_core.config import CACHE_VARIANTS, TRANSFORMER_VARIANTS, WINDOWED_VARIANTS
 from pcaf_core.flops import train_step_flops
 from pcaf_core.sysinfo import cpu_has_bf16_matmul
 
@@ -61,7 +61,11 @@ MODELS = {  # label -> (table, row, overrides)
                                  ["memory.route=semantic", "memory.semantic_index=bucketed"]),
     "local conv": ("wt2-nt-1024", "local_conv", []),
     "dense Transformer (SDPA)": ("wt2-nt-1024", "transformer_dense", []),
-    "local Transformer (masked dense SDPA)": ("wt2-nt-1024", "transformer_local", []),
+    "local Transformer (masked dense SDPA)": ("wt2-nt-1024", "transformer_local", ["model.attention_impl=masked"]),
+    # GPU only (benchmarks/bench_cuda): FlexAttention trains on CUDA, not on a CPU.
+    "local Transformer (FlexAttention)": ("wt2-nt-1024", "transformer_local", ["model.attention_impl=banded"]),
+    "global-local Transformer (FlexAttention)": ("wt2-nt-1024", "transformer_global_local",
+                                                 ["model.attention_impl=banded"]),
 }
 PROFILED_MODEL, PROFILED_T, PROFILED_T_QUICK = "PCAF-context", 1024, 256
 """The eager fp32 PCAF-context cases (dropout 0.1) at this T also run one step under ``torch.profiler``, in
@@ -99,7 +103,7 @@ def cases(quick: bool, bf16_unit: bool) -> list[Case]:
     """The measured matrix (pruned to fit about 10 minutes on 2 cores; docs/EXPERIMENTS.md says what was left
     out): compiled only next-token (T=1024) and full-AR (T=1024, 2048) PCAF-context, each compile costing 20-70 s.
     ``quick``: T=256 stand-ins of the main cases, no compile, no bf16."""
-    P, S, L, D, W = MODELS
+    P, S, L, D, W = list(MODELS)[:5]
     if quick:
         return [Case(P, "nt", 256, 8, 0.1), Case(L, "nt", 256, 8, 0.1), Case(D, "nt", 256, 8, 0.1),
                 Case(P, "ar", 256, 1, 0.1), Case(D, "ar", 256, 1, 0.1)]
@@ -361,7 +365,9 @@ def finish(case: Case, cfg, row: dict, times: list[float]) -> dict:
     executed = full
     if case.mode == "nt" and cfg.model.variant not in TRANSFORMER_VARIANTS:
         executed = train_step_flops(cfg.model, cfg.memory, case.mode, T, B, nt_count="receptive_field")
-    if cfg.model.variant == "transformer_local":
+    if cfg.model.variant in WINDOWED_VARIANTS and cfg.model.attention_impl != "banded":
+        # Masked windowed attention computes every [T, T] score (auto is masked on a CPU). FlexAttention's are the
+        # model's count (its partial blocks compute a little more).
         executed = train_step_flops(cfg.model, cfg.memory, case.mode, T, B, attention_keys="computed")
     row.update(step_ms=round(step_s * 1e3, 2), steps=len(times), tokens_per_s=round(B * T / step_s, 1),
                step_times_ms=";".join(f"{t * 1e3:.1f}" for t in times),

@@ -247,6 +247,11 @@ def caption_lines(report: Report) -> list[str]:
     profiles = _collected(report, "profiles")
     protocols = _collected(report, "protocols")
     devices = _collected(report, "devices")
+    if len(devices) > 1:
+        # Rows trained on different machines (or finished at different times on different GPUs): say which ran
+        # where, since throughput and memory columns depend on it.
+        rows = list(zip(report.agg["row"], report.agg["devices"], strict=True))
+        devices = [f"{d} ({', '.join(f'`{r}`' for r, ds in rows if d in (ds or []))})" for d in devices]
     paper_profiles = sorted({r.profile for r in spec.rows})
     proto_text = "; ".join(PROTOCOL_TEXT.get(p, p) for p in _expand_protocols(protocols)) or "none recorded"
     source = f"paper table `{spec.label}`" if spec.label else "not a paper table"
@@ -256,7 +261,7 @@ def caption_lines(report: Report) -> list[str]:
         f"{', '.join(profiles) or 'none'} (paper's rows: {', '.join(paper_profiles)})"
         + (f" · profile filter: {report.profile_filter}" if report.profile_filter else ""),
         f"Evaluation protocol: {proto_text}. Paper values use the reference protocol.",
-        f"Device(s): {', '.join(devices) or 'none recorded'} · Runs read: {report.n_records} record(s) "
+        f"Device(s): {' / '.join(devices) or 'none recorded'} · Runs read: {report.n_records} record(s) "
         f"under `{report.runs_root}`.",
     ]
     return lines

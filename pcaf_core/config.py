@@ -25,6 +25,11 @@ MODEL_VARIANTS = (
 PCAF_VARIANTS = ("pcaf", "pcaf_no_gate", "pcaf_no_cache")
 CACHE_VARIANTS = ("pcaf", "pcaf_no_gate")
 TRANSFORMER_VARIANTS = ("transformer_dense", "transformer_local", "transformer_global_local", "linear_attention")
+WINDOWED_VARIANTS = ("transformer_local", "transformer_global_local")  # softmax attention over a window
+# How a backend computes windowed attention (model.attention_impl): banded = only the key blocks within the
+# window (torch: FlexAttention with a block mask; JAX: a blocked band of GEMMs); masked = every [T, T] score
+# under the mask; auto = the backend's choice per device (docs/BACKENDS.md, "Windowed attention").
+ATTENTION_IMPLS = ("auto", "banded", "masked")
 ROUTES = ("context", "semantic", "hybrid")
 SEMANTIC_INDEXES = ("dense", "bucketed")
 CANDIDATE_POLICIES = ("topk_score", "recent", "first")
@@ -87,6 +92,7 @@ class ModelConfig:
     n_global: int = 16  # global-local attention: the first n_global positions are visible to all
     linear_chunk: int = 64  # linear attention chunk length (an implementation detail; exact)
     max_seq_len: int = 1024  # the trainable positional table has max_seq_len rows
+    attention_impl: str = "auto"  # windowed attention: auto | banded | masked (same values; an implementation choice)
 
     def __post_init__(self) -> None:
         s = "model"
@@ -98,6 +104,9 @@ class ModelConfig:
         _require(self.vocab_size >= 3, s, "vocab_size", self.vocab_size,
                  "must hold the specials <pad>, <unk>, <eos>")
         _require(self.n_global >= 0, s, "n_global", self.n_global, "must be >= 0")
+        _one_of(s, "attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _require(self.attention_impl == "auto" or self.variant in WINDOWED_VARIANTS, s, "attention_impl",
+                 self.attention_impl, f"applies to {list(WINDOWED_VARIANTS)} only, not {self.variant!r}: leave it auto")
         if self.variant in TRANSFORMER_VARIANTS:
             _require(self.d_model % self.n_heads == 0, s, "n_heads", self.n_heads,
                      f"must divide d_model={self.d_model}")

@@ -26,6 +26,12 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     assert {(r["model"], r["dtype"]) for r in models} >= {("PCAF-context", "fp32"), ("PCAF-context", "bf16"),
                                                           ("dense Transformer (SDPA)", "fp32")}
     assert all(float(r["tokens_per_s"]) > 0 and float(r["model_pct"]) > 0 for r in models)
+    windowed = {(r["model"], r["dtype"]): r for r in models if r["model"] in bench_cuda.WINDOWED_MODELS}
+    assert set(windowed) == {(m, d) for m in bench_cuda.WINDOWED_MODELS for d in ("fp32", "bf16")}
+    assert all(r["mode"] == "nt" and r["T"] == "64" and r["batch"] == "2" for r in windowed.values())
+    # A CPU trains the FlexAttention cases masked (no backward pass there), and their label says so.
+    flex = [r for (m, _), r in windowed.items() if "FlexAttention" in m]
+    assert flex and all(r["policy"].endswith(bench_cuda.CPU_STAND_IN) for r in flex)
     routes = {r["route"] for r in read_csv(smoke_run / "routing.csv")}
     assert routes == set(bench_cuda.ROUTING_ROUTES)
     assert read_csv(smoke_run / "labels.csv")[0]["bench_set"] == "smoke"
@@ -75,6 +81,10 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert curves.index("### eager step") < curves.index("Command: eager curves") < curves.index(
         "### cudagraphs step") < curves.index("Command: graphed curves")
     assert "## Routing on the GPU" in text and "## Where the full-AR step's time goes" in text
+    windowed = text[text.index("## Windowed attention beside SDPA"):text.index("## GEMM peaks")]
+    for model in (*bench_cuda.WINDOWED_MODELS, "dense Transformer (SDPA)"):
+        assert f"| {model} | fp32 | " in windowed and f"| {model} | bf16 | " in windowed
+    assert "| local Transformer (masked dense SDPA) | fp32 | 2048 | 2 |" in windowed and "| 1.00x |" in windowed
     summary = bench_cuda_report.bf16_summary(run)
     assert summary is not None and summary["speed_verdict"] == "met (best case: T=1024 batch 8 eager)"
     assert "T=1024 batch 8 cudagraphs: 2.20x" in summary["speed"] and summary["curves_verdict"] == "met"
@@ -89,6 +99,23 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     write_csv(run / "models.csv", rows)
     assert bench_cuda_report.bf16_summary(run)["speed_verdict"] == "missed by 1.14x (best case: T=1024 batch 8 " \
                                                                    "cudagraphs)"
+
+
+def test_gpu_cases_time_flex_attention_at_the_paper_shape() -> None:
+    """The full run times the windowed Transformers with FlexAttention at the ``wt2-nt-2048`` rows' T and batch,
+    fp32 and bf16, beside the masked local one and the dense SDPA Transformer; the configs ask for what they say."""
+    from benchmarks.bench_models import Case, run_config
+
+    cases = {(c.model, c.precision): c for c in bench_cuda.gpu_cases() if c.mode == "nt" and c.T == 2048}
+    for model in bench_cuda.WINDOWED_MODELS:
+        for dtype in ("fp32", "bf16"):
+            c = cases[(model, dtype)]
+            assert (c.batch, c.dropout, c.compile) == (32, 0.1, "eager")
+    assert cases[("dense Transformer (SDPA)", "fp32")].batch == 8
+    impl = {m: run_config(Case(m, "nt", 2048, 32, 0.1)).model for m in bench_cuda.WINDOWED_MODELS}
+    assert [(impl[m].variant, impl[m].attention_impl) for m in bench_cuda.WINDOWED_MODELS] == [
+        ("transformer_local", "banded"), ("transformer_global_local", "banded"), ("transformer_local", "masked")]
+    assert (impl[bench_cuda.WINDOWED_MODELS[1]].window, impl[bench_cuda.WINDOWED_MODELS[1]].n_global) == (128, 16)
 
 
 def test_failures_of_a_section_replace_its_earlier_ones(tmp_path: Path) -> None:
@@ -112,6 +139,29 @@ def test_compiles_selects_the_steps(tmp_path: Path) -> None:
     assert {r["compile"] for r in read_csv(tmp_path / "profile.csv")} == {"eager"}
     with pytest.raises(SystemExit, match="unknown compile mode"):
         bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--compiles", "graphs"])
+
+
+def test_only_windowed_times_the_attention_cases(tmp_path: Path, monkeypatch) -> None:
+    """``--only-windowed`` reaches the models section, which then builds the windowed-attention cases and the
+    next-token dense SDPA ones, nothing else (the smoke run above times those cases on a CPU)."""
+    seen = {}
+
+    def models_section(*args, **kwargs):
+        seen["only_windowed"] = args[-1]
+        return [{"model": "stand-in"}], []
+
+    monkeypatch.setattr(bench_cuda, "models_section", models_section)
+    write_csv(tmp_path / "gemm.csv", [{"gemm": "head", "dtype": d, "m": 1, "k": 1, "n": 1, "ms": 1, "gflops": 1}
+                                      for d in ("fp32", "bf16")])
+    assert bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--sections", "models",
+                            "--only-windowed"]) == 0
+    assert seen == {"only_windowed": True}
+    for smoke, T, batch in ((True, 64, 2), (False, 2048, 32)):
+        cases = bench_cuda.windowed_cases(bench_cuda.gpu_cases(smoke))
+        assert {(c.model, c.T, c.batch) for c in cases if c.model != "dense Transformer (SDPA)"} == {
+            (m, T, batch) for m in bench_cuda.WINDOWED_MODELS}
+        assert {(c.mode, c.T) for c in cases if c.model == "dense Transformer (SDPA)"} == {("nt", T)}
+        assert {c.precision for c in cases} == {"fp32", "bf16"}
 
 
 def test_cpu_device_needs_smoke() -> None:

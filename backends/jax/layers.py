@@ -25,6 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from backends.jax.window_attention import banded_attention
+from pcaf_core.config import WINDOWED_VARIANTS
 from pcaf_core.params import sinusoidal_table
 from pcaf_core.reference import LN_EPS, attention_allowed
 
@@ -372,7 +374,12 @@ def causal_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int
 class Attention(nn.Module):
     """Multi-head attention with a fused ``qkv`` projection (columns ``[q | k | v]``, heads contiguous)
     and an ``out`` projection: softmax attention masked per variant, or normalised linear attention
-    (computed in ``wide(dtype)``: its running sums would lose too much in bfloat16)."""
+    (computed in ``wide(dtype)``: its running sums would lose too much in bfloat16).
+
+    Windowed variants (local, global-local) follow ``attention_impl`` (``model.attention_impl``): ``banded``
+    (and ``auto``) is the blocked band of :func:`backends.jax.window_attention.banded_attention`, ``masked``
+    every ``[T, T]`` score under the mask (:func:`attention`).
+    """
 
     d_model: int
     n_heads: int
@@ -382,6 +389,7 @@ class Attention(nn.Module):
     linear_chunk: int
     dropout: float = 0.0
     dtype: Dtype = jnp.float32
+    attention_impl: str = "auto"
 
     def setup(self) -> None:
         self.qkv = Dense(3 * self.d_model, dtype=self.dtype)
@@ -399,6 +407,9 @@ class Attention(nn.Module):
             work = wide(self.dtype)
             q, k, v = (y.astype(work).transpose(0, 2, 1, 3) for y in (q, k, v))
             o = causal_linear_attention(q, k, v, self.linear_chunk).transpose(0, 2, 1, 3)
+        elif self.variant in WINDOWED_VARIANTS and self.attention_impl != "masked":
+            o = banded_attention(q, k, v, self.variant, self.window, self.n_global,
+                                 lambda p: self.drop(p, deterministic=deterministic))
         else:
             mask = attention_mask(T, self.variant, self.window, self.n_global)
             o = attention(q, k, v, mask, lambda p: self.drop(p, deterministic=deterministic))
@@ -418,11 +429,12 @@ class TransformerBlock(nn.Module):
     gelu_form: str
     dropout: float = 0.0
     dtype: Dtype = jnp.float32
+    attention_impl: str = "auto"
 
     def setup(self) -> None:
         self.attn_norm = LayerNorm(dtype=self.dtype)
         self.attn = Attention(self.d_model, self.n_heads, self.variant, self.window, self.n_global,
-                              self.linear_chunk, self.dropout, dtype=self.dtype)
+                              self.linear_chunk, self.dropout, dtype=self.dtype, attention_impl=self.attention_impl)
         self.mlp_norm = LayerNorm(dtype=self.dtype)
         self.mlp_in = Dense(self.d_hidden, dtype=self.dtype)
         self.mlp_out = Dense(self.d_model, dtype=self.dtype)

@@ -529,7 +529,8 @@ class TransformerLM(CanonicalLM):
         if has_positional_table(model, profile):
             self.pos = PositionalTable(model.max_seq_len, d, profile.positional_scale)
         self.blocks = [TransformerBlock(d, hid, model.n_heads, model.variant, model.window, model.n_global,
-                                        model.linear_chunk, profile.gelu, p, dtype=self.dtype)
+                                        model.linear_chunk, profile.gelu, p, dtype=self.dtype,
+                                        attention_impl=model.attention_impl)
                        for _ in range(model.n_layers)]
         self.head = Head(hid, V, profile.gelu, p, dtype=self.dtype)
 

@@ -53,7 +53,9 @@ def compile_pays_off(cfg: RunConfig) -> bool:
       batch 2, V=8,000; 40 rounds), 1.01 for local conv there; a tie (0.99) at the paper shape (T=1,024
       batch 4 and T=2,048 batch 2, V=20,000, dropout 0.1; 8 rounds), where the three vocabulary products are
       about 80% of the step and compiling leaves them as they are;
-    - not the Transformers (the dense one 0.86x at V=8,000);
+    - not the Transformers (the dense one 0.86x at V=8,000; measured on a CPU, where the windowed ones run masked
+      SDPA: on CUDA their FlexAttention traces into the compiled step's one graph under ``on``, and whether
+      compiling pays there is not measured);
     - not routes that rank with ρ as a host number (``topk_score``, the dense semantic route): Dynamo
       specialises on the value, which every optimiser step changes, and recompiles each step (5.5 s a step
       against 0.35 s eager).

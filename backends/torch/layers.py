@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.torch.head_loss import target_log_softmax, widen
+from backends.torch.window_attention import flex_window_attention
+from pcaf_core.config import WINDOWED_VARIANTS
 from pcaf_core.params import sinusoidal_table
 from pcaf_core.reference import LN_EPS, attention_allowed
 
@@ -291,16 +293,29 @@ def causal_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 class Attention(nn.Module):
     """Multi-head attention with a fused ``qkv`` projection (columns ``[q | k | v]``, heads contiguous)
-    and an ``out`` projection: softmax attention masked per variant, or normalised linear attention."""
+    and an ``out`` projection: softmax attention masked per variant, or normalised linear attention.
+
+    Windowed variants (local, global-local) follow ``impl`` (``model.attention_impl``): ``banded`` is
+    FlexAttention over the window's block mask (:mod:`backends.torch.window_attention`), ``masked`` SDPA under
+    the ``[T, T]`` mask, ``auto`` banded on CUDA and masked elsewhere (FlexAttention has no backward pass on a
+    CPU, so a CPU trains masked).
+    """
 
     def __init__(self, d: int, n_heads: int, variant: str, window: int, n_global: int, linear_chunk: int,
-                 dropout: float) -> None:
+                 dropout: float, impl: str = "auto") -> None:
         super().__init__()
         self.qkv = nn.Linear(d, 3 * d)
         self.out = nn.Linear(d, d)
         self.n_heads, self.variant = n_heads, variant
         self.window, self.n_global, self.linear_chunk = window, n_global, linear_chunk
         self.dropout = dropout
+        self.impl = impl
+
+    def banded(self, device: torch.device) -> bool:
+        """Whether windowed attention on ``device`` runs FlexAttention (``impl``; ``auto``: on CUDA)."""
+        if self.variant not in WINDOWED_VARIANTS or self.impl == "masked":
+            return False
+        return self.impl == "banded" or device.type == "cuda"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T, d] -> [B, T, d]``."""
@@ -314,6 +329,8 @@ class Attention(nn.Module):
             p = self.dropout if self.training else 0.0
             if self.variant == "transformer_dense":
                 o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            elif self.banded(x.device):
+                o = flex_window_attention(q, k, v, self.variant, self.window, self.n_global, p)
             else:
                 mask = attention_mask(T, self.variant, self.window, self.n_global, x.device)
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
@@ -324,10 +341,10 @@ class TransformerBlock(nn.Module):
     """Pre-LN block: ``x += drop(Attn(LN x))``; ``x += drop(W2·drop(GELU(W1·LN x)))``."""
 
     def __init__(self, d: int, d_hidden: int, n_heads: int, variant: str, window: int, n_global: int,
-                 linear_chunk: int, gelu_form: str, dropout: float) -> None:
+                 linear_chunk: int, gelu_form: str, dropout: float, attention_impl: str = "auto") -> None:
         super().__init__()
         self.attn_norm = layer_norm(d)
-        self.attn = Attention(d, n_heads, variant, window, n_global, linear_chunk, dropout)
+        self.attn = Attention(d, n_heads, variant, window, n_global, linear_chunk, dropout, attention_impl)
         self.mlp_norm = layer_norm(d)
         self.mlp_in = nn.Linear(d, d_hidden)
         self.mlp_out = nn.Linear(d_hidden, d)

@@ -449,7 +449,7 @@ class TransformerLM(CanonicalLM):
             self.pos = FixedPositions(d, profile.positional, profile.positional_scale)
         self.blocks = nn.ModuleList(
             TransformerBlock(d, h, model.n_heads, model.variant, model.window, model.n_global, model.linear_chunk,
-                             profile.gelu, p)
+                             profile.gelu, p, model.attention_impl)
             for _ in range(model.n_layers))
         self.head = Head(d, h, V, profile.gelu, p)
 

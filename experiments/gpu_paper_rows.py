@@ -1,0 +1,183 @@
+"""Paper-scale rows on a GPU machine: step costs, the rows themselves, and their run records to take home.
+
+    python3 -m experiments.gpu_paper_rows --make-site          # here, once: .gpu_site/ from this environment
+    python3 -m experiments.gpu_paper_rows [--step-cost wt2-nt-1024,wt2-nt-2048] [--out DIR] [--budget-s S]
+                                          [--scale paper] [--device cuda] TABLE/ROW ...
+
+On the GPU machine (docs/EXPERIMENTS.md, "Paper rows on a GPU"), in order:
+
+1. ``make step-cost TABLE=<t> SCALE=<scale>`` for each table of ``--step-cost`` (none: ``--step-cost ''``), with
+   ``--device`` and ``data.layout=tokens``; the per-row costs go to ``<out>/step_cost/<t>.csv`` and the log;
+2. each ``TABLE/ROW`` in turn: ``python -m experiments.reproduce --table <t> --scale <scale> --backend torch
+   --rows <row> --no-render backend.device=<device> data.layout=tokens`` (the raw WikiText-2 release is not
+   offline; the tokenized one stands in, which every record lists as a deviation), its runs under
+   ``--output-root``;
+3. after each row, its completed runs' records (``config.yaml``, ``environment.json``, ``metrics.json``,
+   ``curve.csv``; no checkpoints) to ``<out>/runs/<t>/<scale>/torch/<row>/<run>/``, so a row finished before the
+   machine goes away is already out.
+
+``--budget-s``: a row whose training time predicted by step 1 (``train_s``, evaluation not included) exceeds the
+seconds left is skipped, with a line saying so. The tables render here, from the records alone:
+``python -m paper_tables render --table <t> --scale paper --backend torch --runs <records> --out <dir>``.
+
+The GPU machine has torch but not Hydra: ``--make-site`` copies Hydra, OmegaConf and the antlr4 runtime (pure
+Python) from this environment into the ignored ``.gpu_site/``, which the steps put on ``PYTHONPATH`` when it
+exists. This module needs the standard library only, so it runs there before that path is set.
+``--device cpu --scale smoke`` is the CPU dry run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SITE = REPO / ".gpu_site"
+SITE_PACKAGES = (("hydra", "hydra_core"), ("omegaconf", "omegaconf"), ("antlr4", "antlr4_python3_runtime"))
+"""(module, distribution name in its ``.dist-info``) of each pure-Python package ``.gpu_site`` holds."""
+RECORD_FILES = ("config.yaml", "environment.json", "metrics.json", "curve.csv")
+"""What a run record is made of: no checkpoints."""
+PAPER_TABLES = ("wt2-nt-1024", "wt2-nt-2048")
+
+
+def make_site(dest: Path = SITE) -> list[str]:
+    """Copy :data:`SITE_PACKAGES` (and their ``.dist-info``, which version lookups read) from this interpreter's
+    environment into ``dest``, replacing what was there; returns what was copied."""
+    import importlib
+
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    copied = []
+    for module, dist in SITE_PACKAGES:
+        src = Path(importlib.import_module(module).__file__).parent
+        shutil.copytree(src, dest / module, ignore=shutil.ignore_patterns("__pycache__"))
+        infos = sorted(src.parent.glob(f"{dist}-*.dist-info"))
+        for info in infos:
+            shutil.copytree(info, dest / info.name)
+        copied += [module, *(i.name for i in infos)]
+    return copied
+
+
+def child_env() -> dict[str, str]:
+    """The environment of every step: ``.gpu_site`` (when it exists) and the repository first on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    paths = [str(SITE)] if SITE.is_dir() else []
+    paths += [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def step_cost_command(table: str, scale: str, device: str, csv_path: Path, python: str) -> list[str]:
+    """``make step-cost`` for ``table`` with this interpreter (no virtualenv or data target is remade: the GPU
+    machine has no ``.venv`` and prepares data on first use); ``python -m experiments.step_cost`` without make."""
+    overrides = f"--device {device} --csv {csv_path} data.layout=tokens"
+    if shutil.which("make"):
+        return ["make", "-o", ".venv/.installed", "-o", "data", "step-cost", f"PY={python}", f"TABLE={table}",
+                f"SCALE={scale}", "BACKEND=torch", f"OVERRIDES={overrides}"]
+    return [python, "-m", "experiments.step_cost", "--table", table, "--scale", scale, "--backend", "torch",
+            *overrides.split()]
+
+
+def reproduce_command(table: str, row: str, scale: str, device: str, output_root: Path, python: str) -> list[str]:
+    return [python, "-m", "experiments.reproduce", "--table", table, "--scale", scale, "--backend", "torch",
+            "--rows", row, "--output-root", str(output_root), "--no-render", f"backend.device={device}",
+            "data.layout=tokens"]
+
+
+def copy_records(output_root: Path, table: str, scale: str, row: str, dest_root: Path) -> list[Path]:
+    """The :data:`RECORD_FILES` of every completed run of ``row`` under ``output_root`` copied to
+    ``dest_root/<table>/<scale>/torch/<row>/<run>/``; returns the destination folders."""
+    copied = []
+    for metrics in sorted((output_root / table / scale / "torch" / row).glob("*/metrics.json")):
+        try:
+            status = json.loads(metrics.read_text()).get("status")
+        except (OSError, ValueError):
+            continue
+        if status != "completed":
+            continue
+        dest = dest_root / table / scale / "torch" / row / metrics.parent.name
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in RECORD_FILES:
+            if (metrics.parent / name).exists():
+                shutil.copy2(metrics.parent / name, dest / name)
+        copied.append(dest)
+    return copied
+
+
+def predicted_seconds(out: Path) -> dict[tuple[str, str], float]:
+    """``{(table, row): train_s}`` from the step-cost CSVs under ``out/step_cost``."""
+    costs = {}
+    for path in sorted((out / "step_cost").glob("*.csv")):
+        with open(path, newline="") as fh:
+            for r in csv.DictReader(fh):
+                costs[(r["table"], r["row"])] = float(r["train_s"])
+    return costs
+
+
+def parse_rows(items: list[str]) -> list[tuple[str, str]]:
+    rows = []
+    for item in items:
+        table, sep, row = item.partition("/")
+        if not sep or not table or not row or "/" in row:
+            raise SystemExit(f"row {item!r} is not TABLE/ROW: name rows like wt2-nt-2048/transformer_local")
+        rows.append((table, row))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("rows", nargs="*", help="TABLE/ROW to train, in this order")
+    parser.add_argument("--make-site", action="store_true", help=f"write {SITE.name}/ from this environment and stop")
+    parser.add_argument("--step-cost", default=",".join(PAPER_TABLES), help="tables to time first ('' for none)")
+    parser.add_argument("--scale", default="paper", choices=["paper", "cpu", "smoke"])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run, with --scale smoke)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_out"), help="where records and logs go "
+                        "(default: $OUT, the folder the GPU machine sends back)")
+    parser.add_argument("--output-root", default="outputs/gpu", help="the runs themselves, checkpoints included")
+    parser.add_argument("--budget-s", type=float, default=0.0, help="skip rows predicted to train longer than the "
+                        "seconds left (0: no budget)")
+    args = parser.parse_args(argv)
+    if args.make_site:
+        print(f"{SITE}: {', '.join(make_site())}")
+        return 0
+    rows = parse_rows(args.rows)
+    start = time.monotonic()
+    python, env = sys.executable, child_env()
+    out, output_root = Path(args.out).resolve(), Path(args.output_root).resolve()
+    (out / "step_cost").mkdir(parents=True, exist_ok=True)
+    print(f"[gpu_paper_rows] PYTHONPATH={env['PYTHONPATH']}", flush=True)
+    code = 0
+    for table in [t for t in args.step_cost.split(",") if t]:
+        cmd = step_cost_command(table, args.scale, args.device, out / "step_cost" / f"{table}.csv", python)
+        print(f"[gpu_paper_rows] {' '.join(cmd)}", flush=True)
+        rc = subprocess.call(cmd, cwd=REPO, env=env)
+        code = code or rc
+    costs = predicted_seconds(out)
+    for table, row in rows:
+        left = args.budget_s - (time.monotonic() - start)
+        need = costs.get((table, row))
+        if args.budget_s and need is not None and need > left:
+            print(f"[gpu_paper_rows] skipped {table}/{row}: predicted {need:.0f} s of training, {left:.0f} s left",
+                  flush=True)
+            continue
+        cmd = reproduce_command(table, row, args.scale, args.device, output_root, python)
+        print(f"[gpu_paper_rows] {' '.join(cmd)}", flush=True)
+        rc = subprocess.call(cmd, cwd=REPO, env=env)
+        copied = copy_records(output_root, table, args.scale, row, out / "runs")
+        print(f"[gpu_paper_rows] {table}/{row}: exit {rc}, {len(copied)} completed run record(s) -> "
+              f"{', '.join(str(p) for p in copied) or 'none'}", flush=True)
+        code = code or rc or (0 if copied else 1)
+    print(f"[gpu_paper_rows] done in {time.monotonic() - start:.0f} s (exit {code})", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,156 @@
+"""JAX windowed attention as a blocked band (``model.attention_impl=banded``, the default;
+:mod:`backends.jax.window_attention`) against the spec and the masked path: values and gradients, at T below,
+above and not a multiple of the block, w = 1 to w > T, g = 0 to more than a block; no ``[T, T]`` array in the
+model's program; dropout acting on the weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from backends.jax import build_model, to_variables
+from backends.jax.layers import attention, attention_mask
+from backends.jax.window_attention import band_block, banded_attention
+from pcaf_core import reference
+from pcaf_core.config import MemoryConfig, ModelConfig
+from pcaf_core.profiles import get_profile
+from tests.spec_helpers import spec_params
+
+VARIANTS = ("transformer_local", "transformer_global_local")
+# (T, w, g, block): one block; several blocks with a partial last one; w > T; w = 1; g beyond a block and
+# beyond w; blocks smaller than w (c = 2 and 3 key blocks back).
+SHAPES = [(50, 7, 3, None), (130, 20, 0, None), (40, 64, 5, None), (9, 1, 2, None), (33, 8, 20, 5),
+          (70, 16, 4, 6)]
+
+
+@pytest.fixture
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def _spec_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, variant: str, w: int, g: int) -> np.ndarray:
+    """The spec's softmax attention (``pcaf_core.reference.attention`` after its projections), ``[B, T, H, hd]``."""
+    T, hd = q.shape[1], q.shape[-1]
+    logits = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(hd)
+    weights = reference.softmax(np.where(reference.attention_mask(T, variant, w, g), logits, -np.inf))
+    return np.einsum("bhts,bshd->bthd", weights, v)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("T,w,g,block", SHAPES)
+def test_band_matches_spec_and_masked_path(variant, T, w, g, block, x64) -> None:
+    rng = np.random.default_rng(T + w)
+    q, k, v, cot = (rng.standard_normal((2, T, 2, 4)) for _ in range(4))
+
+    def band(q, k, v):
+        return banded_attention(q, k, v, variant, w, g, block=block)
+
+    def masked(q, k, v):
+        return attention(q, k, v, attention_mask(T, variant, w, g))
+
+    @jax.jit
+    def out_and_grads(q, k, v):
+        out, vjp = jax.vjp(band, q, k, v)
+        return out, vjp(cot), jax.vjp(masked, q, k, v)[1](cot)
+
+    out, got, want = out_and_grads(q, k, v)
+    np.testing.assert_allclose(np.asarray(out), _spec_attention(q, k, v, variant, w, g), rtol=1e-12, atol=1e-12)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-11, atol=1e-12)
+
+
+def test_float32_band_matches_float32_masked_path() -> None:
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 261, 4, 16)), jnp.float32) for _ in range(3))
+    got, want = jax.jit(lambda q, k, v: (banded_attention(q, k, v, "transformer_global_local", 128, 16), attention(
+        q, k, v, attention_mask(261, "transformer_global_local", 128, 16))))(q, k, v)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_acts_on_the_band_weights() -> None:
+    """``drop`` receives the band's weights ``[B, H, blocks, b, (c+1)·b + g]``; the output is linear in them."""
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 30, 2, 4)), jnp.float32) for _ in range(3))
+    shapes = []
+
+    def double(p):
+        shapes.append(p.shape)
+        return 2.0 * p
+
+    def both(q, k, v):
+        return (banded_attention(q, k, v, "transformer_global_local", 8, 3),
+                banded_attention(q, k, v, "transformer_global_local", 8, 3, double))
+
+    plain, doubled = jax.jit(both)(q, k, v)
+    np.testing.assert_allclose(np.asarray(doubled), 2.0 * np.asarray(plain), rtol=1e-6)
+    assert shapes == [(1, 2, 4, 8, 2 * 8 + 3)] and band_block(8, 30) == 8
+
+
+def _model(impl: str, T: int = 70) -> tuple[ModelConfig, MemoryConfig, object]:
+    model = ModelConfig(variant="transformer_global_local", vocab_size=40, d_model=16, d_hidden=24, n_layers=2,
+                        n_heads=2, window=9, n_global=3, max_seq_len=T, attention_impl=impl)
+    return model, MemoryConfig(), get_profile("reference_torch")  # dropout 0.1 in training
+
+
+def test_model_banded_equals_masked_and_spec(x64) -> None:
+    """The default (``auto``, banded) model gives the spec's loss and the ``masked`` model's gradients; with
+    dropout on, a training forward is finite and differs from evaluation."""
+    rng = np.random.default_rng(2)
+    tokens, targets = rng.integers(0, 40, (2, 70)), rng.integers(0, 40, (2, 70))
+    model, memory, profile = _model("auto")
+    params = spec_params(model, memory, profile, seed=3)
+    spec = reference.forward(params, tokens, model, memory, profile, "ar", targets)
+    variables = to_variables(params, jnp.float64)
+    losses, grads = {}, {}
+    for impl in ("auto", "masked"):
+        net = build_model(_model(impl)[0], memory, profile, dtype=jnp.float64)
+
+        def loss(p, net=net):
+            return net.apply({"params": p}, tokens, targets, "ar", need_log_probs=False, need_predictions=False).loss
+
+        losses[impl], grads[impl] = jax.jit(jax.value_and_grad(loss))(variables["params"])
+    np.testing.assert_allclose(float(losses["auto"]), spec.loss, rtol=1e-12)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-9,
+                                                                   atol=1e-12), grads["auto"], grads["masked"])
+    net = build_model(model, memory, profile, dtype=jnp.float64)
+    trained = jax.jit(lambda v: net.apply(v, tokens, targets, "ar", deterministic=False, need_log_probs=False,
+                                          need_predictions=False, rngs={"dropout": jax.random.key(0)}).loss)(variables)
+    assert np.isfinite(float(trained)) and abs(float(trained) - spec.loss) > 1e-6
+
+
+def test_default_model_builds_no_t_by_t_array() -> None:
+    """The band is what runs by default: no value in the training step's program has two trailing T axes (the
+    ``masked`` model's has them, which shows the check can fail)."""
+    T = 256
+    tokens = jnp.zeros((1, T), jnp.int32)
+
+    def square_arrays(impl: str) -> int:
+        model, memory, profile = _model(impl, T)
+        params = spec_params(model, memory, profile, seed=0)
+        net = build_model(model, memory, profile)
+
+        def loss(p):
+            return net.apply({"params": p}, tokens, tokens, "ar", need_log_probs=False, need_predictions=False).loss
+
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(to_variables(params)["params"])
+        found = 0
+        for eqn in _equations(jaxpr.jaxpr):
+            found += sum(1 for var in eqn.outvars if getattr(var.aval, "shape", ())[-2:] == (T, T))
+        return found
+
+    assert square_arrays("auto") == 0
+    assert square_arrays("masked") > 0
+
+
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the programs nested in its equations (pjit, custom VJPs, loops)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)  # a ClosedJaxpr holds its Jaxpr
+            if hasattr(inner, "eqns"):
+                yield from _equations(inner)

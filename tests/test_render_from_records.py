@@ -1,0 +1,48 @@
+"""A table renders from committed run records alone: ``config.yaml``, ``environment.json``, ``metrics.json`` and
+``curve.csv`` per run, no checkpoints, rows finished at different times on different GPUs (what
+``experiments.gpu_paper_rows`` brings back from a GPU machine and ``docs/results/runs`` holds)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from experiments import gpu_paper_rows
+from experiments.reproduce import main as reproduce_main
+from paper_tables.__main__ import main as render_main
+
+TABLE, ROWS = "wt2-nt-2048", ("local_conv", "transformer_global_local")
+GPUS = {"local_conv": ("NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130)", "gpu-a", "2026-11-20T10:00:00+00:00"),
+        "transformer_global_local": ("NVIDIA H200 (torch 2.11.0+cu130)", "gpu-b", "2026-11-27T18:30:00+00:00")}
+
+
+def test_table_renders_from_records_of_two_gpus(tmp_path: Path) -> None:
+    outputs, records = tmp_path / "outputs", tmp_path / "docs_runs"
+    assert reproduce_main(["--table", TABLE, "--scale", "smoke", "--rows", ",".join(ROWS), "--output-root",
+                           str(outputs), "--no-render"]) == 0
+    for row in ROWS:
+        (run,) = gpu_paper_rows.copy_records(outputs, TABLE, "smoke", row, records)
+        assert sorted(p.name for p in run.iterdir()) == sorted(gpu_paper_rows.RECORD_FILES)
+        # As if each row had trained on its own GPU, a week apart.
+        device, host, finished = GPUS[row]
+        metrics = json.loads((run / "metrics.json").read_text())
+        metrics.update(device=device, updated_at=finished)
+        (run / "metrics.json").write_text(json.dumps(metrics))
+        env = json.loads((run / "environment.json").read_text())
+        env.update(host=host)
+        (run / "environment.json").write_text(json.dumps(env))
+    shutil.rmtree(outputs)  # nothing but the records is left to read
+
+    out = tmp_path / "tables"
+    assert render_main(["render", "--table", TABLE, "--scale", "smoke", "--backend", "torch", "--runs", str(records),
+                        "--out", str(out)]) == 0
+    text = (out / f"{TABLE}_smoke_torch.md").read_text()
+    table_rows = [line for line in text.splitlines() if line.startswith("| ") and "ok (n=1)" in line]
+    assert [line.split(" | ")[0] for line in table_rows] == ["| Local conv only", "| Global-local attn"]
+    assert sum(line.endswith("| missing |") for line in text.splitlines()) == 5  # the table's other rows
+    device_line = next(line for line in text.splitlines() if line.startswith("- Device(s): "))
+    assert (f"{GPUS['local_conv'][0]} (`local_conv`) / {GPUS['transformer_global_local'][0]} "
+            f"(`transformer_global_local`)") in device_line
+    assert "Runs read: 2 record(s)" in device_line
+    assert (out / f"{TABLE}_smoke_torch_curves.png").stat().st_size > 0  # the learning curves from curve.csv

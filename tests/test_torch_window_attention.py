@@ -1,0 +1,257 @@
+"""FlexAttention windowed attention (``model.attention_impl=banded``, :mod:`backends.torch.window_attention`)
+against the masked SDPA path and the spec: values and gradients, dropout on the weights, the block-mask cache,
+``auto``'s choice per device, the model under ``torch.compile``, and the refusal to train on a CPU.
+
+FlexAttention's CPU kernels have no backward pass, so torch refuses inputs that require grad on a CPU at its
+entry (``_validate_device``), and so does this suite. Its eager implementation (the reference the kernels are
+tested against in torch) computes the backward on any device: the ``flex_backward_on_cpu`` fixture lifts both
+refusals so that gradients are checked on a CPU through that implementation. The fused kernels' gradients are
+checked by the ``gpu`` test at the end, on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import flex_attention as torch_flex
+
+from backends.torch import build_model, load_canonical
+from backends.torch import window_attention as wa
+from backends.torch.layers import Attention, attention_mask
+from pcaf_core import reference
+from pcaf_core.config import ConfigError, MemoryConfig, ModelConfig
+from pcaf_core.profiles import get_profile
+from tests.spec_helpers import spec_params
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
+
+CUDA = torch.cuda.is_available()
+VARIANTS = ("transformer_local", "transformer_global_local")
+# (T, w, g): one partial block; several 128-position blocks with T not a multiple of 128 (blocks skipped); a
+# window wider than T; w = 1 (only the query itself: with dropout, whole rows dropped); the paper's w and g.
+SHAPES = [(50, 7, 3), (300, 20, 0), (40, 64, 5), (9, 1, 2), (261, 128, 16)]
+
+
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch):
+    """Gradients through FlexAttention's eager implementation on a CPU (module docstring)."""
+    monkeypatch.setattr(torch_flex, "_validate_device", lambda *args: None)
+    monkeypatch.setattr(wa, "NO_BACKWARD_DEVICES", ())
+
+
+def _qkv(T: int, dtype=torch.float32, device="cpu", seed: int = 0, head_dim: int = 8) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(2, 2, T, head_dim, generator=g, dtype=dtype).to(device).requires_grad_()
+                 for _ in range(3))
+
+
+def _masked(q, k, v, variant, w, g) -> torch.Tensor:
+    """The existing path: SDPA under the ``[T, T]`` mask."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(q.shape[2], variant, w, g, q.device))
+
+
+def _dropped_reference(q, k, v, variant, w, g, p, keep) -> torch.Tensor:
+    """Dense attention with the weights dropped by ``keep`` (read through :func:`wa.keep_index`) and scaled by
+    1/(1-p): what dropout on the attention weights computes."""
+    T = q.shape[2]
+    pos = torch.arange(T, device=q.device)
+    allowed = reference.attention_allowed(pos[:, None], pos[None, :], variant, w, g)
+    weights = torch.softmax(torch.where(allowed, q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -math.inf), -1)
+    cols = min(w, T)
+    kept = keep[:, :, pos[:, None], wa.keep_index(pos[:, None], pos[None, :], w, cols, wa.n_global_keys(variant, g))]
+    return (weights * kept / (1 - p)) @ v
+
+
+def _grads(out: torch.Tensor, inputs) -> tuple[torch.Tensor, ...]:
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape)
+    return torch.autograd.grad((out * weights).sum(), inputs)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("T,w,g", SHAPES)
+def test_flex_matches_masked_sdpa(variant, T, w, g, flex_backward_on_cpu) -> None:
+    """fp32 values and gradients of the block-masked FlexAttention equal the masked SDPA path's."""
+    q, k, v = _qkv(T)
+    out = wa.flex_window_attention(q, k, v, variant, w, g, compiled=False)
+    want = _masked(q, k, v, variant, w, g)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for got, exp in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v)), strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("T,w,g", SHAPES)
+def test_flex_dropout_drops_attention_weights(variant, T, w, g, flex_backward_on_cpu) -> None:
+    """With dropout the two-call form (kept keys, rescaled by the full row's normaliser) equals dropping the
+    softmax weights with the same mask, values and gradients (float64: the identity is exact), rows whose every
+    key was dropped included (w = 1 at p = 0.6 drops 60% of the rows whole)."""
+    p = 0.6
+    q, k, v = _qkv(T, torch.float64)
+    keep = wa.draw_keep((2, 2, T), w, wa.n_global_keys(variant, g), p, q.device)
+    out = wa.flex_window_attention(q, k, v, variant, w, g, p, compiled=False, keep=keep)
+    want = _dropped_reference(q, k, v, variant, w, g, p, keep)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    for got, exp in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v)), strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, exp, rtol=1e-9, atol=1e-11)
+
+
+def test_dropout_masks_come_from_the_global_generator() -> None:
+    """Fresh masks every call at the rate asked for, the same ones again under the same seed."""
+    shape, w, g, p = (4, 2, 200), 32, 4, 0.1
+    torch.manual_seed(3)
+    a = wa.draw_keep(shape, w, g, p, torch.device("cpu"))
+    b = wa.draw_keep(shape, w, g, p, torch.device("cpu"))
+    torch.manual_seed(3)
+    assert a.shape == (4, 2, 200, 36) and torch.equal(a, wa.draw_keep(shape, w, g, p, torch.device("cpu")))
+    assert not torch.equal(a, b)
+    assert abs(a.float().mean().item() - 0.9) < 0.01
+    q, k, v = (x.detach() for x in _qkv(60))
+    with torch.no_grad():
+        one, two = (wa.flex_window_attention(q, k, v, "transformer_local", 8, 0, 0.5, compiled=False) for _ in "ab")
+    assert not torch.equal(one, two)
+
+
+def test_block_mask_is_built_once_per_length_and_device() -> None:
+    """The block mask of a (T, w, g, device) is kept; a new T builds its own, which skips blocks."""
+    wa._BLOCK_MASKS.clear()
+    first = wa.window_block_mask(300, 20, 0, torch.device("cpu"))
+    assert wa.window_block_mask(300, 20, 0, torch.device("cpu")) is first
+    other = wa.window_block_mask(600, 20, 0, torch.device("cpu"))
+    assert other is not first and len(wa._BLOCK_MASKS) == 2
+    # 600 positions = 5 blocks of 128: each query block reads itself and the block before, 9 of 25 block pairs.
+    assert int(other.kv_num_blocks.sum()) + int(other.full_kv_num_blocks.sum()) == 9
+
+
+def _model(impl: str, variant: str = "transformer_global_local", T: int = 150, d_model: int = 16,
+           window: int = 7) -> torch.nn.Module:
+    model = ModelConfig(variant=variant, vocab_size=40, d_model=d_model, d_hidden=24, n_layers=2, n_heads=2,
+                        window=window, n_global=3, max_seq_len=T, attention_impl=impl)
+    profile = get_profile("corrected")
+    net = build_model(model, MemoryConfig(), profile)
+    load_canonical(net, spec_params(model, MemoryConfig(), profile, seed=1))
+    return net
+
+
+def _tokens(T: int = 150) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(0, 40, (2, T), generator=g), torch.randint(0, 40, (2, T), generator=g)
+
+
+def test_auto_is_masked_on_cpu_and_banded_on_cuda() -> None:
+    """``auto`` runs FlexAttention on CUDA only (no backward pass on a CPU); ``banded``/``masked`` are what they
+    say; the dense Transformer and linear attention are never windowed."""
+    attn = {impl: Attention(8, 2, "transformer_local", 4, 0, 4, 0.0, impl) for impl in ("auto", "banded", "masked")}
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [attn[i].banded(cpu) for i in ("auto", "banded", "masked")] == [False, True, False]
+    assert [attn[i].banded(cuda) for i in ("auto", "banded", "masked")] == [True, True, False]
+    assert not Attention(8, 2, "transformer_dense", 4, 0, 4, 0.0, "auto").banded(cuda)
+
+
+def test_training_banded_on_cpu_is_refused_in_one_line() -> None:
+    net = _model("banded").train()
+    x, y = _tokens()
+    with pytest.raises(ValueError, match=r"^model\.attention_impl=banded uses FlexAttention, which has no backward "
+                                         r"pass on cpu .*: train with model\.attention_impl=masked \(or auto\) there$"):
+        net(x, y, "ar").loss.backward()
+
+
+def test_compiled_flex_forward_matches_masked_model() -> None:
+    """The one compiled case (inductor's CPU FlexAttention, 6-15 s to compile here): a two-layer global-local
+    model in evaluation with ``banded`` gives the ``masked`` model's outputs, and the spec's; a local model with
+    another window then reuses the compiled kernel (w and g are tensors to Dynamo, not constants)."""
+    from torch._dynamo.utils import counters
+
+    x, y = _tokens()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = _model("banded").eval()(x, y, "ar")
+        want = _model("masked").eval()(x, y, "ar")
+        graphs = counters["stats"]["unique_graphs"]
+        local = _model("banded", "transformer_local", window=12).eval()(x, y, "ar")
+        assert counters["stats"]["unique_graphs"] == graphs
+        torch.testing.assert_close(local.hidden, _model("masked", "transformer_local", window=12).eval()(x, y, "ar")
+                                   .hidden, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.hidden, want.hidden, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.target_log_prob, want.target_log_prob, rtol=1e-4, atol=1e-5)
+    model = ModelConfig(variant="transformer_global_local", vocab_size=40, d_model=16, d_hidden=24, n_layers=2,
+                        n_heads=2, window=7, n_global=3, max_seq_len=150)
+    spec = reference.forward(spec_params(model, MemoryConfig(), get_profile("corrected"), seed=1), x.numpy(), model,
+                             MemoryConfig(), get_profile("corrected"), "ar", y.numpy())
+    np.testing.assert_allclose(out.target_log_prob.numpy(), spec.target_log_prob, rtol=1e-4, atol=1e-5)
+
+
+def test_model_under_torch_compile_trains_like_masked(flex_backward_on_cpu) -> None:
+    """``train.compile=on`` compiles the model's forward and backward: the FlexAttention path traces into one graph
+    (the compiled ``flex_attention`` and the block-mask cache inline) and gives the masked model's loss and
+    gradients (``aot_eager``: the same capture as inductor, without code generation, which has no CPU backward)."""
+    import torch._dynamo
+
+    x, y = _tokens()
+    nets = {impl: _model(impl).train() for impl in ("banded", "masked")}  # corrected profile: dropout 0
+    losses, grads = {}, {}
+    torch._dynamo.reset()
+    wa._BLOCK_MASKS.clear()  # built inside the traced step, as a fresh process does
+    wa._SCALARS.clear()
+    for impl, net in nets.items():
+        def loss(net=net):
+            return net(x, y, "ar", need_log_probs=False, need_predictions=False).loss
+
+        if impl == "banded":
+            explained = torch._dynamo.explain(loss)()
+            assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+            torch._dynamo.reset()
+        step = torch.compile(loss, backend="aot_eager", dynamic=False)
+        losses[impl] = step()
+        losses[impl].backward()
+        grads[impl] = [p.grad for p in net.parameters()]
+    torch._dynamo.reset()
+    torch.testing.assert_close(losses["banded"], losses["masked"], rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads["banded"], grads["masked"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_attention_impl_is_checked() -> None:
+    assert ModelConfig(variant="transformer_local", attention_impl="banded").attention_impl == "banded"
+    with pytest.raises(ConfigError, match=r"model\.attention_impl='flex' is invalid: expected one of"):
+        ModelConfig(variant="transformer_local", attention_impl="flex")
+    with pytest.raises(ConfigError, match="applies to .* only, not 'transformer_dense': leave it auto"):
+        ModelConfig(variant="transformer_dense", attention_impl="masked")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="the fused FlexAttention kernels' backward runs on CUDA; on a CPU the same "
+                    "code is checked above through FlexAttention's eager implementation")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_compiled_flex_on_cuda_matches_masked(variant) -> None:
+    """On CUDA, the compiled kernels (the path ``auto`` takes there) at the paper's head dimension 48: fp32 values
+    and gradients equal the masked SDPA path's at every shape, and with dropout equal the dense formula under the
+    same mask; the model's ``auto`` and ``masked`` losses and gradients agree."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for T, w, g in SHAPES:
+        q, k, v = (x.detach().cuda().requires_grad_() for x in _qkv(T, head_dim=48))
+        out = wa.flex_window_attention(q, k, v, variant, w, g)
+        want = _masked(q, k, v, variant, w, g)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+        for got, exp in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v)), strict=True):
+            torch.testing.assert_close(got, exp, rtol=1e-3, atol=1e-4)
+        keep = wa.draw_keep((2, 2, T), w, wa.n_global_keys(variant, g), 0.3, q.device)
+        out = wa.flex_window_attention(q, k, v, variant, w, g, 0.3, keep=keep)
+        want = _dropped_reference(q, k, v, variant, w, g, 0.3, keep)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+        for got, exp in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v)), strict=True):
+            torch.testing.assert_close(got, exp, rtol=1e-3, atol=1e-4)
+    x, y = (t.cuda() for t in _tokens())
+    losses = {}
+    for impl in ("auto", "masked"):
+        net = _model(impl, variant, d_model=96).cuda().train()  # head_dim 48
+        loss = net(x, y, "ar").loss
+        loss.backward()
+        losses[impl] = (loss.item(), net.blocks[0].attn.qkv.weight.grad.norm().item())
+    np.testing.assert_allclose(losses["auto"], losses["masked"], rtol=1e-4)
