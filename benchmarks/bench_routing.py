@@ -5,7 +5,7 @@ d = 224, K = 32, B = 32,768 buckets, n = 1, T = 1K..16K. Each route is timed for
 the candidates, score them (``q·k/√d + ρ·r``), softmax over the K, and a loss whose backward reaches the
 queries, keys, ρ (and the router for the semantic route):
 
-- ``dense``: the paper's full-AR code as it routes (REFERENCE.md §2.3, §2.5): a ``[T, T]`` score
+- ``dense``: the paper's full-AR code as it routes (docs/REFERENCE_CODE.md §2.3, §2.5): a ``[T, T]`` score
   ``q·k/√d + ρ·r``, the bucket-equality and causal masks (masked scores -1e9), top-K per row, softmax over the
   K kept scores; the backward runs through the ``[T, T]`` score matrix. Written here because no backend
   function trains this way (the backends' dense ``topk_score`` fallback selects without gradients);

@@ -28,6 +28,19 @@ CORPORA = {  # the caches `make data` builds
 }
 
 
+def _portable(arg: str) -> str:
+    """A command-line argument as a committed report may show it: an absolute path in ``key=/path`` relative to the
+    working directory, or its last five components when it lies elsewhere (never this machine's layout)."""
+    key, sep, value = arg.partition("=")
+    path = Path(value)
+    if not sep or not path.is_absolute():
+        return arg
+    try:
+        return f"{key}={path.relative_to(Path.cwd()).as_posix()}"
+    except ValueError:
+        return f"{key}=.../{Path(*path.parts[-5:]).as_posix()}"
+
+
 def _k_values(k: Any) -> list[int]:
     values = [int(v) for v in (k if isinstance(k, (list, tuple)) or OmegaConf.is_list(k) else [k])]
     if not values or min(values) < 1:
@@ -103,7 +116,7 @@ def analyze(cfg: DictConfig) -> Path:
         "occupancy_max": int(stats.occupancy.max()),
         "buckets_per_window": float(len(stats.bucket_sizes) / win.shape[0]),
         "seconds": time.perf_counter() - start,
-        "command": "python -m experiments.analyze_buckets " + " ".join(sys.argv[1:]),
+        "command": "python -m experiments.analyze_buckets " + " ".join(map(_portable, sys.argv[1:])),
     }
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

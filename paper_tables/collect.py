@@ -57,6 +57,19 @@ LEARNING_BAR_DIVISOR = 3.0
 _STATUS_RANK = {"completed": 0, "running": 1, "damaged": 2, "failed": 3}
 
 
+def shown_root(root: str | os.PathLike[str]) -> str:
+    """How a rendered file names the folder its runs were read from: relative to the working directory when it
+    lies below it, else its last component (a rendered table is committed and read on other machines; an
+    absolute path would name this one)."""
+    path = Path(root)
+    if not path.is_absolute():
+        return path.as_posix()
+    try:
+        return path.relative_to(Path.cwd()).as_posix() or "."
+    except ValueError:
+        return path.name or path.as_posix()
+
+
 def find_metrics_files(root: str | os.PathLike[str]) -> list[Path]:
     """Every ``metrics.json`` under ``root`` (sorted); ``[]`` when ``root`` does not exist."""
     base = Path(root)

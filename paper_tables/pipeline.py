@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from paper_tables.claims import evaluate_claims, referenced_tables
-from paper_tables.collect import Expected, collect_tables, extra_runs, unattributed_runs
+from paper_tables.collect import Expected, collect_tables, extra_runs, shown_root, unattributed_runs
 from paper_tables.figures import (
     curve_axis,
     load_curves,
@@ -77,7 +77,7 @@ def build_report(table: str, scale: str, backend: str, runs: str | os.PathLike[s
     mine = all_runs[all_runs["table"] == spec.name] if len(all_runs) else all_runs
     return Report(
         spec=spec, agg=aggs[spec.name], published=pubs.get(spec.name),
-        verdicts=evaluate_claims(spec, aggs, pubs), scale=scale, backend=backend, runs_root=str(runs),
+        verdicts=evaluate_claims(spec, aggs, pubs), scale=scale, backend=backend, runs_root=shown_root(runs),
         profile_filter=profile, n_records=len(mine),
         unattributed=[f"{d}: table={t or '?'} row={r or '?'}" + (f" ({e})" if e else "")
                       for d, t, r, e in zip(stray["run_dir"], stray["table"], stray["row"], stray["read_error"])],

@@ -591,13 +591,13 @@ _AUDIT_ROWS = tuple(
 _AUDIT_CLAIMS = (
     Claim("leak_inflates_semantic", "Corrected PCAF-semantic has higher PPL than reference_jax (the leak inflates "
           "quality)", ("pcaf_semantic_corrected",), ">", ("pcaf_semantic_reference_jax",), "best_ppl",
-          source="REFERENCE.md section 7.1"),
+          source="docs/REFERENCE_CODE.md section 7.1"),
     Claim("leak_inflates_semantic_full", "Same on the full validation split (full protocol)",
           ("pcaf_semantic_corrected",), ">", ("pcaf_semantic_reference_jax",), "full_ppl",
-          source="REFERENCE.md section 7.1"),
+          source="docs/REFERENCE_CODE.md section 7.1"),
     Claim("leak_inflates_hybrid", "Corrected PCAF-hybrid has higher PPL than reference_jax",
           ("pcaf_hybrid_corrected",), ">", ("pcaf_hybrid_reference_jax",), "best_ppl",
-          source="REFERENCE.md section 7.1"),
+          source="docs/REFERENCE_CODE.md section 7.1"),
     Claim("context_unaffected", "PCAF-context (no leak) gives the same PPL under both profiles (within 5%)",
           ("pcaf_context_corrected",), "~=", ("pcaf_context_reference_jax",), "best_ppl", tol=0.05,
           source="control"),

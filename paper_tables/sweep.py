@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from paper_tables.collect import load_runs
+from paper_tables.collect import load_runs, shown_root
 from paper_tables.figures import plot_sweep, save_figure
 
 CONFIG_NAMES = ("config.yaml", os.path.join(".hydra", "config.yaml"))
@@ -241,7 +241,7 @@ def render_sweep(runs: str | os.PathLike[str], params: str | Sequence[str], out:
         title = f"{y} vs {key}\n" + labels.replace(" · Profile", "\nProfile")
         png, pdf = save_figure(plot_sweep(df[df["status"] == "completed"], x=key, y=y, title=title), stem)
         md = stem.with_name(stem.name + ".md")
-        md.write_text(render_sweep_markdown(agg, key, y, str(runs), unresolved_runs(df, key), labels),
+        md.write_text(render_sweep_markdown(agg, key, y, shown_root(runs), unresolved_runs(df, key), labels),
                       encoding="utf-8")
         written += [csv_path, png, pdf, md]
     return written

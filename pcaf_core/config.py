@@ -208,7 +208,7 @@ class ProfileConfig:
 
 @dataclass
 class DataConfig:
-    """Corpus, tokenizer and token budgets (REFERENCE.md §5.1; docs/DATA.md).
+    """Corpus, tokenizer and token budgets (docs/REFERENCE_CODE.md §5.1; docs/DATA.md).
 
     ``layout``: ``tokens`` (WikiText ``wiki.*.tokens``), ``raw`` (WikiText ``wiki.*.raw``; PG-19's
     one file per book, which ``tokens`` also names for PG-19), ``hf`` (Hugging Face datasets).
@@ -251,7 +251,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimisation budget and schedule (REFERENCE.md §5.4-5.5)."""
+    """Optimisation budget and schedule (docs/REFERENCE_CODE.md §5.4-5.5)."""
 
     mode: str = "nt"
     seq_len: int = 1024
@@ -298,7 +298,7 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation cadence and protocol (DESIGN.md §7)."""
+    """Evaluation cadence and protocol (docs/DESIGN.md §7)."""
 
     protocol: str = "both"
     every: int = 500

@@ -1,4 +1,4 @@
-"""Evaluation protocols (DESIGN.md §7; REFERENCE.md §5.3) and the reduction of a backend's outputs.
+"""Evaluation protocols (docs/DESIGN.md §7; docs/REFERENCE_CODE.md §5.3) and the reduction of a backend's outputs.
 
 A backend scores a batch and returns :class:`~pcaf_core.backend.EvalOutputs` (per-target log-probs and
 the two argmax predictions); everything from there on is backend-neutral and lives here:

@@ -1,4 +1,4 @@
-"""The address function (REFERENCE.md §2.1).
+"""The address function (docs/REFERENCE_CODE.md §2.1).
 
 ``h_i = fold over the n tokens x_{i-n+1..i} (zero left-padding) of (h * 1_000_003 + v + 97) mod (2^31 - 1)``
 and the bucket ``a_i = (h_i * 1_000_003 + 97_531) mod B``. The normative form computes in int64;

@@ -1,4 +1,4 @@
-"""The backend-neutral training loop (DESIGN.md §3, §7; REFERENCE.md §5).
+"""The backend-neutral training loop (docs/DESIGN.md §3, §7; docs/REFERENCE_CODE.md §5).
 
 A backend plugs in the numerics through :class:`pcaf_core.backend.Backend`; this module drives a run,
 identically for every backend:

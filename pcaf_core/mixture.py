@@ -1,4 +1,4 @@
-"""Scores → cache weights → p_cache; gate masking; the mixture and its accuracy (REFERENCE.md §4).
+"""Scores → cache weights → p_cache; gate masking; the mixture and its accuracy (docs/REFERENCE_CODE.md §4).
 
 Shapes: B sequences, Q queries per sequence (1 in NT mode, T in AR mode), C candidate slots, V vocab.
 """

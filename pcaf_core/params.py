@@ -9,7 +9,7 @@ Conventions (shared by both backends through safetensors):
 
 Which parameters exist depends on the variant and on two profile switches
 (``router_in_context_models``, ``local_conv_full_param_set``) and ``positional``; this is how the
-paper's parameter counts arise (REFERENCE.md §1.4).
+paper's parameter counts arise (docs/REFERENCE_CODE.md §1.4).
 """
 
 from __future__ import annotations

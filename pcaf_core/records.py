@@ -1,4 +1,4 @@
-"""Successor records and queries for the two training modes (REFERENCE.md §2.2).
+"""Successor records and queries for the two training modes (docs/REFERENCE_CODE.md §2.2).
 
 A record at position s is (address a_s, key k_s, value v_s = x_{s+1}). A query at position t may read
 records s < t only (strict causality): the record at t itself holds the token being predicted.

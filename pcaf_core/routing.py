@@ -1,4 +1,4 @@
-"""Candidate selection (DESIGN.md §3.2, REFERENCE.md §2.3, §3).
+"""Candidate selection (docs/DESIGN.md §3.2, docs/REFERENCE_CODE.md §2.3, §3).
 
 Every route returns :class:`Candidates`: per (sequence, query) a fixed number C of slots holding
 record indices (``-1`` = empty) and a validity mask. Slot order is part of the spec, so backends
@@ -160,7 +160,7 @@ def route_semantic_dense(
         rho: the learned recency scale ρ.
         query_pos: ``[Q]`` query positions.
         top_k: K.
-        target_leak: reproduce the reference full-AR quirk (REFERENCE.md §3.3): a query t < K, which has
+        target_leak: reproduce the reference full-AR quirk (docs/REFERENCE_CODE.md §3.3): a query t < K, which has
             only t causal records, also receives the masked picks ``s = t, t+1, …, K-1`` (clipped to
             T-1), marked valid. Slot ``s = t`` holds the target itself. Only meaningful in AR mode; in
             NT mode every query has T-1 >= K records before it unless T is tiny.

@@ -41,7 +41,7 @@ THROUGHPUT_DEFINITION = (
     "tokens/s = global_batch*T / mean train-step seconds; a train step covers host-side window "
     "sampling, forward, backward and the optimiser update; evaluation and checkpoint time are excluded; "
     "the first {warmup} steps of each process are excluded as warm-up; NT counts all T input tokens "
-    "of a window (REFERENCE.md §5.6)"
+    "of a window (docs/REFERENCE_CODE.md §5.6)"
 )
 
 

@@ -1,4 +1,4 @@
-"""Learning-rate schedule (REFERENCE.md §5.4), shared by every backend.
+"""Learning-rate schedule (docs/REFERENCE_CODE.md §5.4), shared by every backend.
 
 The reference JAX trainer's ``learning_rate_at_step`` is a few lines of arithmetic. It lives here as a
 plain function, not as ``torch.optim.lr_scheduler`` or an Optax schedule, because both backends must

@@ -138,7 +138,7 @@ def test_multi_seed_rows_expand_to_their_seeds():
 
 
 PAPER_BUDGETS = [
-    # (table, row, {dotted key: value}) spot checks against REFERENCE.md §5.5
+    # (table, row, {dotted key: value}) spot checks against docs/REFERENCE_CODE.md §5.5
     ("wt2-nt-1024", "pcaf_context", {"train.steps": 5000, "train.batch_size": 64, "train.lr": 3e-4,
                                      "train.weight_decay": 0.01, "eval.every": 500, "eval.batches": 50,
                                      "profile.dropout": 0.1, "profile.grad_clip_norm": 1.0,

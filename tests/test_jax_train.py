@@ -242,7 +242,7 @@ def test_one_step_is_the_reference_adamw_update():
 
 
 def test_clipping_and_decay_of_unused_parameters(pcaf_backend):
-    # reference_jax carries an unused semantic router in context-route models (REFERENCE.md §7.16): its
+    # reference_jax carries an unused semantic router in context-route models (docs/REFERENCE_CODE.md §7.16): its
     # gradient is exactly zero, and AdamW still applies p <- p - lr*wd*p.
     x, y = batch(3)
     cfg = tiny_cfg(profile="reference_jax", grad_clip_norm=0.05, train={"weight_decay": 0.1})

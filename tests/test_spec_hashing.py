@@ -1,4 +1,4 @@
-"""The address function (REFERENCE.md §2.1)."""
+"""The address function (docs/REFERENCE_CODE.md §2.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Parameter counts from the canonical shapes equal the paper's (REFERENCE.md §1.4)."""
+"""Parameter counts from the canonical shapes equal the paper's (docs/REFERENCE_CODE.md §1.4)."""
 
 from __future__ import annotations
 

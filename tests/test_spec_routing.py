@@ -1,4 +1,4 @@
-"""Property tests of the routes and of the mixture (DESIGN.md §5, tier 1)."""
+"""Property tests of the routes and of the mixture (docs/DESIGN.md §5, tier 1)."""
 
 from __future__ import annotations
 

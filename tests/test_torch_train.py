@@ -153,7 +153,7 @@ def test_weight_decay_groups(wt2_cache):
 
 
 def test_unused_parameters_are_decayed_like_the_reference(wt2_cache):
-    # reference_jax carries an unused semantic router in context-route models (REFERENCE.md §7.16): the
+    # reference_jax carries an unused semantic router in context-route models (docs/REFERENCE_CODE.md §7.16): the
     # reference's AdamW sees a zero gradient and still applies p <- p - lr*wd*p.
     cfg = tiny_cfg(wt2_cache, profile="reference_jax", train={"weight_decay": 0.1})
     backend = TorchBackend("cpu")

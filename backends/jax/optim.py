@@ -1,4 +1,4 @@
-"""AdamW as the reference trainers use it (REFERENCE.md §4.5, §5.4), with Optax.
+"""AdamW as the reference trainers use it (docs/REFERENCE_CODE.md §4.5, §5.4), with Optax.
 
 ``optax.adamw`` is exactly the reference update ``p ← p − lr·(m̂/(√v̂+ε) + wd·p)``: bias-corrected
 moments (``scale_by_adam``), then the decoupled decay ``wd·p`` added to the update
@@ -20,7 +20,7 @@ constants. The stored rate has the parameters' dtype (float32 unless ``jax_enabl
 the update is computed in anyway.
 
 Parameters that the forward never uses (e.g. the router of a context-route model under
-``reference_jax``, REFERENCE.md §7.16) get an exact zero gradient from ``jax.grad``; AdamW still decays
+``reference_jax``, docs/REFERENCE_CODE.md §7.16) get an exact zero gradient from ``jax.grad``; AdamW still decays
 them, as the reference does (torch needs ``fill_missing_grads`` for that, JAX does not).
 """
 

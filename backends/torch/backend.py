@@ -164,7 +164,7 @@ class TorchBackend:
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            # static_graph: some profiles carry parameters the forward never touches (REFERENCE.md
+            # static_graph: some profiles carry parameters the forward never touches (docs/REFERENCE_CODE.md
             # §7.16); DDP then learns the used set once instead of erroring on unused parameters.
             wrapped = DistributedDataParallel(
                 wrapped,

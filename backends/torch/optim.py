@@ -1,4 +1,4 @@
-"""AdamW as the reference trainers use it (REFERENCE.md §4.5, §5.4).
+"""AdamW as the reference trainers use it (docs/REFERENCE_CODE.md §4.5, §5.4).
 
 ``torch.optim.AdamW`` implements exactly the reference update ``p ← p − lr·(m̂/(√v̂+ε) + wd·p)``
 (decay first with the old ``p``, which is the same arithmetic). The reference decays **every**

@@ -1,6 +1,6 @@
 """Corpora: where they live, how they are verified, and how their documents are read.
 
-Supported corpora and layouts (REFERENCE.md §5.1):
+Supported corpora and layouts (docs/REFERENCE_CODE.md §5.1):
 
 =============  =========  ==========================================================
 corpus         layout     on disk

@@ -2,7 +2,7 @@
 
 Both are pure NumPy, so a torch run and a JAX run with the same seed see the same windows.
 
-Reference protocol (REFERENCE.md §5.2), :class:`WindowSampler`: every batch draws ``B``
+Reference protocol (docs/REFERENCE_CODE.md §5.2), :class:`WindowSampler`: every batch draws ``B``
 starts ``s ~ U{0, …, N−T−2}`` with ``numpy.random.default_rng(seed).integers(0, N−T−1)``;
 the block is ``ids[s : s+T+1]``; inputs ``block[:T]``; targets ``block[T]`` (``nt``: one
 prediction per window) or ``block[1:T+1]`` (``ar``). Evaluation under this protocol is the
@@ -10,7 +10,7 @@ same sampler on the eval split with ``eval_sample_seed``, drawing ``eval.batches
 every evaluation from one continuing stream (so each evaluation sees fresh windows). With
 several hosts the reference seeds host ``i`` with ``seed + i``.
 
-Full protocol (DESIGN.md §7), :class:`FullEvalWindows`: a deterministic pass with exact
+Full protocol (docs/DESIGN.md §7), :class:`FullEvalWindows`: a deterministic pass with exact
 token-weighted loss ``sum(loss·mask) / sum(mask)``.
 
 * ``ar``: non-overlapping windows at starts ``0, T, 2T, …``; window ``s`` scores targets

@@ -1,4 +1,4 @@
-"""Word-level tokenizers and the vocabulary (REFERENCE.md §5.1).
+"""Word-level tokenizers and the vocabulary (docs/REFERENCE_CODE.md §5.1).
 
 Two tokenizers:
 

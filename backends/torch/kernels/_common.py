@@ -6,7 +6,7 @@ import torch
 
 from pcaf_core.hashing import BUCKET_ADD, HASH_MULT
 
-#: Overflow policies these kernels implement (DESIGN.md §3.2). ``topk_score`` needs the selection
+#: Overflow policies these kernels implement (docs/DESIGN.md §3.2). ``topk_score`` needs the selection
 #: scores and is handled by the torch routing module, not by an address-only kernel.
 POLICIES: tuple[str, ...] = ("recent", "first")
 
