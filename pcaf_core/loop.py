@@ -36,7 +36,6 @@ import math
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -83,6 +82,7 @@ from pcaf_core.evaluation import (
     unigram_ppl,
 )
 from pcaf_core.fsutil import DiskFullError, is_disk_full
+from pcaf_core.progress import OFF, Progress, progress_style
 from pcaf_core.results import RunMetrics
 from pcaf_core.resume import (
     RESTART_DAMAGED,
@@ -158,14 +158,6 @@ def _make_sampler(tokens: np.ndarray, seq_len: int, batch_size: int, mode: str, 
     from pcaf_core.data import WindowSampler
 
     return WindowSampler(tokens, seq_len, batch_size, mode, seed=seed, split=split)
-
-
-def _progress_enabled(progress: bool | None) -> bool:
-    if os.environ.get("PCAF_NO_PROGRESS", "") == "1":
-        return False
-    if progress is not None:
-        return progress
-    return sys.stderr.isatty()
 
 
 class _SigtermGuard:
@@ -350,6 +342,11 @@ class TrainingLoop:
 
     # ----------------------------------------------------------------- records
 
+    def _tag(self) -> str:
+        """Who a progress line is about: the row, scale, backend and seed of the record."""
+        t = identity(self.run_dir, self._template)
+        return f"{t.table}/{t.row} scale={t.scale} backend={self.backend.name} seed={self.cfg.train.seed}"
+
     def _elapsed(self) -> float:
         return self.ls.elapsed_seconds + (time.perf_counter() - self._segment_start)
 
@@ -492,12 +489,8 @@ class TrainingLoop:
         do_ref = cfg.eval.protocol in ("reference", "both")
         do_full = cfg.eval.protocol in ("full", "both")
         steps = cfg.train.steps
-        bar = None
-        if self.is_main and _progress_enabled(self.progress):
-            from tqdm import tqdm
-
-            bar = tqdm(total=steps, initial=self.ls.step, desc=f"{self.backend.name} train", unit="step",
-                       dynamic_ncols=True, file=sys.stderr)
+        report = Progress(progress_style(self.progress) if self.is_main else OFF, self._tag(), steps, self.ls.step,
+                          self.backend.name)
         try:
             segment_steps = 0
             while self.ls.step < steps:
@@ -543,15 +536,12 @@ class TrainingLoop:
                     self._save_checkpoint()
                 if ev is not None or ckpt_due:
                     self._write_record("running")
-                if bar is not None:
-                    bar.update(1)
-                    post = {"loss": f"{loss:.4f}", "lr": f"{lr:.2e}"}
-                    if self.ls.final is not None:
-                        post["val_ppl"] = f"{self.ls.final['ppl']:.2f}"
-                    bar.set_postfix(post, refresh=False)
+                report.step(loss, lr, self.ls.final["ppl"] if self.ls.final is not None else None)
+                if ev is not None:
+                    report.evaluation(step, self.ls.curve[-1]["train_loss"], ev.ppl, self.tokens_per_sec(),
+                                      self._elapsed(), (time.perf_counter() - self._segment_start) / segment_steps)
         finally:
-            if bar is not None:
-                bar.close()
+            report.close()
         if do_full:
             self.full = self.evaluate_full(steps)
         return self._write_record("completed")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -510,16 +509,42 @@ def test_batch_must_split_evenly_across_ranks(tmp_path):
         run_training(small_cfg(batch_size=3), TwoRanks(), tmp_path, corpus=markov_corpus(), progress=False)
 
 
-def test_progress_bar_switches(monkeypatch, capsys):
-    monkeypatch.setenv("PCAF_NO_PROGRESS", "1")
-    assert loop._progress_enabled(True) is False
-    monkeypatch.delenv("PCAF_NO_PROGRESS")
-    assert loop._progress_enabled(True) is True and loop._progress_enabled(False) is False
-    assert loop._progress_enabled(None) is os.isatty(2)
-
-
 def test_progress_bar_renders(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("PCAF_NO_PROGRESS", raising=False)
     run_training(small_cfg(steps=4), BigramBackend(), tmp_path, corpus=markov_corpus(), progress=True)
     err = capsys.readouterr().err
     assert "numpy-bigram train" in err and "4/4" in err
+
+
+def test_progress_without_a_terminal_is_one_line_per_evaluation(tmp_path, monkeypatch, capsys):
+    """Redirected to a file (a cluster job, nohup), a run prints one line per evaluation with step/total, train
+    loss, eval PPL, tokens/s, elapsed and ETA; on a terminal it draws the bar instead; PCAF_NO_PROGRESS=1 and
+    progress=False print neither."""
+    import io
+
+    from pcaf_core.progress import BAR, LINES, OFF, progress_line, progress_style
+
+    monkeypatch.delenv("PCAF_NO_PROGRESS", raising=False)
+    tty, log = io.StringIO(), io.StringIO()
+    tty.isatty = lambda: True  # type: ignore[method-assign]
+    assert (progress_style(None, tty), progress_style(None, log)) == (BAR, LINES)
+    assert (progress_style(True, log), progress_style(False, tty)) == (BAR, OFF)
+    monkeypatch.setenv("PCAF_NO_PROGRESS", "1")
+    assert progress_style(None, log) == progress_style(True, tty) == OFF
+    monkeypatch.delenv("PCAF_NO_PROGRESS")
+
+    line = progress_line("t/r scale=cpu backend=numpy seed=7", 500, 5000, 5.4123, 281.374, 3912.4, 252.0, 2268.0)
+    assert line == ("[t/r scale=cpu backend=numpy seed=7] step 500/5000 · train loss 5.412 · eval PPL 281.37 "
+                    "(reference) · 3,912 tok/s · elapsed 4m12s · ETA 37m48s")
+
+    cfg = small_cfg()  # stderr under pytest is not a terminal: progress=None gives the lines
+    run_training(cfg, BigramBackend(), tmp_path / "run", corpus=markov_corpus(), progress=None)
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if " step " in x and "eval PPL" in x]
+    evals = [r for r in read_curve(tmp_path / "run") if r.get("eval_ppl_reference") is not None]
+    assert len(lines) == len(evals) > 1
+    assert lines[-1].startswith(f"[adhoc/run scale=paper backend=numpy-bigram seed={cfg.train.seed}] "
+                                f"step {cfg.train.steps}/{cfg.train.steps} · train loss ")
+    assert "ETA 0s" in lines[-1] and "elapsed " in lines[0]
+    run_training(cfg, BigramBackend(), tmp_path / "quiet", corpus=markov_corpus(), progress=False)
+    assert "eval PPL" not in capsys.readouterr().err
