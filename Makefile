@@ -36,11 +36,11 @@ help:
 	@echo "make figures - re-render tables and figures from existing run records"
 	@echo "make params  - paper-scale parameter counts from the instantiated models"
 	@echo "make bench   - the benchmark report docs/results/bench.md (routing vs T, throughput and fraction of peak,"
-	@echo "               torch beside JAX; CSV and plots under bench/); 1,351-1,444 s (23-24 min) on a 2-core EPYC, 1,560 s on a Xeon"
-	@echo "               (idle machine; BACKENDS_ROUNDS=2 saves about 4 min);"
-	@echo "               BENCH=quick (make bench-quick): under 2 min (72 s Xeon, 59-115 s EPYC), renders bench/quick/bench.md"
+	@echo "               torch beside JAX; CSV and plots under bench/); BACKENDS_ROUNDS=2 for a shorter run;"
+	@echo "               BENCH=quick (make bench-quick): small stand-ins, renders bench/quick/bench.md"
 	@echo "make bench-decode | bench-kernels | bench-train-step | bench-precision | bench-data - the other benchmarks"
 	@echo "make bench-cuda    - GPU speed targets, bf16 included, eager and as CUDA graphs: docs/results/bench_cuda.md"
+	@echo "Measured wall times of these targets: docs/results/README.md"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

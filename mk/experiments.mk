@@ -1,7 +1,6 @@
 # Paper tables, sweeps, figures and parameter counts (experiments/, paper_tables/).
-# Default: the WikiText full-AR rows of the headline table at T=1024 (five models; 34.5 min at
-# SCALE=cpu on a 2-core CPU, measured from a fresh clone). Naming TABLE runs all of that table's
-# rows unless ROWS is given.
+# Default: the WikiText full-AR rows of the headline table at T=1024 (its measured wall time at SCALE=cpu:
+# docs/results/README.md). Naming TABLE runs all of that table's rows unless ROWS is given.
 ifeq ($(origin TABLE),undefined)
 TABLE := main-303m
 ROWS ?= *_wt103_t1024
