@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from experiments.analyze_buckets import analyze
@@ -17,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONF = OmegaConf.load(REPO / "experiments" / "conf_tools" / "analyze_buckets.yaml")
 
 
+@pytest.mark.slow
 def test_a_sweep_over_b_ends_in_one_report(tmp_path):
     out, report = tmp_path / "stats", tmp_path / "report" / "buckets.md"
     res = subprocess.run([sys.executable, "-m", "experiments.analyze_buckets", "-m", "B=64,32768", "T=32",

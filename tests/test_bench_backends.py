@@ -63,6 +63,7 @@ def test_parity_cases_cover_every_pcaf_variant_in_both_modes():
         assert [c.backends for c in cases if c.kind == "41M"] == [("jax",)]
 
 
+@pytest.mark.slow
 def test_one_worker_process_measures_several_cases_in_turn(capsys):
     """A round runs one process per backend over every case: each case comes back labelled with its index,
     in order, with its own shape, and progress is printed per case."""
@@ -79,6 +80,7 @@ def test_a_failing_case_is_named():
         _samples("torch", [len(CASES)], warmup=0, steps=1, heading="round 1/1")
 
 
+@pytest.mark.slow
 def test_jax_step_floor_times_the_work_a_step_must_do():
     """The head's three products, the other FLOPs at the best rate, and with a state the run's own optimiser
     update and the loss's log-sum-exp: each part positive, the total their sum."""

@@ -19,6 +19,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     for name in ("gemm", "models", "routing", "profile", "labels"):
         assert read_csv(smoke_run / f"{name}.csv"), name
@@ -130,6 +131,7 @@ def test_failures_of_a_section_replace_its_earlier_ones(tmp_path: Path) -> None:
     assert not (tmp_path / "failures.csv").exists()
 
 
+@pytest.mark.slow
 def test_compiles_selects_the_steps(tmp_path: Path) -> None:
     """``--compiles eager`` times and profiles the eager steps alone (a CPU smoke run has no other profile);
     an unknown mode is refused."""

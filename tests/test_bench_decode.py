@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.bench_decode import MODELS, measure_contexts, write_results
 
 
+@pytest.mark.slow
 def test_decode_benchmark_rows_and_report(tmp_path):
     n = torch.get_num_threads()
     torch.set_num_threads(1)

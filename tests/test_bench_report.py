@@ -77,6 +77,7 @@ def _targets(text: str) -> dict[str, str]:
     return rows
 
 
+@pytest.mark.slow
 def test_a_bf16_miss_is_called_impossible_only_when_the_bf16_gemm_is_too_slow_for_the_target(tmp_path):
     """The full-AR step is mostly GEMMs: a CPU whose bf16 GEMM is under 2.5x its fp32 GEMM cannot reach the
     target; one whose bf16 GEMM is faster than that misses it for reasons the report does not claim."""
@@ -150,6 +151,7 @@ def test_every_judged_fp32_case_counts_toward_the_every_variant_target(tmp_path)
         assert ("missed: PCAF-context ar T=64 batch 1 (bf16 demo) (0.51)" in row[0]) == (verdict != "met")
 
 
+@pytest.mark.slow
 def test_renderer_judges_every_target_from_the_csvs(tmp_path):
     bench = tmp_path / "bench"
     write_csv(bench / "routing.csv", _routing())
@@ -270,6 +272,7 @@ class FakeBackend:
         return 10
 
 
+@pytest.mark.slow
 def test_fraction_of_peak_uses_the_gemm_readings_taken_between_the_groups_steps(monkeypatch):
     """A row's peak is the median of the GEMM readings taken after each round of its group's timed steps, not
     one reading at the start of the run."""
@@ -443,6 +446,7 @@ def test_41m_target_claims_no_bound_when_the_step_beat_its_floor_timings():
     assert "more than the step itself (3.26 s)" in target.evidence and "no bound is claimed" in target.evidence
 
 
+@pytest.mark.slow
 def test_quick_stand_ins_are_labelled_never_mixed_with_a_full_run_and_never_committed(tmp_path):
     from benchmarks.bench_report import COMMITTED_DIR, main
 

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
     "variant,mode",
     [("pcaf", "nt"), ("pcaf", "ar"), ("local_conv", "nt")],
 )
+@pytest.mark.slow
 def test_twenty_steps_agree(tmp_path, variant, mode):
     cfg = tiny_cfg(variant=variant, grad_clip_norm=0.5,
                    train={"mode": mode, "steps": STEPS, "lr": 1e-2, "warmup_steps": 4, "min_lr_ratio": 0.1,
@@ -70,6 +71,7 @@ def test_twenty_steps_agree(tmp_path, variant, mode):
     np.testing.assert_allclose(ej.target_log_prob, et.target_log_prob, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_both_backends_report_bad_data_identically(tmp_path):
     bad = np.array(CORPUS.train)
     bad[77] = V + 3

@@ -71,6 +71,7 @@ def test_wikitext2_vocab_and_token_counts(wt2):
     assert wt2.layout == "tokens" and wt2.settings.tokenizer == "whitespace"
 
 
+@pytest.mark.slow
 def test_wikitext2_matches_the_plain_definition(wt2, real_cache):
     """Vocabulary = Counter.most_common over whitespace tokens; ids = lines + <eos>, OOV -> <unk>."""
     src = next((real_cache / "sources").glob("wikitext-2-v1-*")) / "wikitext-2"
@@ -83,6 +84,7 @@ def test_wikitext2_matches_the_plain_definition(wt2, real_cache):
     np.testing.assert_array_equal(np.asarray(wt2.train[: len(head)]), vocab.encode_tokens(head))
 
 
+@pytest.mark.slow
 def test_wikitext2_reference_protocol_counts(real_cache):
     """The reference's regex + non-empty rows on the same release (the number reported beside)."""
     ref = load_corpus(DataConfig(name="wikitext2", tokenizer="regex", rows="nonempty", cache_dir=str(real_cache)))
@@ -103,6 +105,7 @@ def test_wikitext2_windows(wt2):
     assert FullEvalWindows(wt2.valid, 1024, 16, mode="nt").num_targets == 212
 
 
+@pytest.mark.slow
 def test_pg19_mini_books_tokens_and_vocab(pg19_mini, real_cache):
     assert pg19_mini.vocab_size == 32_000
     for split in ("train", "validation", "test"):
@@ -118,6 +121,7 @@ def test_pg19_mini_books_tokens_and_vocab(pg19_mini, real_cache):
     np.testing.assert_array_equal(np.asarray(pg19_mini.train[: len(toks)]), pg19_mini.vocab.encode_tokens(toks))
 
 
+@pytest.mark.slow
 def test_summary_command_shows_the_acceptance_numbers(wt2, pg19_mini, real_cache):
     r = cli("summary", "data=wikitext2", f"data.cache_dir={real_cache}", "--json", "-q")
     assert r.returncode == 0, r.stderr

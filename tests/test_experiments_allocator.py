@@ -58,6 +58,7 @@ def test_opt_out(tmp_path):
     assert before == ["start"] and not info["active"]
 
 
+@pytest.mark.slow
 def test_run_records_name_the_allocator_settings(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "PCAF_MALLOC_REEXEC")}
     subprocess.run([sys.executable, "-m", "experiments.run", "experiment=wt2-nt-1024/local_conv", "scale=smoke",

@@ -225,6 +225,7 @@ def test_a_worker_that_died_mid_run_is_marked_failed_without_losing_its_record(t
     assert read_metrics(tmp_path / "run") == metrics
 
 
+@pytest.mark.slow
 def test_params_report_matches_the_paper_for_every_paper_scale_row():
     from experiments.params_report import report
 

@@ -31,6 +31,7 @@ def smoke_run(smoke_pcaf_run) -> Path:
     return smoke_pcaf_run
 
 
+@pytest.mark.slow
 def test_generate_command_end_to_end_from_a_smoke_table_run(smoke_run):
     env = {**os.environ, "PCAF_NO_PROGRESS": "1"}
     res = subprocess.run([sys.executable, "-m", "experiments.generate", f"run_dir={smoke_run}",
@@ -99,6 +100,7 @@ def test_sampling_is_reproducible_and_top_k_one_is_greedy():
     assert torch.equal(generate(net, prompt, 8, temperature=0.7, top_p=1e-6, seed=9).new_tokens, greedy)
 
 
+@pytest.mark.slow
 def test_jax_generate_equals_torch_greedy_and_the_command_runs_on_jax(smoke_run, capsys):
     import jax
 

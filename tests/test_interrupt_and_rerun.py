@@ -71,6 +71,7 @@ def _held(tmp_path: Path, name: str, step: int) -> dict[str, str]:
 # --------------------------------------------------------------------------- items 1 and 2
 
 
+@pytest.mark.slow
 def test_a_live_run_is_locked_and_the_same_command_resumes_it_after_sigkill_sigterm_and_ctrl_c(tmp_path, monkeypatch,
                                                                                               capsys):
     """Item 1 (lock) and item 2 (resume however stopped): A trains and holds at step 3; B, the identical
@@ -131,6 +132,7 @@ def test_a_live_run_is_locked_and_the_same_command_resumes_it_after_sigkill_sigt
     assert not (run_dir / "error.txt").exists() and not list(run_dir.rglob(".tmp_step_*"))
 
 
+@pytest.mark.slow
 def test_sweeps_started_together_get_their_own_directories_and_a_failing_job_does_not_stop_them(tmp_path):
     """Item 1 (two ``-m`` sweeps in the same second) and item 5 (jobs failing at run time): the sweeps get
     their own directories; every job of each runs although the one before it failed; the summary marks the
@@ -162,6 +164,7 @@ def _flip_byte(path: Path, offset: int = -100) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_every_checkpoint_damaged_is_refused_with_the_files_named_and_restarted_only_on_request(tmp_path, capsys):
     from experiments import reproduce
 
@@ -243,6 +246,7 @@ def test_a_sweep_with_an_invalid_job_starts_no_job(tmp_path):
 # --------------------------------------------------------------------------- item 6
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_checkpointing_is_reported_recorded_and_cleaned_up(tmp_path):
     out = tmp_path / "out"
     res = subprocess.run(_reproduce(out), cwd=REPO, capture_output=True, text=True,
@@ -307,6 +311,7 @@ def test_an_unwritable_output_root_is_one_line_with_exit_2_on_every_entry_point(
 # --------------------------------------------------------------------------- item 8
 
 
+@pytest.mark.slow
 def test_a_diverged_run_continues_from_its_last_finite_checkpoint_with_the_printed_command(tmp_path, monkeypatch,
                                                                                          capsys):
     """The divergence message prints a command; run as printed with a lower ``train.lr`` it resumes from the

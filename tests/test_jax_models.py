@@ -76,6 +76,7 @@ GRAD_GROUPS = {
 GRAD_RUNS = [(case, mode) for case in GRAD_GROUPS for mode in (("nt", "ar") if case[0] == "pcaf" else ("ar",))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("case", "mode"), GRAD_RUNS, ids=[f"{c[0]}-{m}" for c, m in GRAD_RUNS])
 def test_grad_matches_finite_differences(x64, case, mode: str) -> None:
     model, memory, profile = configs(*case, profile="corrected")
@@ -97,6 +98,7 @@ def test_grad_matches_finite_differences(x64, case, mode: str) -> None:
         np.testing.assert_allclose(analytic, fd, rtol=1e-5, atol=1e-8, err_msg=group)
 
 
+@pytest.mark.slow
 def test_gradient_is_finite_with_empty_queries_and_zero_gate(x64) -> None:
     """AR queries without records have λ = 0 (corrected) and log 0 terms: the gradient stays finite."""
     model, memory, profile = configs("pcaf", "context", "dense", "recent", "corrected")
@@ -115,6 +117,7 @@ def test_gradient_is_finite_with_empty_queries_and_zero_gate(x64) -> None:
         assert bool(jnp.all(jnp.isfinite(leaf)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["pcaf", "transformer_dense"])
 def test_dropout_only_in_training_mode(variant: str) -> None:
     model, memory, _ = configs(variant, "context")
@@ -148,6 +151,7 @@ def test_dropout_only_in_training_mode(variant: str) -> None:
 
 @pytest.mark.parametrize("case", [("pcaf", "hybrid", "dense", "topk_score"),
                                   ("linear_attention", "context", "dense", "topk_score")], ids=lambda c: c[0])
+@pytest.mark.slow
 def test_bf16_compute_is_close_to_fp32(case) -> None:
     """bf16 matmuls, float32 parameters, residual stream and normalisers: close to the float64 spec."""
     model, memory, profile = configs(*case, profile="reference_jax")
@@ -199,6 +203,7 @@ def test_affine_vjp_matches_autodiff_of_the_plain_product(dtype) -> None:
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(c.sum(axis=(0, 1))), rtol=tol, atol=tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", ["conv", "layernorm"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_conv_and_layernorm_per_feature_parameters_broadcast_in_one_step(batch, layer) -> None:
@@ -283,6 +288,7 @@ def test_eval_shape_of_init_gives_paper_counts(row) -> None:
     assert sum(math.prod(v.shape) for v in abstract.values()) == expected, label
 
 
+@pytest.mark.slow
 def test_init_params_jax_normal_scheme() -> None:
     model, memory, profile = configs("pcaf", "hybrid", profile="corrected")
     model = ModelConfig(**{**model.__dict__, "vocab_size": 400, "d_model": 64, "d_hidden": 96})
@@ -301,6 +307,7 @@ def test_init_params_jax_normal_scheme() -> None:
     assert not bool(jnp.array_equal(p["head.out.weight"], other["head.out.weight"]))
 
 
+@pytest.mark.slow
 def test_init_params_torch_default_scheme() -> None:
     model, memory, _ = configs("transformer_dense", profile="reference_torch")
     model = ModelConfig(**{**model.__dict__, "vocab_size": 400, "d_model": 48, "d_hidden": 96, "n_heads": 4})
@@ -330,6 +337,7 @@ JIT_CASES = [(("pcaf", "hybrid", "dense", "topk_score"), "reference_jax", "ar"),
              (("pcaf_no_gate", "semantic", "dense", "recent"), "reference_torch", "nt")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("case", "profile_name", "mode"), JIT_CASES, ids=[c[0][0] for c in JIT_CASES])
 def test_jitted_forward_matches_spec(x64, case, profile_name: str, mode: str) -> None:
     """The path the trainer runs: the whole forward under one ``jax.jit`` with the module static."""

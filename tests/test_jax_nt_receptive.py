@@ -41,6 +41,7 @@ def _setup(case, T: int):
     return model, memory, prof, to_variables(params, jnp.float64), jnp.asarray(tokens), jnp.asarray(targets)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
 def test_receptive_field_forward_and_gradient_equal_the_full_window(x64, case) -> None:
     # T < R is covered by tests/test_torch_nt_receptive.py; one jitted program per path keeps this cheap.
@@ -69,6 +70,7 @@ def test_receptive_field_forward_and_gradient_equal_the_full_window(x64, case) -
         np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-12, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_receptive_forward_under_jit_with_dropout_draws_finite_losses() -> None:
     model, memory, prof, variables, tokens, targets = _setup(CASES[0], 30)
     net = build_model(model, memory, prof, nt_receptive_field=True)

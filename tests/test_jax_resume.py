@@ -84,6 +84,7 @@ def _curve(run_dir: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in read_curve(run_dir)]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path):
     # reference_torch: dropout (the step's key) and gradient clipping are part of what must resume exactly.
     cfg = tiny_cfg(variant="local_conv", profile="reference_torch",
@@ -125,6 +126,7 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path):
     assert la.train_sampler == lb.train_sampler and la.eval_sampler == lb.eval_sampler
 
 
+@pytest.mark.slow
 def test_command_line_entry_point(tmp_path):
     # The multi-host launcher in a single process: the config file names the data (a small WikiText-2 slice).
     cfg = tiny_cfg(train={"steps": 4, "checkpoint_every": 2}, eval={"every": 2, "batches": 1, "full_max_windows": 8})

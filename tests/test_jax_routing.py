@@ -83,6 +83,7 @@ def test_recent_first_match_spec(T: int, mode: str) -> None:
         assert not np.asarray(got[(1, "first")].valid)[5].any()  # empty buckets: empty slots
 
 
+@pytest.mark.slow
 def test_batch_of_one_eager() -> None:
     addr = _address_rows(30, seed=1)[3:4]
     qpos = np.arange(30)
@@ -158,6 +159,7 @@ def _topk_configs(T: int, mode: str, K: int) -> tuple:
     return configs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 2, 63, 200])
 @pytest.mark.parametrize("mode", ["nt", "ar"])
 def test_topk_score_matches_spec(T: int, mode: str) -> None:
@@ -219,6 +221,7 @@ _EXACT_UNITS = np.array([[1, 0, 0, 0], [0, 1, 0, 0], [0.5, 0.5, 0.5, 0.5], [0.5,
                          [-1, 0, 0, 0], [0, 0, 0.5, 0.5]])
 
 
+@pytest.mark.slow
 def test_topk_score_ties_go_to_the_lower_index() -> None:
     rng = np.random.default_rng(4)
     T = 63
@@ -235,6 +238,7 @@ def test_topk_score_ties_go_to_the_lower_index() -> None:
                 _assert_same(got, ref, f"rho={rho} {cfg}")
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(st.integers(1, 4), st.sampled_from([-1.0, 0.0, 0.5, 3.0, 50.0]), st.integers(0, 2**16))
 def test_topk_score_property(nb: int, rho: float, seed: int) -> None:
@@ -252,6 +256,7 @@ def test_topk_score_property(nb: int, rho: float, seed: int) -> None:
             _assert_same(got, ref)
 
 
+@pytest.mark.slow
 def test_topk_score_float32_selection_matches_spec() -> None:
     addr, qpos, rec, query, keys = _topk_case(63, "ar", 8, seed=5)
     ref = routing.route_context(addr, qpos, 3, "topk_score", _spec_select(query, keys, rec, 1.5))
@@ -263,6 +268,7 @@ def test_topk_score_float32_selection_matches_spec() -> None:
     _assert_same(got, ref)
 
 
+@pytest.mark.slow
 def test_topk_score_selection_is_not_differentiated() -> None:
     # Gradients flow through the scores of the selected slots, never through the selection: the
     # gradient equals the one with the candidates held fixed.
@@ -310,6 +316,7 @@ def _band_case(T: int = 75, W: int = 8, d: int = 6, seed: int = 11):
     return layout, x, y, jr._recent_slots(layout, slot, count, W)
 
 
+@pytest.mark.slow
 def test_banded_dot_equals_gather_dot_on_the_recent_slots() -> None:
     """Values and gradients of banded_dot equal gather_dot's on every valid slot (f64, so exactly enough)."""
     W = 8
@@ -332,6 +339,7 @@ def test_banded_dot_equals_gather_dot_on_the_recent_slots() -> None:
             np.testing.assert_allclose(np.asarray(f), np.asarray(g), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_candidate_scores_with_a_band_equal_the_gathered_scores() -> None:
     """The scores the models compute for full-AR recent / bucketed semantic slots, with and without the
     band, router term included."""
@@ -367,6 +375,7 @@ def _scattered_slots(T: int = 75, W: int = 8, C: int = 5, seed: int = 5):
 
 @pytest.mark.parametrize(("outside_pairs", "band_width"), [(4096, 8), (7, 8), (4096, 80)],
                          ids=["compact", "every-slot", "none-outside"])
+@pytest.mark.slow
 def test_band_gather_dot_equals_gather_dot(outside_pairs: int, band_width: int) -> None:
     """Values and gradients on every non-empty slot, inside the band and outside it: outside pairs gathered
     compactly, or (more of them than ``outside_pairs``) every slot gathered; with a band wider than the
@@ -394,6 +403,7 @@ def test_band_gather_dot_equals_gather_dot(outside_pairs: int, band_width: int) 
             np.testing.assert_allclose(np.asarray(f), np.asarray(g), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_topk_score_candidates_scored_with_a_band_equal_the_gathered_scores() -> None:
     """Full-AR ``topk_score`` as the models run it (M = 4K, the route's band), with queries the proof
     cannot cover (ρ < 0 sends every overflowing query to the dense fallback): the banded scores equal the
@@ -472,6 +482,7 @@ def test_semantic_dense_matches_spec(T: int, mode: str) -> None:
                 _assert_same(cand, ref, f"K={K} leak={leak} chunk={chunk} rho={rho}")
 
 
+@pytest.mark.slow
 def test_semantic_dense_leak_picks_the_target() -> None:
     T, K = 12, 4
     probs = _router_probs(np.random.default_rng(0), 1, T, 3)
@@ -549,6 +560,7 @@ def test_gather_records_matches_spec() -> None:
                                   routing.gather_records(tok, cand))
 
 
+@pytest.mark.slow
 def test_gather_dot_values_and_gradients() -> None:
     rng = np.random.default_rng(7)
     with jax.enable_x64(True):

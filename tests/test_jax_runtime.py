@@ -24,6 +24,7 @@ print(jax.config.values["jax_cpu_enable_async_dispatch"])
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("env_value", "expected"), [(None, "False"), ("1", "True"), ("0", "False"), ("yes", "True")])
 def test_import_sets_cpu_dispatch_before_the_client_exists(env_value: str | None, expected: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != ASYNC_DISPATCH_ENV}

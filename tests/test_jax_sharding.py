@@ -130,12 +130,14 @@ def mesh_runs(tmp_path_factory):
     return out, json.loads((out / "report.json").read_text())
 
 
+@pytest.mark.slow
 def test_four_devices_match_one_device(mesh_runs):
     out, report = mesh_runs
     assert "1 device;" in report["device1"] and "4 devices;" in report["device4"]
     assert_same_run(out / "dev1", out / "dev4")
 
 
+@pytest.mark.slow
 def test_two_processes_of_two_devices_match_one_device(mesh_runs, tmp_path):
     # jax.distributed on the CPU (gloo collectives): each process feeds its half of every global batch.
     out, _ = mesh_runs

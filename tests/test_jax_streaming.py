@@ -46,6 +46,7 @@ def jax_stream(model, memory, prof, params, dtype, **kw) -> JaxStream:
     return JaxStream(build_jax(model, memory, prof, dtype=dtype), to_variables(params, dtype), window=T, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,route,index,policy,profile,order", JAX_CASES)
 def test_jax_stream_equals_the_spec_stream(x64, variant, route, index, policy, profile, order):
     model, memory, prof = configs(variant, route, index, policy, profile, order)
@@ -66,6 +67,7 @@ def test_jax_stream_equals_the_spec_stream(x64, variant, route, index, policy, p
     np.testing.assert_allclose(np.asarray(got.gate), want.gate, rtol=1e-5, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_torch_and_jax_streams_agree_on_shared_canonical_weights():
     model, memory, prof = configs("pcaf", "hybrid", "bucketed", "recent")
     params = {k: v.astype(np.float32) for k, v in spec_params(model, memory, prof).items()}
@@ -81,6 +83,7 @@ def test_torch_and_jax_streams_agree_on_shared_canonical_weights():
     np.testing.assert_array_equal(np.asarray(got.cand_index), want.cand_index.numpy())
 
 
+@pytest.mark.slow
 def test_jax_step_and_the_limits_raise_on_the_host():
     model, memory, prof = configs("pcaf", "context", "dense", "recent")
     params = spec_params(model, memory, prof)

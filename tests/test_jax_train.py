@@ -115,6 +115,7 @@ def pcaf_backend() -> tuple[JaxBackend, RunConfig]:
 # --------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 def test_train_end_to_end_learns_and_writes_a_complete_record(tmp_path):
     cfg = tiny_cfg(train={"steps": 40, "checkpoint_every": 20, "log_every": 10}, eval={"every": 20})
     m = train(cfg, tmp_path, progress=False, corpus=CORPUS)
@@ -147,6 +148,7 @@ def test_train_end_to_end_learns_and_writes_a_complete_record(tmp_path):
         ("transformer_dense", "corrected", "ar", "context"),
     ],
 )
+@pytest.mark.slow
 def test_variants_profiles_modes_train(tmp_path, variant, profile, mode, route):
     cfg = tiny_cfg(variant=variant, profile=profile, route=route,
                    train={"steps": 4, "mode": mode}, eval={"every": 2, "batches": 1, "full_max_windows": 8})
@@ -183,6 +185,7 @@ def test_same_seed_same_steps_bitwise_and_eval_reproducible():
     assert l3 != l1
 
 
+@pytest.mark.slow
 def test_dropout_draws_depend_on_the_step_and_not_in_evaluation(pcaf_backend):
     cfg = tiny_cfg(variant="local_conv", profile="reference_torch")
     assert cfg.profile.dropout > 0
@@ -221,6 +224,7 @@ def test_decay_mask_follows_the_canonical_rule(pcaf_backend):
             assert not want["memory.recency_scale"] and want["memory.query.weight"]
 
 
+@pytest.mark.slow
 def test_one_step_is_the_reference_adamw_update():
     # p <- p - lr*(m_hat/(sqrt(v_hat)+eps) + wd*p), gradients clipped by global norm first.
     tr = TrainConfig(lr=0.1, weight_decay=0.1, eps=1e-8)
@@ -241,6 +245,7 @@ def test_one_step_is_the_reference_adamw_update():
     assert optim.update_count(state) == 1 and optim.learning_rate(state) == pytest.approx(0.05)
 
 
+@pytest.mark.slow
 def test_clipping_and_decay_of_unused_parameters(pcaf_backend):
     # reference_jax carries an unused semantic router in context-route models (docs/REFERENCE_CODE.md §7.16): its
     # gradient is exactly zero, and AdamW still applies p <- p - lr*wd*p.
@@ -268,6 +273,7 @@ def test_clipping_and_decay_of_unused_parameters(pcaf_backend):
     assert first_moment_norm(unclipped) > 0.2
 
 
+@pytest.mark.slow
 def test_bf16_runs_with_float32_master_weights(tmp_path):
     cfg = tiny_cfg(train={"steps": 4, "precision": "bf16"}, eval={"every": 2, "batches": 1, "full_max_windows": 8})
     backend = JaxBackend("cpu")

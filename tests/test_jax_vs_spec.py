@@ -126,9 +126,18 @@ def x64():
         yield
 
 
-@pytest.mark.parametrize("profile_name", PROFILES)
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: "-".join(c))
+# The fast tier (make test-fast) keeps PCAF on each route in both modes (profiles rotated) and every plain backbone
+# once; the rest of the product is slow.
+_FAST_FLOAT64 = {(CACHE_CASES[0], "nt", "reference_jax"), (CACHE_CASES[0], "ar", "corrected"),
+                 (CACHE_CASES[3], "nt", "corrected"), (CACHE_CASES[3], "ar", "reference_torch"),
+                 (CACHE_CASES[5], "nt", "reference_torch"), (CACHE_CASES[5], "ar", "reference_jax")}
+_FAST_FLOAT64 |= {(c, "ar", "corrected") for c in PLAIN_CASES}
+FLOAT64_PARAMS = [pytest.param(c, m, p, id=f"{'-'.join(c)}-{m}-{p}",
+                               marks=() if (c, m, p) in _FAST_FLOAT64 else pytest.mark.slow)
+                  for c in ALL_CASES for m in MODES for p in PROFILES]
+
+
+@pytest.mark.parametrize(("case", "mode", "profile_name"), FLOAT64_PARAMS)
 def test_float64_matches_spec(x64, case, mode: str, profile_name: str) -> None:
     out, ref = run_case(case, profile_name, mode)
     assert out.hidden.dtype == jnp.float64
@@ -149,6 +158,7 @@ def test_float64_matches_spec(x64, case, mode: str, profile_name: str) -> None:
 FLOAT32_CASES = [CACHE_CASES[i] for i in (0, 2, 3, 4, 6, 10)] + PLAIN_CASES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FLOAT32_CASES, ids=lambda c: "-".join(c))
 def test_float32_matches_spec(case) -> None:
     # AR (every position a query); the profile rotates over the cases.
@@ -172,6 +182,7 @@ def test_context_order_two_hash_matches_spec(x64, profile_name: str, mode: str) 
     assert (other != ref.memory.addresses).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("T", "mode"), [(1, "nt"), (1, "ar"), (3, "ar")])
 def test_tiny_windows_match_spec(x64, mode: str, T: int) -> None:
     """T = 1 (no record at all) and T = 3 (queries with 0, 1, 2 records). Each window shape compiles
@@ -192,6 +203,7 @@ def test_all_tokens_equal_matches_spec(x64, profile_name: str) -> None:
     assert_matches(jax_forward(params, model, memory, profile, tokens, tokens, "ar"), ref, 1e-5, 1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("profile_name", ["reference_jax", "reference_torch"])  # trainable / fixed table
 def test_positional_scale_matches_spec(x64, profile_name: str) -> None:
     """``profile.positional_scale`` scales the trainable table's start (JAX init) and the fixed table."""

@@ -45,6 +45,7 @@ def test_tree_layout_names() -> None:
     assert set(tree["memory"]) == {"query", "key", "router", "router_norm", "recency_scale"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["pcaf", "transformer_global_local"])
 def test_safetensors_round_trip_and_forward(tmp_path, variant: str) -> None:
     model, memory, profile = configs(variant, "hybrid", profile="reference_jax")

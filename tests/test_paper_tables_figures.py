@@ -43,6 +43,7 @@ def _assert_png_pdf(png: Path, pdf: Path) -> None:
     assert pdf.read_bytes()[:5] == b"%PDF-" and pdf.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_cli_render_writes_tables_and_figures(tmp_path, capsys):
     root = tmp_path / "outputs"
     for i, row in enumerate(["pcaf_context", "pcaf_no_cache", "transformer_dense"]):
@@ -287,6 +288,7 @@ def test_speed_quality_names_every_point_and_no_label_overlaps_a_label_or_a_mark
     assert len(ax.lines) == 5
 
 
+@pytest.mark.slow
 def test_speed_quality_of_a_large_table_has_one_panel_per_group(tmp_path):
     """sweeps-41m's 29 rows: one panel per sweep, each titled by its group, with every point labelled."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg

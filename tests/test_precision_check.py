@@ -6,10 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.bench_report import render
 from benchmarks.common import read_csv
 
 
+@pytest.mark.slow
 def test_precision_check_writes_labelled_curves_the_report_judges(tmp_path):
     bench = tmp_path / "bench"
     page = tmp_path / "results" / "bf16-vs-fp32.md"

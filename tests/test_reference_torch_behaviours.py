@@ -177,6 +177,7 @@ def test_torch_renormalised_loss_backpropagates_like_cross_entropy():
             torch.testing.assert_close(got[name], p.grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("training_path", [False, True], ids=["evaluation", "training"])
 def test_jax_nt_loss_equals_cross_entropy_over_the_unnormalised_log_mixture(x64, training_path: bool):
     model, memory, profile, params, tokens, targets = _case(V_LARGE)

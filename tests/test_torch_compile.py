@@ -97,6 +97,7 @@ def _compare_steps(cfg: RunConfig, compiler: str):
     return state.module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["nt", "ar"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
 def test_compiled_graph_capture_trains_like_eager(case, mode: str) -> None:
@@ -350,6 +351,7 @@ def _cudagraph_unsafe(graphs: list[torch.fx.GraphModule], mutated: list[int]) ->
 @pytest.mark.parametrize("mode", ["ar", "nt"])
 @pytest.mark.parametrize("case", [c for c in CASES if not ranks_with_host_rho(_cfg(c, "ar"))],
                          ids=lambda c: "-".join(c))
+@pytest.mark.slow
 def test_cuda_step_is_one_cudagraph_safe_graph(cuda_code_paths: torch.device, case, mode: str) -> None:
     """CUDA graph trees capture what Dynamo and AOT autograd compile: the step must be one graph (a graph break
     would leave eager launches between graphs), and its forward and backward graphs must hold nothing inductor

@@ -72,6 +72,7 @@ def _assert_same_run(a_dir, b_dir, tol=TOL):
         assert np.abs(wa[k] - wb[k]).mean() <= tol / 10, k
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_match_one_process(tmp_path, ddp_cfg, single_run):
     m = launch_ddp(ddp_cfg, tmp_path, world_size=2, threads_per_rank=1)
     assert m.status == "completed" and m.extra["world_size"] == 2 and m.batch_size == 4
@@ -83,6 +84,7 @@ def test_two_gloo_processes_match_one_process(tmp_path, ddp_cfg, single_run):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "curve.csv", "metrics.json"]
 
 
+@pytest.mark.slow
 def test_torchrun_entry_point(tmp_path, ddp_cfg, single_run):
     cfg_file = tmp_path / "cfg.json"
     cfg_file.write_text(json.dumps(config_to_dict(ddp_cfg)))
@@ -116,6 +118,7 @@ def test_a_finished_rank_drains_the_process_group_before_leaving_it(monkeypatch)
     assert calls == []
 
 
+@pytest.mark.slow
 def test_a_completed_rank_exits_zero_with_its_output_flushed():
     """exit_completed_rank skips interpreter finalization (os._exit) but loses nothing printed or logged."""
     code = ("import logging, sys\n"
@@ -131,6 +134,7 @@ def test_a_completed_rank_exits_zero_with_its_output_flushed():
     assert "logged" in proc.stderr
 
 
+@pytest.mark.slow
 def test_ddp_failure_is_raised_and_recorded(tmp_path, wt2_cache):  # noqa: F811
     cfg = tiny_cfg(wt2_cache, train={"steps": 2, "batch_size": 3})
     with pytest.raises(Exception, match="not divisible by the 2 data-parallel processes"):

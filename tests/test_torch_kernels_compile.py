@@ -71,6 +71,7 @@ _AOT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90_without_spills() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=600)

@@ -116,6 +116,7 @@ def test_compile_and_autograd_through_gathered_keys() -> None:
     assert torch.equal(touched, selected)
 
 
+@pytest.mark.slow
 def test_compile_with_dynamic_sequence_length() -> None:
     """The fake registrations take their shapes from the inputs, so one graph serves several T."""
     fn = torch.compile(
@@ -130,6 +131,7 @@ def test_compile_with_dynamic_sequence_length() -> None:
         assert torch.equal(fn(a), want)
 
 
+@pytest.mark.slow
 def test_cpu_without_interpreter_uses_the_torch_path() -> None:
     """In a process without ``TRITON_INTERPRET`` the kernels are compiled-mode and cannot take CPU
     tensors, so the ops must route CPU inputs to the torch implementation."""

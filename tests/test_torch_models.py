@@ -269,6 +269,7 @@ def test_dropout_rate_scale_gradient_and_stream() -> None:
             Dropout(bad)
 
 
+@pytest.mark.slow
 def test_dropout_compiles_without_a_graph_break() -> None:
     """The mask's random draw traces under torch.compile (an in-place ``random_`` would split the compiled step
     at every dropout), and the traced layer draws what the eager one draws from the same seed."""

@@ -100,6 +100,7 @@ def run_cfg(tmp_path, wt2_cache):  # noqa: F811 - the fixture parameter shadows 
     return path
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path, run_cfg):
     ref_dir, run_dir = tmp_path / "uninterrupted", tmp_path / "interrupted"
     ref = _start(tmp_path, run_cfg, ref_dir, 0.0)
@@ -133,6 +134,7 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path, run_cfg):
     assert la.train_sampler == lb.train_sampler and la.eval_sampler == lb.eval_sampler
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_an_interrupted_record_and_resumes(tmp_path, run_cfg):
     run_dir = tmp_path / "run"
     victim = _start(tmp_path, run_cfg, run_dir, 0.1)

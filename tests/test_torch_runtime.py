@@ -40,11 +40,13 @@ def _mkl_modes(env_value: str | None) -> list[str]:
     return modes
 
 
+@pytest.mark.slow
 def test_import_sets_the_vendors_mode_before_onemkls_first_call() -> None:
     expected = MKL_CBWR_BY_VENDOR.get(cpu_vendor() or "", "OFF")  # oneMKL reports its default as OFF
     assert set(_mkl_modes(None)) == {expected}
 
 
+@pytest.mark.slow
 def test_a_mode_in_the_environment_is_kept() -> None:
     assert set(_mkl_modes("COMPATIBLE")) == {"COMPATIBLE"}
 

@@ -80,6 +80,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # --------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 def test_train_end_to_end_writes_a_complete_record(tmp_path, wt2_cache):
     cfg = tiny_cfg(wt2_cache, train={"steps": 20, "checkpoint_every": 10, "log_every": 5})
     m = train(cfg, tmp_path, progress=False)

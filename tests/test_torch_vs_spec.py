@@ -211,6 +211,7 @@ def test_all_tokens_equal_matches_spec(profile_name: str) -> None:
     assert_matches(out, ref, rtol=1e-5, atol=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("profile_name", ["reference_jax", "reference_torch"])  # trainable / fixed table
 @pytest.mark.parametrize("init", ["jax_normal", "torch_default"])
 def test_positional_scale_matches_spec(profile_name: str, init: str) -> None:
