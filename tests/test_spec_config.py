@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pcaf_core.config import (
+    MATMUL_PRECISIONS,
     ConfigError,
     DataConfig,
     EvalConfig,
@@ -13,9 +14,11 @@ from pcaf_core.config import (
     ProfileConfig,
     RunConfig,
     TrainConfig,
+    head_loss_chunks,
+    head_loss_label,
     validate,
 )
-from pcaf_core.profiles import PROFILES, get_profile
+from pcaf_core.profiles import PROFILE_MATMUL_PRECISION, PROFILES, get_profile, matmul_precision
 
 BAD_VALUES = [
     (MemoryConfig, {"top_k": 0}, "memory.top_k"),
@@ -34,6 +37,10 @@ BAD_VALUES = [
     (TrainConfig, {"mode": "bidirectional"}, "train.mode"),
     (TrainConfig, {"warmup_steps": 10, "steps": 5}, "train.warmup_steps"),
     (TrainConfig, {"precision": "fp8"}, "train.precision"),
+    (TrainConfig, {"head_loss": "fused"}, "train.head_loss"),
+    (TrainConfig, {"head_position_chunk": 0}, "train.head_position_chunk"),
+    (TrainConfig, {"head_vocab_chunk": -8}, "train.head_vocab_chunk"),
+    (TrainConfig, {"matmul_precision": "tf32"}, "train.matmul_precision"),
     (DataConfig, {"name": "c4"}, "data.name"),
     (DataConfig, {"max_vocab": 2}, "data.max_vocab"),
     (EvalConfig, {"protocol": "vibes"}, "eval.protocol"),
@@ -73,3 +80,37 @@ def test_profiles_are_named_switch_sets():
         get_profile("reference_tpu")
     with pytest.raises(ConfigError, match="override"):
         get_profile("corrected", no_such_switch=True)
+
+
+@pytest.mark.parametrize(("head_loss", "mode", "device", "expected"), [
+    ("auto", "ar", "cpu", None),  # one tile was faster on a CPU
+    ("auto", "ar", "cuda", (512, 4096)),
+    ("auto", "ar", "tpu", (512, 4096)),
+    ("auto", "nt", "cuda", None),  # one query per window
+    ("full", "ar", "cuda", None),
+    ("chunked", "nt", "cpu", (512, 4096)),
+])
+def test_head_loss_chunks_by_device_and_mode(head_loss, mode, device, expected):
+    train = TrainConfig(mode=mode, head_loss=head_loss, head_position_chunk=512, head_vocab_chunk=4096)
+    assert head_loss_chunks(train, device) == expected
+    assert head_loss_label(expected) == ("head loss in one tile" if expected is None
+                                         else "head loss in 512x4096 tiles")
+
+
+def test_matmul_precision_defaults_to_the_profiles():
+    """``profile``: JAX's default precision under reference_jax (the paper's TPU runs), float32 under
+    reference_torch (the paper's PyTorch code ran with TF32 off) and corrected; a set value wins."""
+    assert set(PROFILE_MATMUL_PRECISION) == set(PROFILES)
+    assert TrainConfig().matmul_precision == "profile"
+    resolved = {name: matmul_precision(RunConfig(profile=get_profile(name))) for name in PROFILES}
+    assert resolved == {"reference_jax": "default", "reference_torch": "highest", "corrected": "highest"}
+    for value in MATMUL_PRECISIONS:
+        cfg = RunConfig(profile=get_profile("reference_jax"), train=TrainConfig(matmul_precision=value))
+        assert matmul_precision(cfg) == value
+
+
+def test_matmul_precision_of_an_unnamed_profile_must_be_set():
+    with pytest.raises(ConfigError, match=r"train\.matmul_precision=.* has no default matmul precision"):
+        RunConfig(profile=ProfileConfig(name="mine"))
+    cfg = RunConfig(profile=ProfileConfig(name="mine"), train=TrainConfig(matmul_precision="high"))
+    assert matmul_precision(cfg) == "high"
