@@ -36,7 +36,7 @@ POSITIONAL_FORMS = ("trainable_jax", "fixed_torch")
 INIT_FORMS = ("jax_normal", "torch_default")
 PRECISIONS = ("fp32", "bf16", "auto")  # auto: bf16 where the device has a bf16 matrix unit
 COMPILE_MODES = ("auto", "on", "off", "cudagraphs")
-HEAD_LOSS_FORMS = ("auto", "full", "chunked")  # auto: head_loss_chunks says where chunked runs
+HEAD_LOSS_FORMS = ("auto", "full", "chunked")  # auto: head_loss_chunks says where the tiles run
 # What a float32 matrix product computes (docs/SPEC.md §9); "profile": the profile's own setting
 # (pcaf_core.profiles.matmul_precision).
 MATMUL_PRECISIONS = ("highest", "high", "default")
@@ -267,7 +267,7 @@ class TrainConfig:
     compile: str = "auto"
     # The training loss's vocabulary head (backends/*/head_loss.py): "full" computes the [N, V] logits as
     # one tile, "chunked" in tiles of head_position_chunk x head_vocab_chunk and never holds [N, V]; "auto"
-    # picks per device and mode (head_loss_chunks). The same values either way, to float rounding.
+    # tiles where one tile would be large (head_loss_chunks). The same values either way, to float rounding.
     head_loss: str = "auto"
     head_position_chunk: int = 1024
     head_vocab_chunk: int = 8192
@@ -356,17 +356,26 @@ class RunConfig:
                      f"exceeds model.max_seq_len={self.model.max_seq_len} (the positional table's rows)")
 
 
-def head_loss_chunks(train: TrainConfig, device_type: str) -> tuple[int, int] | None:
-    """``(position chunk, vocabulary chunk)`` of the training loss's head tiles, or None for one tile
-    (``train.head_loss``; docs/BACKENDS.md, "Chunked head loss").
+HEAD_LOSS_AUTO_LOGITS = 2**28
+"""``train.head_loss=auto`` trains through tiles when one step's ``[N, V]`` logits on one device would hold more
+elements than this (1 GiB in float32), and in one tile otherwise (docs/BACKENDS.md, "Chunked head loss")."""
 
-    ``auto`` is chunked for full-AR training on an accelerator (``device_type`` anything but ``"cpu"``) and
-    one tile otherwise: on a CPU one tile was the faster form at the cpu scale's shapes, and a next-token
-    step has only one query per window.
+
+def head_loss_chunks(cfg: RunConfig, parts: int = 1) -> tuple[int, int] | None:
+    """``(position chunk, vocabulary chunk)`` of the training loss's head tiles, or None for one tile
+    (``train.head_loss``). ``parts``: how many devices share a training batch (its rows split evenly), so
+    one device's head reads ``batch_size / parts`` windows of T positions (full AR) or of one (next token).
+
+    ``auto`` tiles only where one tile's logits would exceed :data:`HEAD_LOSS_AUTO_LOGITS` elements: tiles
+    cost a fourth ``N·H·V`` product (the backward pass recomputes them), so where the logits fit, one tile is
+    the faster form.
     """
-    if train.head_loss == "full" or (train.head_loss == "auto" and (device_type == "cpu" or train.mode != "ar")):
+    t = cfg.train
+    positions = -(-t.batch_size // parts) * (t.seq_len if t.mode == "ar" else 1)
+    large = positions * cfg.model.vocab_size > HEAD_LOSS_AUTO_LOGITS
+    if t.head_loss == "full" or (t.head_loss == "auto" and not large):
         return None
-    return train.head_position_chunk, train.head_vocab_chunk
+    return t.head_position_chunk, t.head_vocab_chunk
 
 
 def head_loss_label(chunks: tuple[int, int] | None) -> str:

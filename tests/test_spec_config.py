@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pcaf_core.config import (
+    HEAD_LOSS_AUTO_LOGITS,
     MATMUL_PRECISIONS,
     ConfigError,
     DataConfig,
@@ -82,17 +83,21 @@ def test_profiles_are_named_switch_sets():
         get_profile("corrected", no_such_switch=True)
 
 
-@pytest.mark.parametrize(("head_loss", "mode", "device", "expected"), [
-    ("auto", "ar", "cpu", None),  # one tile was faster on a CPU
-    ("auto", "ar", "cuda", (512, 4096)),
-    ("auto", "ar", "tpu", (512, 4096)),
-    ("auto", "nt", "cuda", None),  # one query per window
-    ("full", "ar", "cuda", None),
-    ("chunked", "nt", "cpu", (512, 4096)),
+@pytest.mark.parametrize(("head_loss", "mode", "batch", "parts", "expected"), [
+    ("auto", "ar", 64, 1, None),  # 64 x 1,024 x 4,096 = 2^28 logits: one tile
+    ("auto", "ar", 65, 1, (512, 4096)),  # past 2^28: tiles
+    ("auto", "ar", 128, 2, None),  # 64 windows on each of two devices
+    ("auto", "ar", 130, 2, (512, 4096)),
+    ("auto", "nt", 1000, 1, None),  # one query per window
+    ("full", "ar", 10**3, 1, None),
+    ("chunked", "nt", 1, 1, (512, 4096)),
 ])
-def test_head_loss_chunks_by_device_and_mode(head_loss, mode, device, expected):
-    train = TrainConfig(mode=mode, head_loss=head_loss, head_position_chunk=512, head_vocab_chunk=4096)
-    assert head_loss_chunks(train, device) == expected
+def test_head_loss_tiles_where_one_tile_would_be_large(head_loss, mode, batch, parts, expected):
+    cfg = RunConfig(model=ModelConfig(vocab_size=4096), train=TrainConfig(
+        mode=mode, seq_len=1024, batch_size=batch, head_loss=head_loss, head_position_chunk=512,
+        head_vocab_chunk=4096))
+    assert 64 * 1024 * 4096 == HEAD_LOSS_AUTO_LOGITS
+    assert head_loss_chunks(cfg, parts) == expected
     assert head_loss_label(expected) == ("head loss in one tile" if expected is None
                                          else "head loss in 512x4096 tiles")
 

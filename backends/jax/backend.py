@@ -166,7 +166,7 @@ class JaxBackend:
     def _compile(self, cfg: RunConfig, params: Any) -> _Compiled:
         """Model, optimiser and jitted steps for ``cfg`` (reused while the config stays the same)."""
         self._check_batches(cfg)
-        label = head_loss_label(head_loss_chunks(cfg.train, self.devices[0].platform))
+        label = head_loss_label(head_loss_chunks(cfg, self.num_devices))
         if label not in self.device.split("; "):
             self.device += f"; {label}"
         key = (tuple(self.devices), numerics_key(cfg))
@@ -177,7 +177,7 @@ class JaxBackend:
 
         # Next-token runs compute each prediction from the receptive fields it reads (PCAFModel.
         # nt_receptive_read): the same loss and gradients at a fraction of the full window's work.
-        chunks = head_loss_chunks(cfg.train, self.devices[0].platform)
+        chunks = head_loss_chunks(cfg, self.num_devices)
         module = build_model(cfg.model, cfg.memory, cfg.profile, dtype=compute_dtype(cfg),
                              nt_receptive_field=cfg.train.mode == "nt", head_chunks=chunks)
         tx = build_optimizer(cfg.train, cfg.profile, params)

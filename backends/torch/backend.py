@@ -156,7 +156,7 @@ class TorchBackend:
         # cuDNN's convolutions alike (cuDNN's own default is TF32). bf16 runs use autocast.
         set_matmul_precision(matmul_precision(cfg))
         # build_model draws the initial weights from its own generator seeded with train.seed.
-        chunks = head_loss_chunks(cfg.train, self.torch_device.type)
+        chunks = head_loss_chunks(cfg, self.world_size)
         module = build_model(cfg.model, cfg.memory, cfg.profile, seed=cfg.train.seed, device=self.torch_device,
                              head_chunks=chunks)
         self._label(head_loss_label(chunks))
