@@ -1,14 +1,8 @@
-"""``train.matmul_precision`` on JAX: what a float32 matrix product computes (docs/SPEC.md §9).
+"""``train.matmul_precision`` on JAX (docs/SPEC.md §9 says what each value computes).
 
-The setting is JAX's default matmul precision (``jax.default_matmul_precision``) around the traced step, so
-it reaches every product that does not name its own precision: the model's. Routing's scores name
-``Precision.HIGHEST``, so candidates never depend on it.
-
-| setting | JAX precision | TPU | GPU | CPU |
-|---|---|---|---|---|
-| ``highest`` | ``"highest"`` | float32 (6 bf16 passes) | float32 | float32 |
-| ``high`` | ``"high"`` | 3 bf16 passes | TF32 | float32 |
-| ``default`` | ``"default"`` | 1 bf16 pass | TF32 | float32 |
+The setting is JAX's default matmul precision (``jax.default_matmul_precision`` of the same name:
+``highest``, ``high``, ``default``) around every traced step, so it reaches each product that does not name
+its own precision: the model's. Routing's scores name ``Precision.HIGHEST``.
 """
 
 from __future__ import annotations

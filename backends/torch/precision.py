@@ -1,18 +1,16 @@
-"""``train.matmul_precision`` on torch: what a float32 matrix product computes (docs/SPEC.md §9).
+"""``train.matmul_precision`` on torch (docs/SPEC.md §9 says what each value computes).
 
-PyTorch holds it process-wide: ``torch.set_float32_matmul_precision`` for matrix products (cuBLAS; oneDNN
-too) and ``torch.backends.cudnn.allow_tf32`` for cuDNN's convolutions, whose own default is TF32.
+PyTorch holds it process-wide: ``torch.set_float32_matmul_precision`` for matrix products and
+``torch.backends.cudnn.allow_tf32`` for cuDNN's convolutions, whose own default is TF32.
 
 | setting | matmuls | cuDNN convolutions |
 |---|---|---|
-| ``highest`` | ``"highest"``: float32, no TF32 | TF32 off |
-| ``high`` | ``"high"``: TF32 on a GPU that has it | TF32 on |
-| ``default`` | ``"high"``: TF32, what JAX's default precision runs on a GPU | TF32 on |
+| ``highest`` | ``"highest"`` | TF32 off |
+| ``high`` | ``"high"`` (TF32) | TF32 on |
+| ``default`` | ``"high"`` (TF32) | TF32 on |
 
-``default`` is JAX's name for the platform's fastest float32 product: one bf16 pass on a TPU, TF32 on a GPU.
-Torch runs on no TPU, so on torch it is TF32, the same as ``high``. On a CPU every setting computes float32.
-The setting covers every product of the step, routing's scores included (JAX's routing asks for float32 per
-product, so its candidates never depend on the setting).
+``default`` is TF32 because that is the fastest float32 product JAX's default gives on a GPU; torch runs on
+no TPU, where it would be one bf16 pass.
 """
 
 from __future__ import annotations
