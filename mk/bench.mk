@@ -68,7 +68,9 @@ bench-precision: $(VENV)/.installed data
 # eager step and with the step replayed as CUDA graphs, rendered into docs/results/bench_cuda.md with its CSVs in
 # docs/results/bench_cuda/. About 7 minutes on one H100: 191-240 s of benchmarks (22 cases, 12 of them compiled,
 # and 2 compiled profiles, each compile 10-22 s there), then about 66 s (eager) and 100 s (CUDA graphs) of
-# curves; the paper-shape rows read the tokenized WikiText-2 release (data.layout=tokens).
+# curves; the paper-shape rows read the tokenized WikiText-2 release (data.layout=tokens). Six cases were added
+# after that timing and have not run on a GPU yet: the full-AR step with the chunked head loss (eager and CUDA
+# graphs) and on the JAX backend (needs JAX's CUDA plugin, else the page lists the case as not run).
 CUDA_RESULTS := docs/results/bench_cuda
 CUDA_CURVES := --row wt2-nt-1024/pcaf_context --scale paper --steps 600 --every 100
 CUDA_CURVE_ROW := train.mode=ar train.batch_size=8 data.layout=tokens
