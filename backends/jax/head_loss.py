@@ -4,8 +4,8 @@ The one-tile form is :meth:`backends.jax.layers.Head.target_log_prob`'s ``logit_
 the whole ``[N, V]`` logits. :func:`chunked_target_log_softmax` computes the same values without any
 ``[N, V]`` array: ``[P, C]`` logit tiles (``lax.map`` over position chunks, ``lax.scan`` over vocabulary
 chunks), an online log-sum-exp per row, and a custom VJP that recomputes each tile in the backward pass and
-accumulates the head's gradients tile by tile. docs/BACKENDS.md ("Chunked head loss") has the algorithm
-and its cost.
+accumulates the head's gradients tile by tile, the weight's in place. docs/BACKENDS.md ("Chunked head
+loss") has the algorithm and its cost.
 
 Operands follow :class:`backends.jax.layers.Dense`: ``z`` and ``w`` in the compute dtype, ``b`` in the wide
 dtype (at least float32); a tile's logits are the Dense output rounded to the compute dtype and widened,
@@ -26,39 +26,49 @@ def _logits(z: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
     return (jnp.matmul(z, w, preferred_element_type=b.dtype) + b).astype(z.dtype).astype(b.dtype)
 
 
-def _tiles(z: jax.Array, w: jax.Array, b: jax.Array, y: jax.Array, position_chunk: int, vocab_chunk: int):
-    """Inputs padded to whole tiles and split: z ``[nP, P, H]``, y ``[nP, P]``, w ``[nC, H, C]``,
-    b ``[nC, C]``, each tile's first column ``[nC]``. Padded rows are zeros (sliced off afterwards); padded
-    columns have bias ``-inf``, so they add nothing to a normaliser and get no gradient."""
-    N, H = z.shape
-    V = w.shape[1]
-    P, C = min(position_chunk, N), min(vocab_chunk, V)
-    n_p, n_c = -(-N // P), -(-V // C)
-    zp = jnp.pad(z, ((0, n_p * P - N), (0, 0))).reshape(n_p, P, H)
-    yp = jnp.pad(y, (0, n_p * P - N)).reshape(n_p, P)
-    wc = jnp.pad(w, ((0, 0), (0, n_c * C - V))).reshape(H, n_c, C).transpose(1, 0, 2)
-    bc = jnp.pad(b, (0, n_c * C - V), constant_values=-jnp.inf).reshape(n_c, C)
-    return zp, yp, wc, bc, jnp.arange(n_c, dtype=y.dtype) * C
+def _rows(x: jax.Array, n_p: int, P: int) -> jax.Array:
+    """``x [N, ...]`` zero-padded to ``n_p·P`` rows and split into ``[n_p, P, ...]`` position chunks (padded
+    rows are sliced off the results; a zero cotangent gives them no gradient). A copy of O(N·H) at most."""
+    pad = [(0, n_p * P - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+    return jnp.pad(x, pad).reshape(n_p, P, *x.shape[1:])
 
 
-def _target_column(y: jax.Array, v0: jax.Array, width: int) -> jax.Array:
-    """``[n, width]`` bool: the target's column, where it lies in the tile starting at ``v0``."""
-    return (y - v0)[:, None] == jnp.arange(width, dtype=y.dtype)[None, :]
+def _vocab_tiles(V: int, C: int) -> tuple[jax.Array, jax.Array]:
+    """``(first, start)`` ``[nC]`` each: tile i covers columns ``[start_i, start_i + C)`` of the vocabulary and
+    counts those from ``first_i = i·C`` on. The last tile starts at ``V - C`` when C does not divide V, so every
+    tile is read in place from the weight (no padded copy of it); its columns below ``first_i``, already
+    counted by the tile before, are masked."""
+    first = jnp.arange(-(-V // C), dtype=jnp.int32) * C
+    return first, jnp.minimum(first, V - C)
+
+
+def _tile(z, w, b, first, start, C):
+    """One tile's logits ``[P, C]`` (masked columns ``-inf``) and the mask ``[C]`` of its counted columns."""
+    w_t = jax.lax.dynamic_slice_in_dim(w, start, C, axis=1)
+    b_t = jax.lax.dynamic_slice_in_dim(b, start, C)
+    counted = start + jnp.arange(C, dtype=jnp.int32) >= first
+    return jnp.where(counted, _logits(z, w_t, b_t), -jnp.inf), counted
+
+
+def _target_column(y: jax.Array, start: jax.Array, counted: jax.Array) -> jax.Array:
+    """``[n, C]`` bool: the target's column, where it is one of the tile's counted columns."""
+    return ((y - start)[:, None] == jnp.arange(counted.shape[0], dtype=jnp.int32)[None, :]) & counted
 
 
 def _forward(z, w, b, y, position_chunk, vocab_chunk):
     N = z.shape[0]
-    zp, yp, wc, bc, starts = _tiles(z, w, b, y, position_chunk, vocab_chunk)
-    C = bc.shape[1]
+    P, C = min(position_chunk, N), min(vocab_chunk, w.shape[1])
+    n_p = -(-N // P)
+    first, start = _vocab_tiles(w.shape[1], C)
+    y = y.astype(jnp.int32)
 
     def rows(args):
         zr, yr = args  # [P, H], [P]
 
         def tile(carry, xs):
             top, total, target = carry
-            w_t, b_t, v0 = xs
-            logits = _logits(zr, w_t, b_t)  # [P, C]
-            target = target + jnp.sum(jnp.where(_target_column(yr, v0, C), logits, 0.0), axis=1)
+            logits, counted = _tile(zr, w, b, *xs, C)  # [P, C]
+            target = target + jnp.sum(jnp.where(_target_column(yr, xs[1], counted), logits, 0.0), axis=1)
             new_top = jnp.maximum(top, jnp.max(logits, axis=1))
             # As logsumexp does: a row whose maximum is infinite shifts by 0, not by the infinity.
             shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
@@ -66,12 +76,12 @@ def _forward(z, w, b, y, position_chunk, vocab_chunk):
             return (new_top, total, target), None
 
         acc = b.dtype
-        init = (jnp.full(zr.shape[0], -jnp.inf, acc), jnp.zeros(zr.shape[0], acc), jnp.zeros(zr.shape[0], acc))
-        (top, total, target), _ = jax.lax.scan(tile, init, (wc, bc, starts))
+        init = (jnp.full(P, -jnp.inf, acc), jnp.zeros(P, acc), jnp.zeros(P, acc))
+        (top, total, target), _ = jax.lax.scan(tile, init, (first, start))
         lse = jnp.where(jnp.isfinite(top), top, 0.0) + jnp.log(total)
         return target - lse, lse
 
-    out, lse = jax.lax.map(rows, (zp, yp))
+    out, lse = jax.lax.map(rows, (_rows(z, n_p, P), _rows(y, n_p, P)))
     return out.reshape(-1)[:N], lse.reshape(-1)[:N]
 
 
@@ -85,8 +95,11 @@ def chunked_target_log_softmax(z: jax.Array, w: jax.Array, b: jax.Array, y: jax.
 
     The backward pass recomputes each tile's logits, turns them into ``g·onehot(y) − g·softmax`` and adds
     their products into ``dz`` (one ``[P, H]`` block per tile, stacked over a vocabulary chunk's positions),
-    ``dw`` and ``db`` (one ``[H, C]`` and ``[C]`` accumulator per vocabulary chunk, carried over its position
-    chunks); products in the compute dtype with wide accumulation, sums in the wide dtype.
+    ``dw`` and ``db`` (an ``[H, C]`` and ``[C]`` accumulator per vocabulary chunk, carried over its position
+    chunks and then added into its columns of the ``[H, V]`` and ``[V]`` gradients in place); products in
+    the compute dtype with wide accumulation, sums in the wide dtype. Vocabulary tiles are read from ``w``
+    and ``b`` in place (the last one shifted back to end at V, its repeated columns masked), so besides the
+    gradients themselves only O(N·H) inputs are copied (position padding).
     """
     return _forward(z, w, b, y, position_chunk, vocab_chunk)[0]
 
@@ -99,37 +112,42 @@ def _chunked_fwd(z, w, b, y, position_chunk, vocab_chunk):
 def _chunked_bwd(position_chunk, vocab_chunk, res, g):
     z, w, b, y, lse = res
     N, H = z.shape
-    V = w.shape[1]
     acc = b.dtype
-    zp, yp, wc, bc, starts = _tiles(z, w, b, y, position_chunk, vocab_chunk)
-    n_p, P = yp.shape
-    C = bc.shape[1]
-    lp = jnp.pad(lse, (0, n_p * P - N)).reshape(n_p, P)
-    gp = jnp.pad(g.astype(acc), (0, n_p * P - N)).reshape(n_p, P)  # padded rows: zero cotangent
+    P, C = min(position_chunk, N), min(vocab_chunk, w.shape[1])
+    n_p = -(-N // P)
+    first, start = _vocab_tiles(w.shape[1], C)
+    per_row = (_rows(z, n_p, P), _rows(y.astype(jnp.int32), n_p, P), _rows(lse, n_p, P),
+               _rows(g.astype(acc), n_p, P))  # padded rows: zero cotangent
 
-    def vocab_chunk_grads(dz, xs):
-        w_t, b_t, v0 = xs
+    def vocab_chunk_grads(carry, xs):
+        dz, dw, db = carry
+        first_i, start_i = xs
 
-        def position_chunk_grads(carry, xs2):
-            dw_t, db_t = carry
+        def position_chunk_grads(carry2, xs2):
+            dw_t, db_t = carry2
             zr, yr, lr, gr = xs2
-            logits = _logits(zr, w_t, b_t)
-            # d/dlogits of g·(logit_y − lse) = g·onehot(y) − g·softmax.
-            dlogits = jnp.where(_target_column(yr, v0, C), gr[:, None], 0.0) - gr[:, None] * jnp.exp(
+            logits, counted = _tile(zr, w, b, first_i, start_i, C)
+            # d/dlogits of g·(logit_y − lse) = g·onehot(y) − g·softmax (0 in masked columns: exp(-inf) = 0).
+            dlogits = jnp.where(_target_column(yr, start_i, counted), gr[:, None], 0.0) - gr[:, None] * jnp.exp(
                 logits - lr[:, None])
             dl = dlogits.astype(z.dtype)
+            w_t = jax.lax.dynamic_slice_in_dim(w, start_i, C, axis=1)
             dz_r = jnp.matmul(dl, w_t.T, preferred_element_type=acc)  # [P, H]
             dw_t = dw_t + jnp.matmul(zr.T, dl, preferred_element_type=acc)  # [H, C]
             return (dw_t, db_t + jnp.sum(dlogits, axis=0)), dz_r
 
         (dw_t, db_t), dz_rows = jax.lax.scan(position_chunk_grads, (jnp.zeros((H, C), acc), jnp.zeros(C, acc)),
-                                             (zp, yp, lp, gp))
-        return dz + dz_rows, (dw_t, db_t)
+                                             per_row)
+        # Masked columns carry zeros, so adding the whole tile into the [H, V] accumulator (updated in place
+        # by XLA's loop) leaves what the tile before counted unchanged.
+        dw = jax.lax.dynamic_update_slice_in_dim(dw, jax.lax.dynamic_slice_in_dim(dw, start_i, C, 1) + dw_t,
+                                                 start_i, 1)
+        db = jax.lax.dynamic_update_slice_in_dim(db, jax.lax.dynamic_slice_in_dim(db, start_i, C) + db_t, start_i, 0)
+        return (dz + dz_rows, dw, db), None
 
-    dz, (dw, db) = jax.lax.scan(vocab_chunk_grads, jnp.zeros((n_p, P, H), acc), (wc, bc, starts))
-    dz = dz.reshape(-1, H)[:N].astype(z.dtype)
-    dw = dw.transpose(1, 0, 2).reshape(H, -1)[:, :V].astype(w.dtype)
-    return dz, dw, db.reshape(-1)[:V].astype(b.dtype), None
+    init = (jnp.zeros((n_p, P, H), acc), jnp.zeros(w.shape, acc), jnp.zeros(b.shape, acc))
+    (dz, dw, db), _ = jax.lax.scan(vocab_chunk_grads, init, (first, start))
+    return dz.reshape(-1, H)[:N].astype(z.dtype), dw.astype(w.dtype), db.astype(b.dtype), None
 
 
 chunked_target_log_softmax.defvjp(_chunked_fwd, _chunked_bwd)
