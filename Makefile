@@ -30,7 +30,7 @@ help:
 	@echo "               torch beside JAX; CSV and plots under bench/); 1,351-1,444 s (23-24 min) on a 2-core EPYC, 1,560 s on a Xeon"
 	@echo "               (idle machine; BACKENDS_ROUNDS=2 saves about 4 min);"
 	@echo "               BENCH=quick (make bench-quick): under 2 min (72 s Xeon, 59-115 s EPYC), renders bench/quick/bench.md"
-	@echo "make bench-decode | bench-kernels | bench-train-step | bench-precision | bench-data - the other benchmarks"
+	@echo "make bench-decode | bench-kernels | bench-train-step | bench-head-loss | bench-precision | bench-data - the other benchmarks"
 	@echo "make bench-cuda    - GPU speed targets, bf16 included, eager and as CUDA graphs: docs/results/bench_cuda.md"
 
 $(VENV)/.installed: pyproject.toml

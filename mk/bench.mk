@@ -1,6 +1,6 @@
 # Benchmarks: CSV under bench/ (gitignored); ratios are measured side by side in one run.
 .PHONY: bench bench-quick bench-routing bench-models bench-report bench-kernels bench-train-step bench-precision \
-	bench-backends bench-decode bench-cuda
+	bench-backends bench-decode bench-cuda bench-head-loss
 
 # The benchmark report: routing cost against T, training throughput and fraction of the matmul peak, torch
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
@@ -57,6 +57,12 @@ bench-kernels: $(VENV)/.installed
 # Fused head loss and fused AdamW against the unfused training step, side by side (about 2 minutes).
 bench-train-step: $(VENV)/.installed
 	$(PY) -m benchmarks.bench_train_step --out bench/train_step.csv
+
+# The head loss in one tile against tiles (train.head_loss), torch and JAX, the head alone and whole cpu-scale
+# full-AR training steps (about 3 minutes on a 2-core EPYC; docs/BACKENDS.md, "Chunked head loss").
+bench-head-loss: $(VENV)/.installed
+	$(PY) -m benchmarks.bench_head_loss --out bench/head_loss.csv --rounds 9 --chunks 1024x8192,256x2048
+	$(PY) -m benchmarks.bench_head_loss --out bench/head_loss_steps.csv --rounds 9 --train-steps
 
 # bf16 autocast vs fp32 learning curves of the cpu-scale PCAF-context row (45 s on a 2-core EPYC with AVX-512
 # BF16; far longer where bf16 products run in a scalar fallback). bench-report judges bench/precision.csv.

@@ -22,6 +22,9 @@ docs/BACKENDS.md, "Step cost on a CPU").
 The arithmetic is :meth:`backends.torch.layers.Head.forward`'s: logits in the matmul dtype (bf16 under
 autocast), normaliser and target logit in float32 (float64 stays float64), so both paths agree to float
 rounding (tests/test_torch_head_loss.py).
+
+:func:`chunked_target_log_softmax` computes the same without any ``[N, V]`` tensor, in logit tiles recomputed
+by the backward pass (``train.head_loss``; docs/BACKENDS.md, "Chunked head loss").
 """
 
 from __future__ import annotations
