@@ -38,7 +38,7 @@ help:
 	@echo "make bench   - the benchmark report docs/results/bench.md (routing vs T, throughput and fraction of peak,"
 	@echo "               torch beside JAX; CSV and plots under bench/); BACKENDS_ROUNDS=2 for a shorter run;"
 	@echo "               BENCH=quick (make bench-quick): small stand-ins, renders bench/quick/bench.md"
-	@echo "make bench-decode | bench-kernels | bench-train-step | bench-precision | bench-data - the other benchmarks"
+	@echo "make bench-decode | bench-kernels | bench-train-step | bench-head-loss | bench-precision | bench-data - the other benchmarks"
 	@echo "make bench-cuda    - GPU speed targets, bf16 included, eager and as CUDA graphs: docs/results/bench_cuda.md"
 	@echo "Measured wall times of these targets: docs/results/README.md"
 

@@ -169,6 +169,7 @@ def worker(backend_name: str, case: int, warmup: int, steps: int) -> dict:
         losses.append(loss)
         i += 1
     from pcaf_core.flops import train_step_flops
+    from pcaf_core.profiles import matmul_precision
 
     compiled = "jit" if backend_name == "jax" else ("inductor" if "torch.compile" in backend.device else "eager")
     flops = train_step_flops(cfg.model, cfg.memory, cfg.train.mode, T, B)  # full-window count (bench_models')
@@ -176,7 +177,8 @@ def worker(backend_name: str, case: int, warmup: int, steps: int) -> dict:
     return {"step_s": statistics.median(times), "tokens": B * T, "mode": cfg.train.mode, "T": T, "batch": B,
             "model_mflops_per_token": round(flops / (B * T) / 1e6, 3), **floor,
             "dropout": cfg.profile.dropout, "profile": cfg.profile.name, "first_loss": losses[0],
-            "d": cfg.model.d_model, "layers": cfg.model.n_layers, "V": V, "policy": _policy(cfg),
+            "matmul_precision": matmul_precision(cfg), "d": cfg.model.d_model, "layers": cfg.model.n_layers, "V": V,
+            "policy": _policy(cfg),
             "compile": compiled, "device": backend.device, "versions": backend.versions()}
 
 
@@ -391,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"model": c.model, "kind": c.kind, "table": c.table, "row": c.row, "scale": c.scale,
                "overrides": " ".join(c.overrides), "mode": first["mode"], "T": first["T"], "batch": first["batch"],
                "d": first["d"], "layers": first["layers"], "V": first["V"], "policy": first["policy"],
-               "precision": c.precision, "profile": first["profile"], "dropout": first["dropout"],
+               "precision": c.precision, "matmul_precision": first["matmul_precision"], "profile": first["profile"],
+               "dropout": first["dropout"],
                "torch_compile": samples[(case, "torch")][0]["compile"] if "torch" in med else "",
                "model_mflops_per_token": first["model_mflops_per_token"],
                **{k: first.get(k, "") for k in ("jax_step_floor_s", "jax_floor_parts", "jax_head_gemm_gflops")}}

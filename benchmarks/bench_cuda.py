@@ -14,9 +14,14 @@ Sections (``--sections``, comma-separated):
   (``train.compile=on``) and compiled and replayed as CUDA graphs (``train.compile=cudagraphs``), dropout 0.1
   unless stated; the local and global-local Transformers with FlexAttention (``model.attention_impl=banded``)
   beside the masked local one at T=2048, batch 32 (on a CPU, ``--smoke``, the FlexAttention cases train masked,
-  labelled so: FlexAttention has no backward pass there). Cases of one (mode, T, batch) are built together and
-  their timed steps interleaved, one of each per round, so the bf16/fp32 ratios are side by side.
-  ``step_peak_mb``: ``torch.cuda.max_memory_allocated`` over one step minus what was allocated before it.
+  labelled so: FlexAttention has no backward pass there); the full-AR PCAF-context step also with the head loss in
+  tiles (``train.head_loss=chunked``, model ``PCAF-context, chunked head``) and on the JAX backend
+  (``JaxBackend("gpu").train_step``, compile ``xla``, model ``PCAF-context (JAX)``). Cases of one (mode, T, batch)
+  are built together and their timed steps interleaved, one of each per round, so the bf16/fp32 ratios are side
+  by side. Every row names its head loss (``head_loss``) and what fp32 meant (``matmul_precision``,
+  docs/SPEC.md §9).
+  ``step_peak_mb``: ``torch.cuda.max_memory_allocated`` over one step minus what was allocated before it
+  (torch rows; a JAX row's ``peak_mb`` is the device's peak bytes in use since the process started).
   Fraction of peak: ``pcaf_core.flops.train_step_flops`` per step / step seconds / the dtype's GEMM peak.
 - ``routing``: the routes of ``benchmarks/bench_routing`` (d=224, K=32, 32,768 buckets, batch 1, forward +
   backward, synchronised) on the GPU at T = 4K, 8K, 16K, plus ``recent_kernel`` (the ``recent`` route's
@@ -54,6 +59,8 @@ from benchmarks.bench_cuda_report import COMPILES, render
 from benchmarks.common import package_version, read_csv, write_csv
 
 SECTIONS = ("gemm", "models", "routing", "profile")
+STEPS = (*COMPILES, "xla")
+"""What ``--compiles`` selects: torch's steps (``COMPILES``) and ``xla``, the JAX backend's jitted step."""
 GEMM_TOKENS = 8192
 ROUTING_SEQ_LENS = (4096, 8192, 16384)
 SMOKE_ROUTING_SEQ_LENS = (128, 256)
@@ -67,8 +74,17 @@ class GpuCase:
     T: int
     batch: int
     precision: str = "fp32"
-    compile: str = "eager"
+    compile: str = "eager"  # a COMPILES label (torch), or "xla" (a JAX step)
     dropout: float = 0.1
+    head_loss: str = "auto"  # train.head_loss
+    backend: str = "torch"
+
+    @property
+    def label(self) -> str:
+        """The row's model name: the model, and what sets the case apart from the model's main rows."""
+        if self.backend == "jax":
+            return f"{self.model} (JAX)"
+        return f"{self.model}, {self.head_loss} head" if self.head_loss != "auto" else self.model
 
 
 WINDOWED_MODELS = ("local Transformer (FlexAttention)", "global-local Transformer (FlexAttention)",
@@ -82,21 +98,45 @@ def gpu_cases(smoke: bool = False) -> list[GpuCase]:
     row's batch 64 (PCAF) and the dense Transformer's batch 8, and the local and global-local Transformers with
     FlexAttention beside the masked local one at the ``wt2-nt-2048`` rows' batch 32, dropout matched; each fp32
     beside bf16, the PCAF cases eager, and also replayed as CUDA graphs (``cudagraphs``; the steps wait on kernel
-    launches), some compiled without them (``inductor``). ``smoke``: T=64 stand-ins of the eager full-AR and
-    next-token cases."""
+    launches), some compiled without them (``inductor``); the T=1024 full-AR PCAF-context step also with a chunked
+    head loss and on the JAX backend. ``smoke``: T=64 stand-ins of the eager full-AR and next-token cases, the
+    chunked head and the JAX step."""
     P, S, D = "PCAF-context", "PCAF-semantic (bucketed)", "dense Transformer (SDPA)"
     if smoke:
-        base = [GpuCase(P, "ar", 64, 2), GpuCase(P, "nt", 64, 4), GpuCase(D, "nt", 64, 2)]
+        base = [GpuCase(P, "ar", 64, 2), GpuCase(P, "ar", 64, 2, head_loss="chunked"),
+                GpuCase(P, "ar", 64, 2, compile="xla", backend="jax"), GpuCase(P, "nt", 64, 4),
+                GpuCase(D, "nt", 64, 2)]
         base += [GpuCase(m, "nt", 64, 2) for m in WINDOWED_MODELS]
     else:
         base = [GpuCase(P, "ar", 1024, 8), GpuCase(P, "ar", 1024, 8, compile="inductor"),
-                GpuCase(P, "ar", 1024, 8, compile="cudagraphs"), GpuCase(S, "ar", 1024, 8),
+                GpuCase(P, "ar", 1024, 8, compile="cudagraphs"),
+                GpuCase(P, "ar", 1024, 8, head_loss="chunked"),
+                GpuCase(P, "ar", 1024, 8, compile="cudagraphs", head_loss="chunked"),
+                GpuCase(P, "ar", 1024, 8, compile="xla", backend="jax"),
+                GpuCase(S, "ar", 1024, 8),
                 GpuCase(S, "ar", 1024, 8, compile="cudagraphs"), GpuCase(P, "ar", 2048, 4),
                 GpuCase(P, "ar", 2048, 4, compile="cudagraphs"), GpuCase(P, "nt", 2048, 64),
                 GpuCase(P, "nt", 2048, 64, compile="inductor"), GpuCase(P, "nt", 2048, 64, compile="cudagraphs"),
                 GpuCase(D, "nt", 2048, 8)]
         base += [GpuCase(m, "nt", 2048, 32) for m in WINDOWED_MODELS]
     return [replace(c, precision=p) for c in base for p in ("fp32", "bf16")]
+
+
+def _build(case: GpuCase, cpu_case, device: str):
+    """``(config, policy note, backend, state)`` of one case: ``TorchBackend(device)`` or ``JaxBackend`` on JAX's
+    device of the same kind (``gpu`` for ``cuda``); the note says what a CPU ran instead (:func:`device_config`)."""
+    from benchmarks.bench_models import run_config
+
+    cfg, note = device_config(run_config(cpu_case, case.backend, (f"train.head_loss={case.head_loss}",)), device)
+    if case.backend == "jax":
+        from backends.jax.backend import JaxBackend
+
+        backend = JaxBackend("cpu" if device == "cpu" else "gpu")
+    else:
+        from backends.torch.backend import TorchBackend
+
+        backend = TorchBackend(device)
+    return cfg, note, backend, backend.init(cfg)
 
 
 def cuda_labels(device: str) -> dict[str, object]:
@@ -205,9 +245,9 @@ def device_config(cfg, device: str) -> tuple[object, str]:
 def _failure(case: GpuCase, section: str, err: Exception) -> dict:
     """A compiled case that did not run: its labels and the error's first line (the page lists them)."""
     message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    print(f"[bench_cuda {section} {case.model} {case.mode} T={case.T} batch={case.batch} {case.precision} "
+    print(f"[bench_cuda {section} {case.label} {case.mode} T={case.T} batch={case.batch} {case.precision} "
           f"{case.compile}] did not run: {message}", file=sys.stderr, flush=True)
-    return {"section": section, "model": case.model, "mode": case.mode, "T": case.T, "batch": case.batch,
+    return {"section": section, "model": case.label, "mode": case.mode, "T": case.T, "batch": case.batch,
             "dtype": case.precision, "compile": case.compile, "error": message}
 
 
@@ -218,15 +258,16 @@ def windowed_cases(cases: list[GpuCase]) -> list[GpuCase]:
 
 
 def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str = "cuda",
-                   smoke: bool = False, compiles: tuple[str, ...] = COMPILES,
+                   smoke: bool = False, compiles: tuple[str, ...] = STEPS,
                    only_windowed: bool = False) -> tuple[list[dict], list[dict]]:
-    """The timed rows of the cases whose ``compile`` is in ``compiles`` (``only_windowed``: of
-    :func:`windowed_cases`), and the compiled cases that failed to build or compile (an eager failure is a bug and
-    stops the run; a compiled case's is recorded so that one case cannot cost the whole run)."""
+    """The timed rows of the cases whose ``compile`` is in ``compiles`` (``xla``: the JAX cases; ``only_windowed``:
+    of :func:`windowed_cases`), and the compiled cases that failed to build or compile (an eager failure is a bug
+    and stops the run; a compiled case's is recorded so that one case cannot cost the whole run)."""
     import torch
 
-    from backends.torch.backend import TorchBackend
-    from benchmarks.bench_models import Case, _batch, finish, run_config
+    from benchmarks.bench_models import Case, _batch, finish
+    from pcaf_core.config import head_loss_chunks, head_loss_label
+    from pcaf_core.profiles import matmul_precision
 
     allocated, reset_peak, peak = _memory(device)
     # Every compiled case of a group is live at once; past Dynamo's recompile limit a step would run eager
@@ -241,11 +282,10 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
     for group in groups.values():
         entries = []
         for case in group:
-            cpu_case = Case(case.model, case.mode, case.T, case.batch, case.dropout, case.compile, case.precision)
-            cfg, note = device_config(run_config(cpu_case), device)
+            cpu_case = Case(case.model, case.mode, case.T, case.batch, case.dropout,
+                            case.compile if case.backend == "torch" else "eager", case.precision)
             try:
-                backend = TorchBackend(device)
-                state = backend.init(cfg)
+                cfg, note, backend, state = _build(case, cpu_case, device)
                 x, y, source = _batch(cfg)
                 t0 = time.perf_counter()
                 state, loss = backend.train_step(state, x, y, 1e-4)
@@ -261,16 +301,19 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
             before = allocated()
             reset_peak()
             state, _ = backend.train_step(state, x, y, 1e-4)
-            peak_mb = (peak() - before) / 2**20
-            row = {"model": case.model, "backend": "torch", "dtype": case.precision, "mode": case.mode, "T": case.T,
-                   "batch": case.batch, "d": cfg.model.d_model, "d_hidden": cfg.model.d_hidden,
+            if case.backend == "torch":
+                memory = {"step_peak_mb": round((peak() - before) / 2**20, 1)}
+            else:  # XLA's allocator: the device's peak since the process started
+                memory = {"step_peak_mb": "", "peak_mb": round(backend.peak_memory_mb() or 0.0, 1)}
+            row = {"model": case.label, "backend": case.backend, "dtype": case.precision, "mode": case.mode,
+                   "T": case.T, "batch": case.batch, "d": cfg.model.d_model, "d_hidden": cfg.model.d_hidden,
                    "layers": cfg.model.n_layers, "V": cfg.model.vocab_size, "dropout": case.dropout,
                    "compile": case.compile, "profile": cfg.profile.name, "policy": _policy(cfg, note),
-                   "tokens_source": source, "first_step_s": round(first, 2),
-                   "first_loss": round(loss, 4), "step_peak_mb": round(peak_mb, 1),
-                   "params": backend.param_count(state)}
+                   "head_loss": head_loss_label(head_loss_chunks(cfg)), "matmul_precision": matmul_precision(cfg),
+                   "tokens_source": source, "first_step_s": round(first, 2), "first_loss": round(loss, 4),
+                   **memory, "params": backend.param_count(state)}
             entries.append([cpu_case, cfg, backend, state, x, y, row, []])
-            print(f"[bench_cuda {case.model} {case.mode} T={case.T} batch={case.batch} {case.precision} "
+            print(f"[bench_cuda {case.label} {case.mode} T={case.T} batch={case.batch} {case.precision} "
                   f"{case.compile}] ready (first step {first:.1f} s)", file=sys.stderr, flush=True)
         for _ in range(steps):
             for entry in entries:
@@ -388,9 +431,10 @@ def write_failures(out: Path, section: str, failures: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default="bench/cuda")
-    parser.add_argument("--compiles", default=",".join(COMPILES),
-                        help="the training steps to time and profile (comma-separated; default all): a subset "
-                             "writes models.csv and profile.csv with those rows alone, so give it its own --out-dir")
+    parser.add_argument("--compiles", default=",".join(STEPS),
+                        help="the training steps to time and profile (comma-separated; default all; xla: the JAX "
+                             "cases): a subset writes models.csv and profile.csv with those rows alone, so give it "
+                             "its own --out-dir")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--only-windowed", action="store_true",
                         help="models section: only the windowed-attention cases and the next-token dense SDPA ones "
@@ -421,9 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     compiles = tuple(args.compiles.split(","))
-    if set(compiles) - set(COMPILES):
-        raise SystemExit(f"unknown compile mode(s) {sorted(set(compiles) - set(COMPILES))}; choose from "
-                         f"{', '.join(COMPILES)}")
+    if set(compiles) - set(STEPS):
+        raise SystemExit(f"unknown compile mode(s) {sorted(set(compiles) - set(STEPS))}; choose from "
+                         f"{', '.join(STEPS)}")
     start = time.perf_counter()
     if args.smoke:
         args.warmup, args.steps, args.repeats = 1, 2, 2

@@ -208,11 +208,14 @@ def render(bench_dir: Path, doc: Path) -> None:
                                   "memory pool, which holds the step's buffers from capture on."
                                   if any(r["compile"] == "cudagraphs" for r in models) else ""), "",
             "| model | mode | T | batch | dtype | compile | dropout | step (ms) | tokens/s | targets/s | step peak "
-            "(MB) | model GFLOP/s | % of peak | first step (s) |", "|---" * 14 + "|"]
+            "(MB) | model GFLOP/s | % of peak | first step (s) | head loss | fp32 matmuls |", "|---" * 16 + "|"]
     for r in models:
+        # Runs from before the head-loss and matmul-precision settings trained in one tile at "highest".
+        head = (r.get("head_loss") or "head loss in one tile").removeprefix("head loss in ")
         out.append(f"| {r['model']} | {r['mode']} | {r['T']} | {r['batch']} | {r['dtype']} | {r['compile']} | "
                    f"{r['dropout']} | {r['step_ms']} | {_f(r['tokens_per_s'], 0)} | {_f(r['targets_per_s'], 0)} | "
-                   f"{r['step_peak_mb']} | {_f(r['model_gflops'], 0)} | {r['model_pct']} | {r['first_step_s']} |")
+                   f"{r['step_peak_mb'] or r.get('peak_mb', '')} | {_f(r['model_gflops'], 0)} | {r['model_pct']} | "
+                   f"{r['first_step_s']} | {head} | {r.get('matmul_precision') or 'highest'} |")
     failures = read_csv(bench_dir / "failures.csv") if (bench_dir / "failures.csv").exists() else []
     if failures:
         out += ["", "## Compiled cases that did not run", "",

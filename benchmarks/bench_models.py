@@ -131,15 +131,17 @@ TRAIN_COMPILE = {"eager": "off", "inductor": "on", "cudagraphs": "cudagraphs"}
 """``train.compile`` of each case's ``compile`` label."""
 
 
-def run_config(case: Case):
-    """The composed run config of ``case`` (the paper-scale row plus the case's overrides)."""
+def run_config(case: Case, backend: str = "torch", extra_overrides: tuple[str, ...] = ()):
+    """The composed run config of ``case`` (the paper-scale row plus the case's overrides) on ``backend``
+    (``train.compile`` is torch's; a JAX step is always compiled by XLA)."""
     from experiments.reproduce import compose_row
 
     table, row, extra = MODELS[case.model]
     overrides = [*extra, f"train.mode={case.mode}", f"train.seq_len={case.T}", f"train.batch_size={case.batch}",
-                 f"profile.dropout={case.dropout}", f"train.precision={case.precision}",
-                 f"train.compile={TRAIN_COMPILE[case.compile]}"]
-    return compose_row(table, row, "paper", "torch", overrides)[0].run
+                 f"profile.dropout={case.dropout}", f"train.precision={case.precision}", *extra_overrides]
+    if backend == "torch":
+        overrides.append(f"train.compile={TRAIN_COMPILE[case.compile]}")
+    return compose_row(table, row, "paper", backend, overrides)[0].run
 
 
 def gemm_flops_per_s(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) -> float:
@@ -266,6 +268,8 @@ def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path 
     from backends.torch.backend import TorchBackend
     from backends.torch.compile import compile_pays_off
     from benchmarks.torch_memory import PeakLiveBytes
+    from pcaf_core.config import head_loss_chunks, head_loss_label
+    from pcaf_core.profiles import matmul_precision
 
     entries = []
     for case in group:
@@ -277,7 +281,8 @@ def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path 
                "mode": case.mode, "T": case.T, "batch": case.batch, "d": cfg.model.d_model,
                "d_hidden": cfg.model.d_hidden, "layers": cfg.model.n_layers, "V": cfg.model.vocab_size,
                "policy": _policy(cfg), "dropout": case.dropout, "compile": case.compile,
-               "profile": cfg.profile.name, "tokens_source": source, "note": case.note,
+               "profile": cfg.profile.name, "matmul_precision": matmul_precision(cfg),
+               "head_loss": head_loss_label(head_loss_chunks(cfg)), "tokens_source": source, "note": case.note,
                "auto_compiles": compile_pays_off(cfg), "params": backend.param_count(state)}
         t0 = time.perf_counter()
         state, loss = backend.train_step(state, x, y, 1e-4)

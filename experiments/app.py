@@ -42,6 +42,7 @@ from experiments import allocator
 from pcaf_core.checkpoints import RunRefused, checkpoint_backend, latest_checkpoint, newest_step
 from pcaf_core.config import ConfigError, RunConfig, validate
 from pcaf_core.fsutil import atomic_write_text
+from pcaf_core.profiles import resolve_matmul_precision
 from pcaf_core.results import CONFIG_FILE, RunMetrics, SchemaError, read_metrics
 from pcaf_core.resume import previous_divergence
 from pcaf_core.run_identity import identity_digest, read_run_config, resume_diff
@@ -181,6 +182,9 @@ def resolve(cfg: DictConfig, task_overrides: list[str] | None = None) -> Resolve
     deviations += [f"note: {n}" for n in cfg.notes]
     deviations += command_line_deviations(task_overrides or [])
     run = to_run_config(cfg)
+    if run.train.matmul_precision == "profile":  # config.yaml names the precision that runs, as the record does
+        run = resolve_matmul_precision(run)
+        cfg.train.matmul_precision = run.train.matmul_precision
     overrides = [o for o in task_overrides or [] if not o.lstrip("+~").startswith(_LABEL_KEYS)]
     return ResolvedRun(run, cfg, str(cfg.table), str(cfg.row), str(cfg.scale.name), str(cfg.backend.name), deviations,
                        overrides)

@@ -1,6 +1,6 @@
 # Benchmarks: CSV under bench/ (gitignored); ratios are measured side by side in one run.
 .PHONY: bench bench-quick bench-routing bench-models bench-report bench-kernels bench-train-step bench-precision \
-	bench-backends bench-decode bench-cuda
+	bench-backends bench-decode bench-cuda bench-head-loss
 
 # The benchmark report: routing cost against T, training throughput and fraction of the matmul peak, torch
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
@@ -58,19 +58,23 @@ bench-kernels: $(VENV)/.installed
 bench-train-step: $(VENV)/.installed
 	$(PY) -m benchmarks.bench_train_step --out bench/train_step.csv
 
+# The head loss in one tile against tiles (train.head_loss), torch and JAX, the head alone and whole cpu-scale
+# full-AR training steps (about 3 minutes on a 2-core EPYC; docs/BACKENDS.md, "Chunked head loss").
+bench-head-loss: $(VENV)/.installed
+	$(PY) -m benchmarks.bench_head_loss --out bench/head_loss.csv --rounds 9 --chunks 1024x8192,256x2048
+	$(PY) -m benchmarks.bench_head_loss --out bench/head_loss_steps.csv --rounds 9 --train-steps
+
 # bf16 autocast vs fp32 learning curves of the cpu-scale PCAF-context row (45 s on a 2-core EPYC with AVX-512
 # BF16; far longer where bf16 products run in a scalar fallback). bench-report judges bench/precision.csv.
 bench-precision: $(VENV)/.installed data
 	$(PY) -m benchmarks.precision_check --steps 120 --every 30 --out docs/results/bf16-vs-fp32.md --csv bench/precision.csv
 
-# The speed targets on a CUDA GPU (bf16 autocast against fp32, fraction of peak, next-token against SDPA, routing,
-# a profile of the full-AR step) and the bf16 learning curves at the WikiText-2 paper shape in full AR, with the
+# The speed targets on a CUDA GPU (bf16 autocast against fp32, fraction of peak, next-token against SDPA, the
+# windowed-attention Transformers with FlexAttention, the chunked head loss, the JAX full-AR step, routing, a
+# profile of the full-AR step) and the bf16 learning curves at the WikiText-2 paper shape in full AR, with the
 # eager step and with the step replayed as CUDA graphs, rendered into docs/results/bench_cuda.md with its CSVs in
-# docs/results/bench_cuda/. About 7 minutes on one H100: 191-240 s of benchmarks (22 cases, 12 of them compiled,
-# and 2 compiled profiles, each compile 10-22 s there), then about 66 s (eager) and 100 s (CUDA graphs) of
-# curves; the paper-shape rows read the tokenized WikiText-2 release (data.layout=tokens). Since that run the
-# models section also times 6 windowed-attention cases (FlexAttention local and global-local, masked local; T=2048,
-# batch 32, fp32 and bf16), not yet timed on a GPU.
+# docs/results/bench_cuda/. The paper-shape rows read the tokenized WikiText-2 release (data.layout=tokens). The
+# JAX cases need JAX's CUDA plugin, else the page lists them as not run. Wall time: docs/results/README.md.
 CUDA_RESULTS := docs/results/bench_cuda
 CUDA_CURVES := --row wt2-nt-1024/pcaf_context --scale paper --steps 600 --every 100
 CUDA_CURVE_ROW := train.mode=ar train.batch_size=8 data.layout=tokens

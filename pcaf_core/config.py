@@ -41,6 +41,10 @@ POSITIONAL_FORMS = ("trainable_jax", "fixed_torch")
 INIT_FORMS = ("jax_normal", "torch_default")
 PRECISIONS = ("fp32", "bf16", "auto")  # auto: bf16 where the device has a bf16 matrix unit
 COMPILE_MODES = ("auto", "on", "off", "cudagraphs")
+HEAD_LOSS_FORMS = ("auto", "full", "chunked")  # auto: head_loss_chunks says where the tiles run
+# What a float32 matrix product computes (docs/SPEC.md §9); "profile": the profile's own setting
+# (pcaf_core.profiles.matmul_precision).
+MATMUL_PRECISIONS = ("highest", "high", "default")
 EVAL_PROTOCOLS = ("reference", "full", "both")
 DATASETS = ("wikitext2", "wikitext103", "pg19", "pg19_mini")
 DATA_LAYOUTS = ("tokens", "raw", "hf")
@@ -270,6 +274,14 @@ class TrainConfig:
     # device also replayed as CUDA graphs (use_cuda_graphs);
     # cudagraphs: compiled and replayed as CUDA graphs (torch, one CUDA device, one process).
     compile: str = "auto"
+    # The training loss's vocabulary head (backends/*/head_loss.py): "full" computes the [N, V] logits as
+    # one tile, "chunked" in tiles of head_position_chunk x head_vocab_chunk and never holds [N, V]; "auto"
+    # tiles where one tile would be large (head_loss_chunks). The same values either way, to float rounding.
+    head_loss: str = "auto"
+    head_position_chunk: int = 1024
+    head_vocab_chunk: int = 8192
+    # highest | high | default (MATMUL_PRECISIONS) or "profile": the profile's (pcaf_core.profiles).
+    matmul_precision: str = "profile"
     seed: int = 1234
     train_sample_seed: int = 10001
     checkpoint_every: int = 0  # 0 = only at the end
@@ -292,6 +304,12 @@ class TrainConfig:
         _require(self.eps > 0, s, "eps", self.eps, "must be > 0")
         _one_of(s, "precision", self.precision, PRECISIONS)
         _one_of(s, "compile", self.compile, COMPILE_MODES)
+        _one_of(s, "head_loss", self.head_loss, HEAD_LOSS_FORMS)
+        _require(self.head_position_chunk >= 1, s, "head_position_chunk", self.head_position_chunk,
+                 "must be >= 1 (positions per head-loss tile)")
+        _require(self.head_vocab_chunk >= 1, s, "head_vocab_chunk", self.head_vocab_chunk,
+                 "must be >= 1 (vocabulary entries per head-loss tile)")
+        _one_of(s, "matmul_precision", self.matmul_precision, ("profile", *MATMUL_PRECISIONS))
         _require(self.checkpoint_every >= 0, s, "checkpoint_every", self.checkpoint_every, "must be >= 0")
         _require(self.log_every >= 0, s, "log_every", self.log_every, "must be >= 0 (0 = evaluation steps only)")
 
@@ -332,12 +350,46 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        if self.train.matmul_precision == "profile":
+            # Imported here: pcaf_core.profiles builds its profiles from this module's dataclasses.
+            from pcaf_core.profiles import PROFILE_MATMUL_PRECISION
+
+            _require(self.profile.name in PROFILE_MATMUL_PRECISION, "train", "matmul_precision", "profile",
+                     f"profile.name={self.profile.name!r} has no default matmul precision: set "
+                     f"train.matmul_precision to one of {list(MATMUL_PRECISIONS)}")
         if self.profile.hash_int32_wraparound:
             _require(self.memory.num_buckets < MAX_BUCKETS, "memory", "num_buckets", self.memory.num_buckets,
                      "must be below 2^31 under profile.hash_int32_wraparound (int32 hash arithmetic)")
         if self.model.variant in TRANSFORMER_VARIANTS and self.profile.positional == "trainable_jax":
             _require(self.train.seq_len <= self.model.max_seq_len, "train", "seq_len", self.train.seq_len,
                      f"exceeds model.max_seq_len={self.model.max_seq_len} (the positional table's rows)")
+
+
+HEAD_LOSS_AUTO_LOGITS = 2**28
+"""``train.head_loss=auto`` trains through tiles when one step's ``[N, V]`` logits on one device would hold more
+elements than this (1 GiB in float32), and in one tile otherwise (docs/BACKENDS.md, "Chunked head loss")."""
+
+
+def head_loss_chunks(cfg: RunConfig, parts: int = 1) -> tuple[int, int] | None:
+    """``(position chunk, vocabulary chunk)`` of the training loss's head tiles, or None for one tile
+    (``train.head_loss``). ``parts``: how many devices share a training batch (its rows split evenly), so
+    one device's head reads ``batch_size / parts`` windows of T positions (full AR) or of one (next token).
+
+    ``auto`` tiles only where one tile's logits would exceed :data:`HEAD_LOSS_AUTO_LOGITS` elements: tiles
+    cost a fourth ``N·H·V`` product (the backward pass recomputes them), so where the logits fit, one tile is
+    the faster form.
+    """
+    t = cfg.train
+    positions = -(-t.batch_size // parts) * (t.seq_len if t.mode == "ar" else 1)
+    large = positions * cfg.model.vocab_size > HEAD_LOSS_AUTO_LOGITS
+    if t.head_loss == "full" or (t.head_loss == "auto" and not large):
+        return None
+    return t.head_position_chunk, t.head_vocab_chunk
+
+
+def head_loss_label(chunks: tuple[int, int] | None) -> str:
+    """How a run's head loss ran, for its record's ``device`` field."""
+    return "head loss in one tile" if chunks is None else f"head loss in {chunks[0]}x{chunks[1]} tiles"
 
 
 def validate(cfg: RunConfig) -> RunConfig:

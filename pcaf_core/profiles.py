@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pcaf_core.config import ConfigError, ProfileConfig
+from pcaf_core.config import MATMUL_PRECISIONS, ConfigError, ProfileConfig, RunConfig
 
 PROFILES: dict[str, ProfileConfig] = {
     "reference_jax": ProfileConfig(
@@ -92,3 +92,35 @@ def get_profile(name: str, **overrides: object) -> ProfileConfig:
         return dataclasses.replace(PROFILES[name], **overrides)
     except TypeError as exc:  # unknown switch name
         raise ConfigError(f"profile override {sorted(overrides)} is invalid: {exc}") from exc
+
+
+PROFILE_MATMUL_PRECISION: dict[str, str] = {
+    # The paper's TPU runs multiplied float32 matrices at JAX's default precision (one bf16 pass on a TPU,
+    # TF32 on a GPU).
+    "reference_jax": "default",
+    # The paper's PyTorch code ran float32 with TF32 off (PyTorch's default for matmuls).
+    "reference_torch": "highest",
+    "corrected": "highest",
+}
+"""What ``train.matmul_precision=profile`` means under each profile (docs/SPEC.md §9)."""
+
+
+def matmul_precision(cfg: RunConfig) -> str:
+    """The float32 matmul precision ``cfg`` trains and evaluates with: ``train.matmul_precision``, or the
+    profile's (:data:`PROFILE_MATMUL_PRECISION`) when it says ``profile``. One of
+    :data:`pcaf_core.config.MATMUL_PRECISIONS`."""
+    chosen = cfg.train.matmul_precision
+    if chosen != "profile":
+        return chosen
+    if cfg.profile.name not in PROFILE_MATMUL_PRECISION:
+        raise ConfigError(f"profile.name={cfg.profile.name!r} has no default matmul precision: set "
+                          f"train.matmul_precision to one of {list(MATMUL_PRECISIONS)}")
+    return PROFILE_MATMUL_PRECISION[cfg.profile.name]
+
+
+def resolve_matmul_precision(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``train.matmul_precision=profile`` replaced by the profile's value (a copy; ``cfg``
+    itself when there is nothing to resolve), so the config, its hash and the record name what ran."""
+    if cfg.train.matmul_precision != "profile":
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, matmul_precision=matmul_precision(cfg)))

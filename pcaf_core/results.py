@@ -110,7 +110,9 @@ class RunMetrics:
         ``mode``: ``"nt"`` (next token: one prediction per window) or ``"ar"`` (full autoregressive:
         every position); ``seq_len``: window length T in tokens; ``batch_size``: global batch in
         windows per optimiser step; ``params``: trainable parameter count (as the paper counts it);
-        ``precision``: ``"fp32"`` or ``"bf16"``; ``device``: accelerator description.
+        ``precision``: ``"fp32"`` or ``"bf16"``; ``matmul_precision``: what a float32 matrix product
+        computed (``"highest"``, ``"high"`` or ``"default"``, docs/SPEC.md §9; empty in records written
+        before the setting existed); ``device``: accelerator description.
 
     Evaluation protocol
         ``protocol``: ``"reference"``, ``"full"`` or ``"both"`` (the protocols that were run);
@@ -173,6 +175,7 @@ class RunMetrics:
     steps_planned: int | None = None
     params: int | None = None
     precision: str = "fp32"
+    matmul_precision: str = ""
     device: str = ""
     protocol: str = "reference"
     eval_every: int | None = None

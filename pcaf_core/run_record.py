@@ -26,6 +26,7 @@ from pcaf_core.config import RunConfig
 from pcaf_core.config_io import config_hash
 from pcaf_core.evaluation import EvalResult
 from pcaf_core.fsutil import file_lock
+from pcaf_core.profiles import matmul_precision
 from pcaf_core.results import RunMetrics
 
 log = logging.getLogger("pcaf.run_record")
@@ -142,6 +143,7 @@ def build_record(
         steps_planned=cfg.train.steps,
         params=params,
         precision=cfg.train.precision,
+        matmul_precision=matmul_precision(cfg),  # "profile" resolved: the record names what ran
         device=device,
         protocol=cfg.eval.protocol,
         eval_every=cfg.eval.every,

@@ -33,6 +33,14 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     # A CPU trains the FlexAttention cases masked (no backward pass there), and their label says so.
     flex = [r for (m, _), r in windowed.items() if "FlexAttention" in m]
     assert flex and all(r["policy"].endswith(bench_cuda.CPU_STAND_IN) for r in flex)
+    # Every row names its head loss and what fp32 meant; the chunked-head and JAX full-AR cases run too.
+    by = {(r["model"], r["dtype"]): r for r in models}
+    assert {r["matmul_precision"] for r in models} == {"highest"}  # reference_torch's
+    assert by[("PCAF-context", "fp32")]["head_loss"] == "head loss in one tile"
+    assert by[("PCAF-context, chunked head", "bf16")]["head_loss"] == "head loss in 1024x8192 tiles"
+    jax_row = by[("PCAF-context (JAX)", "fp32")]
+    assert (jax_row["backend"], jax_row["compile"], jax_row["mode"]) == ("jax", "xla", "ar")
+    assert float(jax_row["peak_mb"]) > 0 and ("PCAF-context (JAX)", "bf16") in by
     routes = {r["route"] for r in read_csv(smoke_run / "routing.csv")}
     assert routes == set(bench_cuda.ROUTING_ROUTES)
     assert read_csv(smoke_run / "labels.csv")[0]["bench_set"] == "smoke"
@@ -75,6 +83,7 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert "(T=1024, batch 8, cudagraphs) | 330 / 150 = 2.20x | **missed by 1.14x** |" in text
     assert "81.0% eager, 81.0% cudagraphs" in text and "7.0x | **met** |" in text
     assert "| fp32 | eager |" in text  # the profile table's compile column
+    assert "| PCAF-context (JAX) | ar |" in text and "| 1024x8192 tiles | highest |" in text
     assert "A `cudagraphs` row's step peak is what one replay allocates" in text
     assert "(eager step; at most 0.01 nats" in text and "largest difference 0.0020 nats | **met** |" in text
     assert "(cudagraphs step; at most 0.01 nats" in text and "largest difference 0.0040 nats | **met** |" in text
@@ -137,7 +146,7 @@ def test_compiles_selects_the_steps(tmp_path: Path) -> None:
     an unknown mode is refused."""
     assert bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--sections",
                             "gemm,models,profile", "--compiles", "eager"]) == 0
-    assert {r["compile"] for r in read_csv(tmp_path / "models.csv")} == {"eager"}
+    assert {r["compile"] for r in read_csv(tmp_path / "models.csv")} == {"eager"}  # no JAX ("xla") case
     assert {r["compile"] for r in read_csv(tmp_path / "profile.csv")} == {"eager"}
     with pytest.raises(SystemExit, match="unknown compile mode"):
         bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--compiles", "graphs"])
@@ -186,6 +195,7 @@ def test_committed_gpu_run_renders(tmp_path: Path) -> None:
     bench_cuda_report.render(CUDA_DIR, doc)
     text = doc.read_text()
     assert "| bf16 | eager |" in text and "Why eager bf16 stops at" in text
+    assert "| one tile | highest |" in text  # rows from before the settings: what that step ran
     assert "| bf16 | cudagraphs |" in text and "Replayed as CUDA graphs, the bf16 step takes" in text
     assert "### eager step" in text and "### cudagraphs step" in text
     assert "(cudagraphs step; at most 0.01 nats" in text

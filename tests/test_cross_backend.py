@@ -3,8 +3,10 @@
 Every variant × {nt, ar} × {reference_jax, reference_torch, corrected} (the cache variants with each
 route, semantic index and candidate policy): addresses and candidates exactly equal; log-probs, the
 parametric head, target log-probs, loss, cache weights and gate within 1e-4 in float32 at the highest
-matmul precision; equal predictions. Weights travel torch -> safetensors -> JAX -> safetensors -> torch
-with every parameter's bytes unchanged, so one file serves both backends.
+matmul precision (``train.matmul_precision=highest`` on both backends); equal predictions. A ``gpu``-marked
+case runs the same checks with both backends on one CUDA device (one PCAF variant per route, both modes).
+Weights travel torch -> safetensors -> JAX -> safetensors -> torch with every parameter's bytes unchanged,
+so one file serves both backends.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 
 import backends.jax as jx
 import backends.torch as tx
+from backends.jax.precision import matmul_precision as jax_matmul_precision
+from backends.torch.precision import matmul_precision as torch_matmul_precision
 from pcaf_core.config import MODEL_VARIANTS
 from pcaf_core.params import param_shapes
 from tests.test_jax_vs_spec import PLAIN_CASES, RHO, configs, spec_params, window
@@ -35,22 +39,64 @@ CROSS_CASES = [
 
 @pytest.fixture(autouse=True, scope="module")
 def _torch_settings():
-    """Tiny tensors: one intra-op thread; exact float32 matmuls on both sides."""
-    n, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
+    """Tiny tensors: one intra-op thread; exact float32 matmuls on both sides (``highest``: no TF32 on a GPU)."""
+    n = torch.get_num_threads()
     torch.set_num_threads(1)
-    torch.set_float32_matmul_precision("highest")
-    with jax.default_matmul_precision("highest"):
+    with torch_matmul_precision("highest"), jax_matmul_precision("highest"):
         yield
     torch.set_num_threads(n)
-    torch.set_float32_matmul_precision(precision)
 
 
 def _np(x) -> np.ndarray:
-    return x.detach().double().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
+    return (x.detach().cpu().double().numpy() if isinstance(x, torch.Tensor)
+            else np.asarray(x, dtype=np.float64))
 
 
 def _close(a, b, what: str) -> None:
     np.testing.assert_allclose(_np(a), _np(b), rtol=1e-4, atol=1e-5, err_msg=what)
+
+
+def _jax_device(kind: str):
+    """JAX's first device of ``kind`` (``"cpu"`` or ``"gpu"``), None when JAX has none."""
+    try:
+        return jax.devices(kind)[0]
+    except RuntimeError:
+        return None
+
+
+def _check_agreement(case, mode: str, profile_name: str, device: str = "cpu") -> None:
+    """Torch and JAX forwards of ``case`` on the same canonical float32 weights and window, torch on ``device``
+    (``"cpu"`` or ``"cuda"``) and JAX on its device of the same kind; asserts where each ran, then agreement."""
+    model, memory, profile = configs(*case, profile=profile_name)
+    params = {k: v.astype(np.float32) for k, v in spec_params(model, memory, profile, rho=RHO[profile_name]).items()}
+    tokens, targets = window(20, mode)
+
+    net = tx.load_canonical(tx.build_model(model, memory, profile), params).to(device).eval()
+    with torch.no_grad():
+        t_out = net(torch.tensor(tokens, device=device), torch.tensor(targets, device=device), mode)
+    jax_device = _jax_device("gpu" if device == "cuda" else "cpu")
+    with jax.default_device(jax_device):
+        j_out = jx.build_model(model, memory, profile).apply(jx.to_variables(params), jnp.asarray(tokens),
+                                                             jnp.asarray(targets), mode)
+    assert t_out.hidden.device.type == device and j_out.hidden.devices() == {jax_device}
+
+    _close(j_out.hidden, t_out.hidden, "hidden")
+    _close(j_out.param_log_probs, t_out.param_log_probs, "param_log_probs")
+    _close(j_out.log_probs, t_out.log_probs, "log_probs")
+    _close(j_out.target_log_prob, t_out.target_log_prob, "target_log_prob")
+    _close(j_out.loss, t_out.loss, "loss")
+    np.testing.assert_array_equal(np.asarray(j_out.prediction), t_out.prediction.cpu().numpy(), err_msg="prediction")
+    if t_out.memory is None:
+        assert j_out.memory is None
+        return
+    jm, tm = j_out.memory, t_out.memory
+    np.testing.assert_array_equal(np.asarray(jm.addresses), tm.addresses.cpu().numpy(), err_msg="addresses")
+    np.testing.assert_array_equal(np.asarray(jm.cand.index), tm.cand.index.cpu().numpy(), err_msg="candidate index")
+    np.testing.assert_array_equal(np.asarray(jm.cand.valid), tm.cand.valid.cpu().numpy(), err_msg="candidate valid")
+    assert tm.cand.valid.any()
+    _close(jm.cache_weights, tm.cache_weights, "cache_weights")
+    _close(jm.gate, tm.gate, "gate")
+    _close(jm.p_cache, tm.p_cache, "p_cache")
 
 
 # The fast tier (make test-fast) keeps one case per route and mode, the profiles rotated; the rest are slow.
@@ -64,33 +110,28 @@ AGREE_PARAMS = [pytest.param(c, m, p, id=f"{'-'.join(c)}-{m}-{p}",
 
 @pytest.mark.parametrize(("case", "mode", "profile_name"), AGREE_PARAMS)
 def test_torch_and_jax_agree(case, mode: str, profile_name: str) -> None:
-    model, memory, profile = configs(*case, profile=profile_name)
-    params = {k: v.astype(np.float32) for k, v in spec_params(model, memory, profile, rho=RHO[profile_name]).items()}
-    tokens, targets = window(20, mode)
+    _check_agreement(case, mode, profile_name)
 
-    net = tx.load_canonical(tx.build_model(model, memory, profile), params).eval()
-    with torch.no_grad():
-        t_out = net(torch.tensor(tokens), torch.tensor(targets), mode)
-    j_out = jx.build_model(model, memory, profile).apply(jx.to_variables(params), jnp.asarray(tokens),
-                                                         jnp.asarray(targets), mode)
 
-    _close(j_out.hidden, t_out.hidden, "hidden")
-    _close(j_out.param_log_probs, t_out.param_log_probs, "param_log_probs")
-    _close(j_out.log_probs, t_out.log_probs, "log_probs")
-    _close(j_out.target_log_prob, t_out.target_log_prob, "target_log_prob")
-    _close(j_out.loss, t_out.loss, "loss")
-    np.testing.assert_array_equal(np.asarray(j_out.prediction), t_out.prediction.numpy(), err_msg="prediction")
-    if t_out.memory is None:
-        assert j_out.memory is None
-        return
-    jm, tm = j_out.memory, t_out.memory
-    np.testing.assert_array_equal(np.asarray(jm.addresses), tm.addresses.numpy(), err_msg="addresses")
-    np.testing.assert_array_equal(np.asarray(jm.cand.index), tm.cand.index.numpy(), err_msg="candidate index")
-    np.testing.assert_array_equal(np.asarray(jm.cand.valid), tm.cand.valid.numpy(), err_msg="candidate valid")
-    assert tm.cand.valid.any()
-    _close(jm.cache_weights, tm.cache_weights, "cache_weights")
-    _close(jm.gate, tm.gate, "gate")
-    _close(jm.p_cache, tm.p_cache, "p_cache")
+GPU_CASES = [  # one PCAF variant per route
+    ("pcaf", "context", "dense", "recent"),
+    ("pcaf", "semantic", "bucketed", "recent"),
+    ("pcaf", "hybrid", "dense", "topk_score"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or _jax_device("gpu") is None,
+                    reason="needs a CUDA device that both torch and JAX (jax[cuda]) see; the same checks run on "
+                           "the CPU in test_torch_and_jax_agree")
+@pytest.mark.parametrize("mode", ["nt", "ar"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(c))
+def test_torch_and_jax_agree_on_one_cuda_device(case, mode: str) -> None:
+    """Both backends on the first CUDA device at ``highest`` (the module's setting: no TF32 anywhere), so
+    float32 means float32 on both and they agree as closely as on a CPU. Torch takes its CUDA code paths
+    (the Triton candidate kernels, the segmented key gradient), JAX XLA:GPU's."""
+    assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+    _check_agreement(case, mode, "corrected", device="cuda")
 
 
 def _tensor_bytes(path) -> dict[str, bytes]:

@@ -217,3 +217,21 @@ def test_the_cpu_scale_keeps_what_each_row_sweeps(table):
                 assert ca != cb, f"{table}: {a} and {b} differ in {key} ({pa} vs {pb}) but not at cpu scale ({ca})"
                 if isinstance(pa, int | float) and not isinstance(pa, bool):
                     assert (ca < cb) == (pa < pb), f"{table}: cpu scale reverses {key} of {a} and {b}"
+
+
+@pytest.mark.parametrize(("table", "row", "profile", "expected"), [
+    ("main-303m", "pcaf_semantic_wt103_t1024", "reference_jax", "default"),
+    ("main-303m", "pcaf_semantic_corrected_wt103_t1024", "corrected", "highest"),
+    ("wt2-nt-1024", "pcaf_context", "reference_torch", "highest"),
+])
+def test_matmul_precision_resolves_to_the_profiles_in_the_saved_config(table, row, profile, expected):
+    """``train.matmul_precision=profile`` is resolved when a row composes, so config.yaml (and the record)
+    name the precision that runs, without a deviation line; a command-line value wins and is a deviation."""
+    r = composed(table, row, "cpu")[0]
+    assert r.run.profile.name == profile
+    assert r.run.train.matmul_precision == r.cfg.train.matmul_precision == expected
+    assert r.run.train.head_loss == "auto"
+    assert not [d for d in r.deviations if "matmul_precision" in d]
+    mine = compose_row(table, row, "cpu", "torch", ["train.matmul_precision=high"])[0]
+    assert mine.run.train.matmul_precision == "high"
+    assert "train.matmul_precision=high (command line)" in mine.deviations

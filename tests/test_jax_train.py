@@ -416,3 +416,46 @@ def test_poisoned_weight_stops_at_that_step_and_resume_continues(tmp_path):
     assert all(np.isfinite(v).all() for v in weights_of(tmp_path, 4).values())
     m = run_training(cfg, JaxBackend("cpu"), tmp_path, corpus=CORPUS, progress=False)
     assert m.status == "completed" and m.extra["segments"] == 2 and m.steps_done == 8
+
+
+# --------------------------------------------------------------------------- matmul precision, head loss
+
+
+@pytest.mark.parametrize(("profile", "setting", "want"), [
+    ("corrected", "profile", "highest"),
+    ("reference_torch", "profile", "highest"),
+    ("reference_jax", "profile", "default"),  # JAX's own precision, as the paper's TPU runs
+    ("reference_jax", "high", "high"),
+])
+def test_matmul_precision_is_the_steps_default_precision(monkeypatch, profile, setting, want):
+    """Every step runs inside ``jax.default_matmul_precision`` of ``train.matmul_precision`` (the profile's by
+    default), and so the traced step's products carry it."""
+    import re
+
+    import backends.jax.backend as jb
+    from backends.jax.precision import matmul_precision
+
+    entered: list[str] = []
+    monkeypatch.setattr(jb, "matmul_precision_context", lambda p: entered.append(p) or matmul_precision(p))
+    cfg = tiny_cfg(variant="local_conv", profile=profile, train={"mode": "ar", "matmul_precision": setting})
+    backend = JaxBackend("cpu")
+    state = backend.init(cfg)
+    x = np.zeros((8, 12), np.int32)
+    state, _ = backend.train_step(state, x, x, 1e-3)
+    backend.eval_batch(state, x, x, "ar")
+    assert entered == [want, want]
+    with matmul_precision(want):
+        text = backend._need().train.lower(state, x, x, np.float32(1e-3)).as_text()
+    assert set(re.findall(r"precision = \[(\w+), ", text)) == {want.upper()}
+
+
+@pytest.mark.parametrize(("head_loss", "label"), [("auto", "head loss in one tile"),
+                                                  ("chunked", "head loss in 5x16 tiles")])
+def test_head_loss_form_reaches_the_model_and_the_record(tmp_path, head_loss, label):
+    cfg = tiny_cfg(train={"mode": "ar", "steps": 2, "head_loss": head_loss, "head_position_chunk": 5,
+                          "head_vocab_chunk": 16})
+    backend = JaxBackend("cpu")
+    backend.init(cfg)
+    assert backend._need().module.head_chunks == (None if head_loss == "auto" else (5, 16))
+    m = run_training(cfg, backend, tmp_path, corpus=CORPUS, progress=False)
+    assert m.status == "completed" and label in m.device.split("; ") and m.matmul_precision == "highest"

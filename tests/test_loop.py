@@ -348,6 +348,22 @@ def test_record_template_identity_is_kept(tmp_path):
     assert m.deviations[0] == "steps 5000 -> 12"
 
 
+def test_record_names_the_matmul_precision_that_ran(tmp_path):
+    """``train.matmul_precision=profile`` reaches the record as the profile's precision (config and hash keep
+    what the caller built); a set value is recorded as set."""
+    from pcaf_core.profiles import get_profile
+
+    expected = {("corrected", "profile"): "highest", ("reference_jax", "profile"): "default",
+                ("reference_jax", "high"): "high"}
+    for (profile, setting), want in expected.items():
+        cfg = small_cfg(steps=2, matmul_precision=setting)
+        cfg.profile = get_profile(profile)
+        run_dir = tmp_path / f"{profile}-{setting}"
+        m = run_training(cfg, BigramBackend(), run_dir, corpus=markov_corpus(), progress=False)
+        assert m.matmul_precision == read_metrics(run_dir).matmul_precision == want, (profile, setting)
+        assert m.config_hash == loop.config_hash(cfg)
+
+
 # --------------------------------------------------------------------------- checkpoints and resume
 
 

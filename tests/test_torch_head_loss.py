@@ -1,6 +1,8 @@
 """The fused head target log-probability (``backends.torch.head_loss``) against the unfused
 ``log_softmax(...).gather(...)``: values and gradients in float64 and under bf16 autocast, and the model's
-training path (``need_log_probs=False, need_predictions=False``) against its evaluation path."""
+training path (``need_log_probs=False, need_predictions=False``) against its evaluation path. The chunked form
+against the one-tile form: float64, float32 within 1e-5, bf16 autocast, tiles that do not divide N or V, no
+buffer of ``[N, V]`` size, ``torch.compile``, and the models' chunked head."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import pytest
 import torch
 
 from backends.torch import build_model
-from backends.torch.head_loss import target_log_softmax, widen
+from backends.torch.head_loss import chunked_target_log_softmax, target_log_softmax, widen
+from benchmarks.torch_memory import PeakLiveBytes
 from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.profiles import get_profile
 
@@ -86,3 +89,106 @@ def test_training_path_loss_and_gradients_equal_the_evaluation_path(variant, rou
             assert a is None, name
         else:
             torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12, msg=name)
+
+
+# (position chunk, vocabulary chunk) against N = 2 x 7 = 14 positions and V = 11: ragged last tiles on both
+# axes, one-element tiles, one tile wider than the vocabulary, one tile holding everything.
+CHUNKS = [(3, 4), (1, 1), (5, 11), (14, 20), (100, 100)]
+
+
+def _chunked(z, w, b, y, chunks):
+    return chunked_target_log_softmax(z, w, b, y, position_chunk=chunks[0], vocab_chunk=chunks[1])
+
+
+def _grads(out, upstream, inputs):
+    return torch.autograd.grad((out * upstream).sum(), inputs)
+
+
+@pytest.mark.parametrize("chunks", CHUNKS, ids=str)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=["float64", "float32"])
+def test_chunked_equals_the_one_tile_form(chunks, dtype, tol):
+    z, w, b, y = _inputs(dtype, N=7, H=5, V=11)
+    upstream = torch.randn(y.shape, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    chunked, one_tile = _chunked(z, w, b, y, chunks), target_log_softmax(z, w, b, y)
+    assert chunked.dtype == dtype and chunked.shape == y.shape
+    torch.testing.assert_close(chunked, one_tile, rtol=0, atol=tol)
+    for name, a, r in zip("zwb", _grads(chunked, upstream, (z, w, b)), _grads(one_tile, upstream, (z, w, b))):
+        torch.testing.assert_close(a, r, rtol=0, atol=tol, msg=name)
+
+
+def test_chunked_gradcheck():
+    z, w, b, y = _inputs(torch.float64, N=3, H=4, V=6)
+    assert torch.autograd.gradcheck(lambda z_, w_, b_: _chunked(z_, w_, b_, y, (2, 4)), (z, w, b))
+
+
+def test_chunked_matches_the_one_tile_form_under_bf16_autocast():
+    """Both run the tile products in bf16 and the normaliser in float32 (logits rounded to bf16 alike, so
+    the values agree to float32 rounding); the gradients reach the float32 parameters in float32 and agree to
+    bf16 rounding of the gradient's scale (both round the logits' gradient to bf16 before its products)."""
+    z, w, b, y = _inputs(torch.float32, N=64, H=32, V=300, seed=1)
+    upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked = _chunked(z, w, b, y, (48, 128))
+        one_tile = target_log_softmax(z, w, b, y)
+    assert chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, one_tile, rtol=0, atol=1e-5)
+    for a, r in zip(_grads(chunked, upstream, (z, w, b)), _grads(one_tile, upstream, (z, w, b))):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, r, rtol=2e-2, atol=2**-8 * r.abs().max().item())
+
+
+def test_chunked_holds_no_buffer_of_the_logits_size():
+    """Forward and backward allocate nothing larger than a tile or a gradient (``[V, H]``): the one-tile form
+    allocates the ``[N, V]`` logits, the chunked form ``[P, C]`` tiles."""
+    N, H, V, P, C = 96, 4, 500, 32, 100
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(N, H, generator=g, requires_grad=True)
+    w = torch.randn(V, H, generator=g, requires_grad=True)
+    b = torch.randn(V, generator=g, requires_grad=True)
+    y = torch.randint(0, V, (N,), generator=g)
+    largest = {}
+    for name, fn in (("chunked", lambda: _chunked(z, w, b, y, (P, C))), ("one tile", lambda: target_log_softmax(
+            z, w, b, y))):
+        with PeakLiveBytes() as probe:
+            fn().sum().backward()
+        largest[name] = probe.largest_bytes
+    assert largest["one tile"] >= N * V * 4
+    assert largest["chunked"] <= max(P * C, V * H) * 4, largest
+
+
+def test_chunked_compiles_to_one_graph():
+    """Under ``torch.compile`` (``fullgraph``: no graph break) the chunked loss gives the eager values and
+    gradients."""
+    z, w, b, y = _inputs(torch.float32, N=7, H=5, V=11)
+    compiled = torch.compile(lambda *a: _chunked(*a, (3, 4)), backend="aot_eager", fullgraph=True)
+    eager = _chunked(z, w, b, y, (3, 4))
+    got = compiled(z, w, b, y)
+    torch.testing.assert_close(got, eager)
+    for a, r in zip(torch.autograd.grad(got.sum(), (z, w, b)), torch.autograd.grad(eager.sum(), (z, w, b))):
+        torch.testing.assert_close(a, r)
+
+
+def test_chunk_sizes_below_one_are_refused():
+    z, w, b, y = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="must both be >= 1"):
+        _chunked(z, w, b, y, (0, 4))
+
+
+@pytest.mark.parametrize("variant", ["pcaf", "transformer_dense"])
+def test_models_chunked_head_trains_like_the_one_tile_head(variant):
+    """``build_model(..., head_chunks=...)``: the training loss and every parameter's gradient equal the
+    one-tile model's (float64), and evaluation still builds the whole distribution."""
+    model = ModelConfig(variant=variant, vocab_size=23, d_model=8, d_hidden=12, n_layers=1, kernel_size=3,
+                        n_heads=2, max_seq_len=10)
+    memory = MemoryConfig(num_buckets=5, top_k=3)
+    nets = [build_model(model, memory, get_profile("corrected"), seed=3, dtype=torch.float64, head_chunks=c)
+            for c in (None, (4, 5))]
+    assert nets[0].head.chunks is None and nets[1].head.chunks == (4, 5)
+    g = torch.Generator().manual_seed(5)
+    tokens, targets = torch.randint(0, 23, (2, 10), generator=g), torch.randint(0, 23, (2, 10), generator=g)
+    outs = [n(tokens, targets, "ar", need_log_probs=False, need_predictions=False) for n in nets]
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=0, atol=1e-12)
+    grads = [torch.autograd.grad(o.loss, list(n.parameters())) for o, n in zip(outs, nets)]
+    for (name, _), a, r in zip(nets[0].named_parameters(), grads[1], grads[0]):
+        torch.testing.assert_close(a, r, rtol=0, atol=1e-12, msg=name)
+    assert nets[1](tokens, targets, "ar").param_log_probs.shape == (2, 10, 23)

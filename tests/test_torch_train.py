@@ -241,13 +241,51 @@ def test_bf16_autocast_runs_with_finite_loss(tmp_path, wt2_cache):
     assert all(v.dtype == np.float32 for v in w.values())  # ...the master weights stay fp32
 
 
-def test_fp32_convolutions_are_not_tf32(wt2_cache, monkeypatch: pytest.MonkeyPatch):
-    """fp32 means fp32 on a GPU too: building a backend turns off cuDNN's TF32 convolutions (PyTorch's default
-    is on; matmuls default to full fp32 already)."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    TorchBackend("cpu").init(tiny_cfg(wt2_cache))
-    assert not torch.backends.cudnn.allow_tf32
-    assert torch.get_float32_matmul_precision() == "highest"
+@pytest.mark.parametrize(("profile", "setting", "matmul", "cudnn_tf32"), [
+    ("corrected", "profile", "highest", False),
+    ("reference_torch", "profile", "highest", False),
+    ("reference_jax", "profile", "high", True),  # JAX's default precision: TF32 on a GPU
+    ("reference_jax", "highest", "highest", False),
+    ("corrected", "high", "high", True),
+])
+def test_matmul_precision_sets_what_fp32_means(wt2_cache, monkeypatch: pytest.MonkeyPatch, profile, setting,
+                                               matmul, cudnn_tf32):
+    """Building a backend applies ``train.matmul_precision`` (the profile's by default) to matmuls and to cuDNN's
+    convolutions (whose own default is TF32): under ``highest`` fp32 means fp32 on a GPU too."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", not cudnn_tf32)
+    previous = torch.get_float32_matmul_precision()
+    try:
+        TorchBackend("cpu").init(tiny_cfg(wt2_cache, profile=profile, train={"matmul_precision": setting}))
+        assert torch.get_float32_matmul_precision() == matmul
+        assert torch.backends.cudnn.allow_tf32 is cudnn_tf32
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_matmul_precision_context_restores_the_settings():
+    from backends.torch.precision import matmul_precision
+
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    with matmul_precision("default"):
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
+    with pytest.raises(ValueError, match="expected one of"):
+        with matmul_precision("tf32"):
+            pass
+
+
+@pytest.mark.parametrize(("head_loss", "label"), [("auto", "head loss in one tile"),
+                                                  ("chunked", "head loss in 7x50 tiles")])
+def test_head_loss_form_reaches_the_model_and_the_record(tmp_path, wt2_cache, head_loss, label):
+    """``train.head_loss``: ``auto`` keeps one tile on a CPU, ``chunked`` trains through tiles; the record's
+    device field says which."""
+    cfg = tiny_cfg(wt2_cache, train={"mode": "ar", "steps": 2, "head_loss": head_loss, "head_position_chunk": 7,
+                                     "head_vocab_chunk": 50})
+    backend = TorchBackend("cpu")
+    state = backend.init(cfg)
+    assert state.module.head.chunks == (None if head_loss == "auto" else (7, 50))
+    m = run_training(cfg, backend, tmp_path, progress=False)
+    assert m.status == "completed" and label in m.device.split("; ") and m.matmul_precision == "highest"
 
 
 # --------------------------------------------------------------------------- checkpoint files

@@ -34,9 +34,11 @@ import optax
 from backends.jax import checkpoint as ckpt
 from backends.jax import sharding, weights
 from backends.jax.optim import build_optimizer, set_learning_rate
+from backends.jax.precision import matmul_precision as matmul_precision_context
 from pcaf_core.backend import EvalOutputs
-from pcaf_core.config import RunConfig
+from pcaf_core.config import RunConfig, head_loss_chunks, head_loss_label
 from pcaf_core.params import check_params, param_shapes
+from pcaf_core.profiles import matmul_precision
 from pcaf_core.sysinfo import peak_rss_mb
 
 
@@ -63,6 +65,8 @@ class _Compiled:
     tx: optax.GradientTransformation
     train: Any
     eval: Any
+    matmul_precision: str
+    """``train.matmul_precision`` resolved: the steps are traced and run inside its context."""
 
 
 # Jitted steps by (mesh devices, numerics key): runs of one process that differ only in seeds, lengths or
@@ -77,7 +81,7 @@ def numerics_key(cfg: RunConfig) -> tuple[Any, ...]:
     every step), step counts, data and evaluation settings are left out."""
     t = cfg.train
     return (repr(cfg.model), repr(cfg.memory), repr(cfg.profile), t.mode, t.precision, t.weight_decay,
-            t.beta1, t.beta2, t.eps)
+            t.beta1, t.beta2, t.eps, t.head_loss, t.head_position_chunk, t.head_vocab_chunk, matmul_precision(cfg))
 
 
 def compute_dtype(cfg: RunConfig) -> Any:
@@ -165,6 +169,9 @@ class JaxBackend:
     def _compile(self, cfg: RunConfig, params: Any) -> _Compiled:
         """Model, optimiser and jitted steps for ``cfg`` (reused while the config stays the same)."""
         self._check_batches(cfg)
+        label = head_loss_label(head_loss_chunks(cfg, self.num_devices))
+        if label not in self.device.split("; "):
+            self.device += f"; {label}"
         key = (tuple(self.devices), numerics_key(cfg))
         if key in _COMPILED:
             self._compiled = _COMPILED[key]
@@ -173,8 +180,9 @@ class JaxBackend:
 
         # Next-token runs compute each prediction from the receptive fields it reads (PCAFModel.
         # nt_receptive_read): the same loss and gradients at a fraction of the full window's work.
+        chunks = head_loss_chunks(cfg, self.num_devices)
         module = build_model(cfg.model, cfg.memory, cfg.profile, dtype=compute_dtype(cfg),
-                             nt_receptive_field=cfg.train.mode == "nt")
+                             nt_receptive_field=cfg.train.mode == "nt", head_chunks=chunks)
         tx = build_optimizer(cfg.train, cfg.profile, params)
         mode = cfg.train.mode
 
@@ -205,6 +213,7 @@ class JaxBackend:
             module=module, tx=tx,
             train=jax.jit(train_step, donate_argnums=donate, out_shardings=(self.repl, self.repl)),
             eval=jax.jit(eval_step, static_argnames="mode"),
+            matmul_precision=matmul_precision(cfg),
         )
         if len(_COMPILED) >= _COMPILED_MAX:
             _COMPILED.pop(next(iter(_COMPILED)))
@@ -280,7 +289,8 @@ class JaxBackend:
         compiled = self._need()
         x = sharding.put_batch(np.ascontiguousarray(inputs, dtype=np.int32), self.mesh)
         y = sharding.put_batch(np.ascontiguousarray(targets, dtype=np.int32), self.mesh)
-        state, loss = compiled.train(state, x, y, np.float32(lr))
+        with matmul_precision_context(compiled.matmul_precision):
+            state, loss = compiled.train(state, x, y, np.float32(lr))
         # Reading the loss waits for the step, so the loop's step timer measures the whole step.
         return state, float(sharding.first_replica(loss))
 
@@ -299,7 +309,8 @@ class JaxBackend:
             y = np.concatenate([y, np.repeat(y[:1], pad, axis=0)])
         params = sharding.to_mesh(state.params, self.local_mesh)
         rows = sharding.batch_sharded(self.local_mesh)
-        tlp, pred, pred_param = compiled.eval(params, jax.device_put(x, rows), jax.device_put(y, rows), mode)
+        with matmul_precision_context(compiled.matmul_precision):
+            tlp, pred, pred_param = compiled.eval(params, jax.device_put(x, rows), jax.device_put(y, rows), mode)
         return EvalOutputs(
             target_log_prob=np.asarray(tlp, dtype=np.float64)[:b],
             prediction=np.asarray(pred, dtype=np.int64)[:b],

@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from backends.jax.head_loss import chunked_target_log_softmax
 from backends.jax.window_attention import banded_attention
 from pcaf_core.config import WINDOWED_VARIANTS
 from pcaf_core.params import sinusoidal_table
@@ -230,25 +231,54 @@ class ConvBlock(nn.Module):
         return x + self.drop(y, deterministic=deterministic).astype(x.dtype)
 
 
+class OutputLayer(nn.Module):
+    """The head's output layer: :class:`Dense` with ``in_features`` known up front, so its ``weight
+    [in, V]`` and ``bias [V]`` can also be read without applying the layer (the chunked head loss)."""
+
+    in_features: int
+    features: int
+    dtype: Dtype = jnp.float32
+
+    def setup(self) -> None:
+        self.weight = self.param("weight", fan_in_normal, (self.in_features, self.features), jnp.float32)
+        self.bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+
+    def operands(self) -> tuple[jax.Array, jax.Array]:
+        """``(weight, bias)`` as :class:`Dense` uses them: the weight in ``dtype``, the bias in ``wide(dtype)``."""
+        return self.weight.astype(self.dtype), self.bias.astype(wide(self.dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w, b = self.operands()
+        return affine(x.astype(self.dtype), w, b).astype(self.dtype)
+
+
 class Head(nn.Module):
-    """Parametric head ``log_softmax(W_o·drop(GELU(W_h·LN h)))``: ``[..., d] -> [..., V]`` in ``wide(dtype)``."""
+    """Parametric head ``log_softmax(W_o·drop(GELU(W_h·LN h)))``: ``[..., d] -> [..., V]`` in ``wide(dtype)``.
+
+    ``chunks``: ``(position chunk, vocabulary chunk)`` of the training loss's logit tiles
+    (:func:`backends.jax.head_loss.chunked_target_log_softmax`), or None for the one-tile form.
+    """
 
     d_hidden: int
     vocab_size: int
     gelu_form: str
     dropout: float = 0.0
     dtype: Dtype = jnp.float32
+    chunks: tuple[int, int] | None = None
 
     def setup(self) -> None:
         self.norm = LayerNorm(dtype=self.dtype)
         self.hidden = Dense(self.d_hidden, dtype=self.dtype)
-        self.out = Dense(self.vocab_size, dtype=self.dtype)
+        self.out = OutputLayer(self.d_hidden, self.vocab_size, dtype=self.dtype)
         self.drop = nn.Dropout(self.dropout)
+
+    def features(self, h: jax.Array, deterministic: bool = True) -> jax.Array:
+        """``[..., d] -> [..., d_hidden]``: the output layer's input ``drop(GELU(W_h·LN h))`` in ``dtype``."""
+        return self.drop(gelu(self.hidden(self.norm(h)), self.gelu_form), deterministic=deterministic)
 
     def logits(self, h: jax.Array, deterministic: bool = True) -> jax.Array:
         """``[..., d] -> [..., V]`` logits, widened to at least float32 for the normaliser."""
-        z = self.drop(gelu(self.hidden(self.norm(h)), self.gelu_form), deterministic=deterministic)
-        return self.out(z).astype(wide(self.dtype))
+        return self.out(self.features(h, deterministic)).astype(wide(self.dtype))
 
     def __call__(self, h: jax.Array, deterministic: bool = True) -> jax.Array:
         return jax.nn.log_softmax(self.logits(h, deterministic), axis=-1)
@@ -256,11 +286,16 @@ class Head(nn.Module):
     def target_log_prob(self, h: jax.Array, targets: jax.Array, deterministic: bool = True) -> jax.Array:
         """``__call__(h)`` at ``targets`` only: h ``[..., d]``, targets ``[...]`` int -> ``[...]``.
 
-        ``logit_y - logsumexp(logits)``: no ``[..., V]`` log-probability array is returned, and XLA fuses
-        the normaliser into the logits' consumer.
+        One tile: ``logit_y - logsumexp(logits)``, no ``[..., V]`` log-probability array is returned and XLA
+        fuses the normaliser into the logits' consumer. With ``chunks``: no ``[..., V]`` array at all.
         """
-        z = self.logits(h, deterministic)
-        return jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(z, axis=-1)
+        if self.chunks is None:
+            z = self.logits(h, deterministic)
+            return jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(z, axis=-1)
+        z = self.features(h, deterministic).astype(self.dtype)
+        w, b = self.out.operands()
+        out = chunked_target_log_softmax(z.reshape(-1, z.shape[-1]), w, b, targets.reshape(-1), *self.chunks)
+        return out.reshape(targets.shape)
 
 
 class Gate(nn.Module):

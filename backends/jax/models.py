@@ -228,6 +228,8 @@ class CanonicalLM(nn.Module):
     dtype: Dtype = jnp.float32
     # Next-token forwards from receptive fields only (PCAFModel.nt_receptive_read); the backend sets it.
     nt_receptive_field: bool = False
+    # (position chunk, vocabulary chunk) of the training loss's head tiles, or None (layers.Head.chunks).
+    head_chunks: tuple[int, int] | None = None
 
     @property
     def uses_cache(self) -> bool:
@@ -363,7 +365,7 @@ class PCAFModel(CanonicalLM):
         self.embed = Embed(V, d, out_dtype=wide(self.dtype))
         self.blocks = [ConvBlock(d, hid, model.kernel_size, profile.gelu, p, dtype=self.dtype)
                        for _ in range(model.n_layers)]
-        self.head = Head(hid, V, profile.gelu, p, dtype=self.dtype)
+        self.head = Head(hid, V, profile.gelu, p, dtype=self.dtype, chunks=self.head_chunks)
         if has_memory_params(model, profile):
             self.memory = AssociativeMemory(d, memory.semantic_buckets, profile.router,
                                             has_router(model, memory, profile), dtype=self.dtype)
@@ -532,7 +534,7 @@ class TransformerLM(CanonicalLM):
                                         model.linear_chunk, profile.gelu, p, dtype=self.dtype,
                                         attention_impl=model.attention_impl)
                        for _ in range(model.n_layers)]
-        self.head = Head(hid, V, profile.gelu, p, dtype=self.dtype)
+        self.head = Head(hid, V, profile.gelu, p, dtype=self.dtype, chunks=self.head_chunks)
 
     def hidden_states(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
         """Final hidden states ``[B, T, d]`` (``wide(dtype)``) of the Transformer."""
@@ -552,7 +554,7 @@ def _config_hash(self: CanonicalLM) -> int:
     """Hash of a model by its configuration values: the config dataclasses are mutable (unhashable), and
     a module must be hashable to serve as a static argument of ``jax.jit``."""
     return hash((type(self).__name__, repr(self.model_config), repr(self.memory_config), repr(self.profile),
-                 str(jnp.dtype(self.dtype)), self.nt_receptive_field, self.name))
+                 str(jnp.dtype(self.dtype)), self.nt_receptive_field, self.head_chunks, self.name))
 
 
 # Assigned after class creation: linen's dataclass transform would replace a __hash__ defined in the body.
@@ -562,13 +564,15 @@ TransformerLM.__hash__ = _config_hash  # type: ignore[method-assign]
 
 def build_model(
     model: ModelConfig, memory: MemoryConfig, profile: ProfileConfig, *, dtype: Dtype = jnp.float32,
-    nt_receptive_field: bool = False,
+    nt_receptive_field: bool = False, head_chunks: tuple[int, int] | None = None,
 ) -> PCAFModel | TransformerLM:
     """The Module of ``model.variant``; ``dtype`` is the compute dtype of matmuls (float32, bfloat16 for
     the bf16 precision, float64 under x64). Parameters come from :func:`backends.jax.params.init_params`
     through :func:`backends.jax.weights.to_variables` (they stay float32 under bf16 compute).
     ``nt_receptive_field``: next-token forwards of the conv-backbone models from receptive fields only
-    (:meth:`PCAFModel.nt_receptive_read`; ignored by the Transformers)."""
+    (:meth:`PCAFModel.nt_receptive_read`; ignored by the Transformers). ``head_chunks``: the training loss
+    reads the head tile by tile (:attr:`backends.jax.layers.Head.chunks`)."""
     if model.variant in TRANSFORMER_VARIANTS:
-        return TransformerLM(model, memory, profile, dtype=dtype)
-    return PCAFModel(model, memory, profile, dtype=dtype, nt_receptive_field=nt_receptive_field)
+        return TransformerLM(model, memory, profile, dtype=dtype, head_chunks=head_chunks)
+    return PCAFModel(model, memory, profile, dtype=dtype, nt_receptive_field=nt_receptive_field,
+                     head_chunks=head_chunks)

@@ -28,9 +28,11 @@ from backends.torch.compile import (
     use_cuda_graphs,
 )
 from backends.torch.optim import build_optimizer, fill_missing_grads
+from backends.torch.precision import set_matmul_precision
 from backends.torch.runtime import configure_mkl
 from pcaf_core.backend import EvalOutputs
-from pcaf_core.config import RunConfig
+from pcaf_core.config import RunConfig, head_loss_chunks, head_loss_label
+from pcaf_core.profiles import matmul_precision
 from pcaf_core.sysinfo import cpu_has_bf16_matmul, peak_rss_mb
 
 
@@ -137,6 +139,11 @@ class TorchBackend:
             return torch.autocast(device_type=self.torch_device.type, dtype=torch.bfloat16)
         return nullcontext()
 
+    def _label(self, label: str) -> None:
+        """Add ``label`` (how the step runs) to the record's device description, once."""
+        if label not in self.device.split("; "):
+            self.device += f"; {label}"
+
     def _build(self, cfg: RunConfig) -> TorchState:
         from backends.torch.models import build_model
 
@@ -148,11 +155,14 @@ class TorchBackend:
         # costs a memory pass per allocation (183 against 154 ms a cpu-scale full-AR step); every kernel writes
         # its output before reading it, so results are the same without it.
         torch.utils.deterministic.fill_uninitialized_memory = False
-        # fp32 means fp32 on a GPU too: matmuls already are (float32_matmul_precision "highest", PyTorch's
-        # default), while cuDNN's convolutions default to TF32 (10-bit mantissa inputs). bf16 runs use autocast.
-        torch.backends.cudnn.allow_tf32 = False
+        # What fp32 means on this device: train.matmul_precision (the profile's unless set), for matmuls and
+        # cuDNN's convolutions alike (cuDNN's own default is TF32). bf16 runs use autocast.
+        set_matmul_precision(matmul_precision(cfg))
         # build_model draws the initial weights from its own generator seeded with train.seed.
-        module = build_model(cfg.model, cfg.memory, cfg.profile, seed=cfg.train.seed, device=self.torch_device)
+        chunks = head_loss_chunks(cfg, self.world_size)
+        module = build_model(cfg.model, cfg.memory, cfg.profile, seed=cfg.train.seed, device=self.torch_device,
+                             head_chunks=chunks)
+        self._label(head_loss_label(chunks))
         if hasattr(module, "nt_receptive_field"):
             # Next-token runs compute each prediction from the receptive fields it reads (PCAFModel.
             # nt_receptive_read): the same loss and gradients at a fraction of the full window's work.
@@ -174,8 +184,7 @@ class TorchBackend:
         graphs = use_cuda_graphs(cfg, self.torch_device, self.world_size)
         if use_compile(cfg):
             wrapped = compile_training(module, wrapped, cuda_graphs=graphs)
-            if compiled_label(graphs) not in self.device.split("; "):
-                self.device += f"; {compiled_label(graphs)}"
+            self._label(compiled_label(graphs))
         optimizer = build_optimizer(module, cfg.train, cfg.profile)
         return TorchState(module=module, wrapped=wrapped, optimizer=optimizer, cfg=cfg, cuda_graphs=graphs)
 

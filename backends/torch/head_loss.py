@@ -22,6 +22,9 @@ docs/BACKENDS.md, "Step cost on a CPU").
 The arithmetic is :meth:`backends.torch.layers.Head.forward`'s: logits in the matmul dtype (bf16 under
 autocast), normaliser and target logit in float32 (float64 stays float64), so both paths agree to float
 rounding (tests/test_torch_head_loss.py).
+
+:func:`chunked_target_log_softmax` computes the same without any ``[N, V]`` tensor, in logit tiles recomputed
+by the backward pass (``train.head_loss``; docs/BACKENDS.md, "Chunked head loss").
 """
 
 from __future__ import annotations
@@ -102,4 +105,118 @@ def target_log_softmax(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         zf, weight, bias = zf.to(dtype), weight.to(dtype), bias.to(dtype)
     with torch.autocast(zf.device.type, enabled=False):
         out = _TargetLogSoftmax.apply(zf, weight, bias, targets.reshape(-1))
+    return out.reshape(lead)
+
+
+# --------------------------------------------------------------------------- chunked (never [N, V])
+
+
+def _tile_logits(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``z @ weight^T + bias`` of one tile, widened to at least float32: the same ops as the full path, so a
+    tile's logits are bit for bit the full path's (and the backward recomputes exactly the forward's)."""
+    return widen(torch.addmm(bias, z, weight.t()))
+
+
+def _target_in_tile(y: torch.Tensor, v0: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(column [n, 1], inside [n])``: the target's column in the tile ``[v0, v0 + width)`` (clamped into it
+    where the target lies outside) and whether it lies inside."""
+    local = y - v0
+    inside = (local >= 0) & (local < width)
+    return local.clamp(0, width - 1)[:, None], inside
+
+
+class _ChunkedTargetLogSoftmax(torch.autograd.Function):
+    """:class:`_TargetLogSoftmax` tile by tile: ``[P, C]`` logit tiles (P positions, C vocabulary entries), an
+    online log-sum-exp over each row's tiles, and only ``[N]`` normalisers kept for the backward pass."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, y: torch.Tensor,
+                position_chunk: int, vocab_chunk: int) -> torch.Tensor:
+        N, V = z.shape[0], weight.shape[0]
+        acc = widen(z.new_empty(())).dtype  # float32 (float64 stays float64)
+        out = torch.empty(N, dtype=acc, device=z.device)
+        lse = torch.empty(N, dtype=acc, device=z.device)
+        for p0 in range(0, N, position_chunk):
+            p1 = min(p0 + position_chunk, N)
+            zp, yp = z[p0:p1], y[p0:p1]
+            top = torch.full((p1 - p0,), float("-inf"), dtype=acc, device=z.device)
+            total = torch.zeros(p1 - p0, dtype=acc, device=z.device)
+            target = torch.zeros(p1 - p0, dtype=acc, device=z.device)
+            for v0 in range(0, V, vocab_chunk):
+                v1 = min(v0 + vocab_chunk, V)
+                tile = _tile_logits(zp, weight[v0:v1], bias[v0:v1])  # [P, C]
+                col, inside = _target_in_tile(yp, v0, v1 - v0)
+                target = torch.where(inside, tile.gather(1, col)[:, 0], target)
+                new_top = torch.maximum(top, tile.amax(dim=1))
+                # As torch.logsumexp: a row whose maximum is infinite shifts by 0, not by the infinity.
+                shift = new_top.masked_fill(~torch.isfinite(new_top), 0.0)
+                total = total * torch.exp(top - shift) + tile.sub_(shift[:, None]).exp_().sum(dim=1)
+                top = new_top
+            norm = top.masked_fill(~torch.isfinite(top), 0.0) + total.log()
+            lse[p0:p1] = norm
+            out[p0:p1] = target - norm
+        ctx.chunks = (position_chunk, vocab_chunk)
+        ctx.save_for_backward(z, weight, bias, y, lse)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        z, weight, bias, y, lse = ctx.saved_tensors
+        position_chunk, vocab_chunk = ctx.chunks
+        need_z, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        N, V = z.shape[0], weight.shape[0]
+        g = grad.to(lse.dtype)
+        # Accumulators in the wide dtype: a 16-bit dz or dweight summed over tiles would round at every tile.
+        dz = torch.zeros(z.shape, dtype=lse.dtype, device=z.device) if need_z else None
+        dweight = torch.zeros(weight.shape, dtype=lse.dtype, device=z.device) if need_weight else None
+        dbias = torch.zeros(V, dtype=lse.dtype, device=z.device)
+        same = z.dtype == lse.dtype  # no 16-bit operands: the products accumulate in place
+        for p0 in range(0, N, position_chunk):
+            p1 = min(p0 + position_chunk, N)
+            zp, yp, gp = z[p0:p1], y[p0:p1], g[p0:p1]
+            for v0 in range(0, V, vocab_chunk):
+                v1 = min(v0 + vocab_chunk, V)
+                # d/dlogits of g·(logit_y − lse) = g·onehot(y) − g·softmax, formed in the tile's buffer.
+                tile = _tile_logits(zp, weight[v0:v1], bias[v0:v1])
+                dlogits = tile.sub_(lse[p0:p1, None]).exp_().mul_(-gp[:, None])
+                col, inside = _target_in_tile(yp, v0, v1 - v0)
+                dlogits.scatter_add_(1, col, torch.where(inside, gp, 0.0)[:, None])
+                dbias[v0:v1] += dlogits.sum(dim=0)
+                dl = dlogits if same else dlogits.to(z.dtype)
+                if need_z:
+                    if same:
+                        dz[p0:p1].addmm_(dl, weight[v0:v1])
+                    else:
+                        dz[p0:p1] += dl @ weight[v0:v1]
+                if need_weight:
+                    if same:
+                        dweight[v0:v1].addmm_(dl.t(), zp)
+                    else:
+                        dweight[v0:v1] += dl.t() @ zp
+        return (None if dz is None else dz.to(z.dtype), None if dweight is None else dweight.to(weight.dtype),
+                dbias.to(bias.dtype), None, None, None)
+
+
+def chunked_target_log_softmax(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor,
+                               *, position_chunk: int, vocab_chunk: int) -> torch.Tensor:
+    """:func:`target_log_softmax` without ever holding ``[N, V]``: the same inputs, output and autocast
+    behaviour; the logits live one ``[position_chunk, vocab_chunk]`` tile at a time.
+
+    Forward: per tile ``z_p @ W_c^T + b_c``, an online log-sum-exp per row (running maximum and rescaled sum)
+    and the target's logit read from the tile that holds it; only the ``[N]`` normalisers are saved. Backward:
+    each tile's logits are recomputed, turned into ``g·onehot(y) − g·softmax`` in place, and the three
+    gradients are accumulated into ``[N, H]``, ``[V, H]`` and ``[V]`` buffers (products in the matmul dtype,
+    sums in float32). So the head costs four ``N·H·V`` products instead of three and at most one tile of
+    logits at a time; the chunks need not divide N or V.
+    """
+    if position_chunk < 1 or vocab_chunk < 1:
+        raise ValueError(f"position_chunk={position_chunk} and vocab_chunk={vocab_chunk} must both be >= 1")
+    lead = targets.shape
+    zf = z.reshape(-1, z.shape[-1])
+    if torch.is_autocast_enabled(zf.device.type):
+        dtype = torch.get_autocast_dtype(zf.device.type)
+        zf, weight, bias = zf.to(dtype), weight.to(dtype), bias.to(dtype)
+    with torch.autocast(zf.device.type, enabled=False):
+        out = _ChunkedTargetLogSoftmax.apply(zf, weight, bias, targets.reshape(-1), position_chunk, vocab_chunk)
     return out.reshape(lead)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.head_loss import target_log_softmax, widen
+from backends.torch.head_loss import chunked_target_log_softmax, target_log_softmax, widen
 from backends.torch.window_attention import flex_window_attention
 from pcaf_core.config import WINDOWED_VARIANTS
 from pcaf_core.params import sinusoidal_table
@@ -181,6 +181,9 @@ class Head(nn.Module):
         self.out = nn.Linear(d_hidden, vocab_size)
         self.drop = Dropout(dropout)
         self.gelu_form = gelu_form
+        # (position chunk, vocabulary chunk) of the training loss's logit tiles, or None for the one-tile
+        # form (backends.torch.head_loss); the backend sets it from train.head_loss.
+        self.chunks: tuple[int, int] | None = None
 
     def features(self, h: torch.Tensor) -> torch.Tensor:
         """``[..., d] -> [..., d_hidden]``: the output layer's input ``drop(GELU(W_h·LN h))``."""
@@ -193,7 +196,11 @@ class Head(nn.Module):
 
     def target_log_prob(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """``forward(h)`` at ``targets`` only: h ``[..., d]``, targets ``[...]`` -> ``[...]``, without the
-        ``[..., V]`` log-softmax graph (``backends.torch.head_loss``)."""
+        ``[..., V]`` log-softmax graph (``backends.torch.head_loss``); with :attr:`chunks` without any
+        ``[N, V]`` tensor at all."""
+        if self.chunks is not None:
+            return chunked_target_log_softmax(self.features(h), self.out.weight, self.out.bias, targets,
+                                              position_chunk=self.chunks[0], vocab_chunk=self.chunks[1])
         return target_log_softmax(self.features(h), self.out.weight, self.out.bias, targets)
 
 

@@ -484,6 +484,7 @@ def build_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    head_chunks: tuple[int, int] | None = None,
 ) -> PCAFModel | TransformerLM:
     """Build and initialise the model of ``model.variant``.
 
@@ -491,6 +492,7 @@ def build_model(
     :func:`pcaf_core.params.init_params` from a torch generator seeded with ``seed``; ``torch_default``
     keeps the library defaults (drawn under ``torch.manual_seed(seed)`` without touching the caller's
     global RNG state). Either way ρ starts at 1 and a trainable positional table at the sinusoids.
+    ``head_chunks``: the training loss reads the head tile by tile (:attr:`backends.torch.layers.Head.chunks`).
     """
     cls = TransformerLM if model.variant in TRANSFORMER_VARIANTS else PCAFModel
     with torch.random.fork_rng(devices=[]):
@@ -501,4 +503,5 @@ def build_model(
     # Under ``torch.device("meta")`` (shape-only builds, e.g. parameter counting) there are no values to set.
     if profile.init == "jax_normal" and not any(p.is_meta for p in net.parameters()):
         load_canonical(net, init_params(model, memory, profile, seed=seed))
+    net.head.chunks = head_chunks
     return net.to(device=device, dtype=dtype)
