@@ -34,6 +34,7 @@ def test_a_sweep_over_b_ends_in_one_report(tmp_path):
     assert "[buckets data=wikitext2 split=validation T=32 B=64 n=1 K=16] overflow" in res.stdout
 
 
+@pytest.mark.slow  # trains the shared smoke run
 def test_topk_score_column_from_a_trained_run(smoke_pcaf_run, tmp_path):
     cfg = OmegaConf.merge(CONF, {"T": 64, "B": 256, "K": [2, 8], "max_windows": 3, "run_dir": str(smoke_pcaf_run),
                                  "out_dir": str(tmp_path), "report": str(tmp_path / "b.md")})

@@ -47,6 +47,7 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     assert (smoke_run / "profile_fp32.txt").read_text().strip()
 
 
+@pytest.mark.slow  # its fixture is the smoke run
 def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     """Toy T=64 rows have no target shape, so targets come from rows renamed to the targets' shapes."""
     rows = read_csv(smoke_run / "models.csv")

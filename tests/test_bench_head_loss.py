@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import bench_head_loss
 from benchmarks.common import read_csv
 
 
+@pytest.mark.slow
 def test_toy_run_writes_a_row_per_backend_and_form(tmp_path):
     out = tmp_path / "head_loss.csv"
     assert bench_head_loss.main(["--out", str(out), "--rounds", "1", "--shapes", "24x8x50",

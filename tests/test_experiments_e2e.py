@@ -92,6 +92,7 @@ def test_multirun_sweep_ends_in_one_table_and_one_plot(tmp_path):
     assert df["best_ppl"].notna().all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override,key", [
     ("model=no_such_shape", "model=no_such_shape"),  # unknown group option
     ("memory.top_k=many", "memory.top_k"),  # wrong type
@@ -123,6 +124,7 @@ def test_table_driver_validates_every_row_before_training(tmp_path, capsys):
     assert main(["--table", "no-such-table", "--scale", "smoke"]) == 2
 
 
+@pytest.mark.slow
 def test_a_config_error_creates_no_output_root(tmp_path, capsys):
     """Issue 36, defect 8: nothing is created for a command that cannot run."""
     from experiments.reproduce import main
@@ -136,6 +138,7 @@ def test_a_config_error_creates_no_output_root(tmp_path, capsys):
     assert res.returncode == 2 and not root.exists(), res.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_paper_scale_on_a_cpu_says_how_long_it_would_train_and_needs_confirmation(tmp_path, capsys):
     """Issue 36, defect 8: a command predicted to train for hours on a CPU gives the estimate and starts only
     with --yes (confirm=true for experiments.run); nothing is created."""

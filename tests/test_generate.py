@@ -47,6 +47,7 @@ def test_generate_command_end_to_end_from_a_smoke_table_run(smoke_run):
     assert "tokens/s (backend=torch, dtype=fp32, batch=1, 12 new tokens" in lines[-1]
 
 
+@pytest.mark.slow  # trains the shared smoke run
 def test_generate_command_errors_are_one_line(smoke_run, tmp_path, capsys):
     assert generate_cli.main([f"run_dir={tmp_path / 'nope'}", "prompt=a"]) == 2
     assert "error: no run at" in capsys.readouterr().err

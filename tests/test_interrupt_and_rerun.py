@@ -233,6 +233,7 @@ def test_a_flipped_byte_in_a_token_cache_is_caught_on_open_and_old_manifests_are
 # --------------------------------------------------------------------------- item 5
 
 
+@pytest.mark.slow
 def test_a_sweep_with_an_invalid_job_starts_no_job(tmp_path):
     res = subprocess.run([sys.executable, "-m", "experiments.run", "-m", "experiment=wt2-nt-1024/pcaf_context",
                           "scale=smoke", "memory.top_k=4,0,8", f"output_root={tmp_path}"],
@@ -293,6 +294,7 @@ def test_the_table_driver_reports_a_bad_key_or_type_in_one_line_with_exit_2(over
     assert len(err.splitlines()) == 1 and err.startswith("config error: memory.top") and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_an_unwritable_output_root_is_one_line_with_exit_2_on_every_entry_point(tmp_path, capsys):
     from experiments import reproduce
 
@@ -366,6 +368,7 @@ def test_a_diverged_run_continues_from_its_last_finite_checkpoint_with_the_print
 # --------------------------------------------------------------------------- item 9
 
 
+@pytest.mark.slow
 def test_weights_are_0644_bad_weights_are_refused_by_name_and_a_mistyped_runs_root_is_an_error(tmp_path, capsys):
     import safetensors.numpy
 

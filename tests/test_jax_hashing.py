@@ -74,6 +74,7 @@ def test_addresses_under_jit_and_x64() -> None:
         np.testing.assert_array_equal(np.asarray(got), hashing.addresses(tok, 2, 2**31))
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.integers(0, 2**31 - 1), min_size=8, max_size=8), st.integers(1, 4),
        st.integers(1, 2**31 - 1), st.booleans())

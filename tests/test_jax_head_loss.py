@@ -47,7 +47,8 @@ def _value_and_grads(fn, z, w, b, y, upstream, dtype):
     return out, grads
 
 
-@pytest.mark.parametrize("chunks", CHUNKS, ids=str)
+@pytest.mark.parametrize("chunks", [CHUNKS[0], *(pytest.param(c, marks=pytest.mark.slow) for c in CHUNKS[1:])],
+                         ids=str)
 def test_chunked_equals_the_one_tile_form_in_float32(chunks):
     z, w, b, y, upstream = _inputs()
     with jax.default_matmul_precision("highest"):
@@ -61,6 +62,7 @@ def test_chunked_equals_the_one_tile_form_in_float32(chunks):
         np.testing.assert_allclose(a, r, rtol=0, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_chunked_matches_the_one_tile_form_in_bf16():
     """bf16 compute (products in bf16, logits rounded to bf16, normaliser in float32): the values agree to
     float32 rounding, the float32 parameters' gradients to bf16 rounding of their scale."""
@@ -75,6 +77,7 @@ def test_chunked_matches_the_one_tile_form_in_bf16():
         np.testing.assert_allclose(a, r, rtol=2e-2, atol=2**-8 * float(jnp.abs(r).max()), err_msg=name)
 
 
+@pytest.mark.slow
 def test_chunked_jits_and_holds_no_logits_sized_array():
     """Under ``jit`` the one-tile value; the jaxpr of value and gradient holds nothing larger than a tile or a
     gradient (``[H, V]``), where the one-tile form holds the ``[N, V]`` logits."""
@@ -90,6 +93,7 @@ def test_chunked_jits_and_holds_no_logits_sized_array():
     assert _measure(chunked, z, w, b)[0] <= max(P * C, H * V)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["local_conv", "transformer_dense"])
 def test_models_chunked_head_trains_like_the_one_tile_head(variant):
     """``build_model(..., head_chunks=...)``: the training loss and every parameter's gradient equal the

@@ -17,6 +17,7 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from backends.jax import routing as jr
 from backends.jax.ops import CHUNK_ELEMENTS, gather_dot
@@ -58,6 +59,7 @@ def _inputs(seed: int = 0):
     return addr, qpos, q, k, rec
 
 
+@pytest.mark.slow
 def test_recent_first_and_bucketed_semantic_are_linear_in_T() -> None:
     """Measured peak: T·K = 131072 elements (the ``[1, T, K]`` slot gathers), against T² = 67M."""
     addr, qpos, _, _, _ = _inputs()

@@ -275,6 +275,7 @@ for _row in PAPER_COUNTS:
 assert len(_DISTINCT) == 13
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", list(_DISTINCT.values()), ids=[r[0] for r in _DISTINCT.values()])
 def test_eval_shape_of_init_gives_paper_counts(row) -> None:
     label, variant, route, shape, profile_name, seq_len, S, expected = row

@@ -164,6 +164,7 @@ def test_two_processes_of_two_devices_match_one_device(mesh_runs, tmp_path):
         "loop_state.json", "model.safetensors", "optimizer.safetensors"]
 
 
+@pytest.mark.slow  # its fixture trains on four emulated devices
 def test_state_is_replicated_and_uneven_eval_batches_are_padded(mesh_runs):
     _, report = mesh_runs
     assert report["replicated"]

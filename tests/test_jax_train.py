@@ -159,6 +159,7 @@ def test_variants_profiles_modes_train(tmp_path, variant, profile, mode, route):
     assert m.extra["full_targets"] == (8 if mode == "nt" else 8 * 12)
 
 
+@pytest.mark.slow
 def test_same_seed_same_steps_bitwise_and_eval_reproducible():
     cfg = tiny_cfg(profile="reference_torch", variant="local_conv")  # dropout and clipping on
     x, y = batch(1)
@@ -208,6 +209,7 @@ def test_dropout_draws_depend_on_the_step_and_not_in_evaluation(pcaf_backend):
 # --------------------------------------------------------------------------- optimiser
 
 
+@pytest.mark.slow
 def test_decay_mask_follows_the_canonical_rule(pcaf_backend):
     backend, _ = pcaf_backend
     for variant in ("pcaf", "transformer_dense"):
@@ -297,6 +299,7 @@ def test_bf16_runs_with_float32_master_weights(tmp_path):
 # --------------------------------------------------------------------------- state files
 
 
+@pytest.mark.slow
 def test_save_load_round_trip_is_bit_identical(tmp_path, pcaf_backend):
     backend, cfg = pcaf_backend
     state = backend.init(cfg)
@@ -384,6 +387,7 @@ def test_batch_not_divisible_by_the_mesh_is_refused():
         JaxBackend("cuda")
 
 
+@pytest.mark.slow
 def test_huge_lr_diverges_and_the_last_good_checkpoint_loads(tmp_path):
     cfg = tiny_cfg(train={"steps": 10, "lr": 1e30, "checkpoint_every": 1})
     with pytest.raises(TrainingDiverged) as err:
@@ -421,6 +425,7 @@ def test_poisoned_weight_stops_at_that_step_and_resume_continues(tmp_path):
 # --------------------------------------------------------------------------- matmul precision, head loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("profile", "setting", "want"), [
     ("corrected", "profile", "highest"),
     ("reference_torch", "profile", "highest"),
@@ -449,6 +454,7 @@ def test_matmul_precision_is_the_steps_default_precision(monkeypatch, profile, s
     assert set(re.findall(r"precision = \[(\w+), ", text)) == {want.upper()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("head_loss", "label"), [("auto", "head loss in one tile"),
                                                   ("chunked", "head loss in 5x16 tiles")])
 def test_head_loss_form_reaches_the_model_and_the_record(tmp_path, head_loss, label):

@@ -126,12 +126,11 @@ def x64():
         yield
 
 
-# The fast tier (make test-fast) keeps PCAF on each route in both modes (profiles rotated) and every plain backbone
-# once; the rest of the product is slow.
+# The fast tier (make test-fast) keeps PCAF on each route in both modes (profiles rotated); the rest of the
+# product, the plain backbones included, is slow.
 _FAST_FLOAT64 = {(CACHE_CASES[0], "nt", "reference_jax"), (CACHE_CASES[0], "ar", "corrected"),
                  (CACHE_CASES[3], "nt", "corrected"), (CACHE_CASES[3], "ar", "reference_torch"),
                  (CACHE_CASES[5], "nt", "reference_torch"), (CACHE_CASES[5], "ar", "reference_jax")}
-_FAST_FLOAT64 |= {(c, "ar", "corrected") for c in PLAIN_CASES}
 FLOAT64_PARAMS = [pytest.param(c, m, p, id=f"{'-'.join(c)}-{m}-{p}",
                                marks=() if (c, m, p) in _FAST_FLOAT64 else pytest.mark.slow)
                   for c in ALL_CASES for m in MODES for p in PROFILES]

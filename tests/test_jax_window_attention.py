@@ -40,7 +40,7 @@ def _spec_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, variant: str, w
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("T,w,g,block", SHAPES)
+@pytest.mark.parametrize("T,w,g,block", [SHAPES[0], *(pytest.param(*s, marks=pytest.mark.slow) for s in SHAPES[1:])])
 def test_band_matches_spec_and_masked_path(variant, T, w, g, block, x64) -> None:
     rng = np.random.default_rng(T + w)
     q, k, v, cot = (rng.standard_normal((2, T, 2, 4)) for _ in range(4))
@@ -96,6 +96,7 @@ def _model(impl: str, T: int = 70) -> tuple[ModelConfig, MemoryConfig, object]:
     return model, MemoryConfig(), get_profile("reference_torch")  # dropout 0.1 in training
 
 
+@pytest.mark.slow
 def test_model_banded_equals_masked_and_spec(x64) -> None:
     """The default (``auto``, banded) model gives the spec's loss and the ``masked`` model's gradients; with
     dropout on, a training forward is finite and differs from evaluation."""
@@ -122,6 +123,7 @@ def test_model_banded_equals_masked_and_spec(x64) -> None:
     assert np.isfinite(float(trained)) and abs(float(trained) - spec.loss) > 1e-6
 
 
+@pytest.mark.slow
 def test_default_model_builds_no_t_by_t_array() -> None:
     """The band is what runs by default: no value in the training step's program has two trailing T axes (the
     ``masked`` model's has them, which shows the check can fail)."""

@@ -68,6 +68,7 @@ def test_first_policy_has_no_sliding_horizons():
     assert [c.name for c in conditions(T, "first")] == ["none", "window", "document"]
 
 
+@pytest.mark.slow  # trains the shared smoke run
 def test_stream_eval_command_writes_a_labelled_table_and_plot(smoke_pcaf_run, tmp_path, capsys):
     base = [f"run_dir={smoke_pcaf_run}", "max_docs=2", "max_doc_tokens=80", "threads=1", "batch=2"]
     assert stream_eval.main(base + [f"out_dir={tmp_path / 'first'}"]) == 0

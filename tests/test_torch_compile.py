@@ -277,6 +277,7 @@ def _device_reads(case, mode: str, precision: str, device: torch.device) -> list
     return reads.reads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["nt", "ar"])
 def test_cuda_step_reads_nothing_back_from_the_device(cuda_code_paths: torch.device, mode: str,

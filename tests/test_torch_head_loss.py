@@ -156,6 +156,7 @@ def test_chunked_holds_no_buffer_of_the_logits_size():
     assert largest["chunked"] <= max(P * C, V * H) * 4, largest
 
 
+@pytest.mark.slow
 def test_chunked_compiles_to_one_graph():
     """Under ``torch.compile`` (``fullgraph``: no graph break) the chunked loss gives the eager values and
     gradients."""

@@ -18,6 +18,7 @@ from pcaf_core.routing import route_context
 ADDR = torch.tensor([[1, 2, 1, 1, 3, 1, 2], [0, 0, 2, 0, 0, 5, 0]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "op, args",
     [
@@ -95,6 +96,7 @@ def _read_context(addresses: torch.Tensor, keys: torch.Tensor, query: torch.Tens
     return (weights[..., None] * cand).sum(dim=(-2, -1))
 
 
+@pytest.mark.slow
 def test_compile_and_autograd_through_gathered_keys() -> None:
     """``torch.compile`` (aot_eager: Dynamo plus AOTAutograd over the fake registrations) gives eager's
     values and gradients; gradients reach exactly the keys that were selected."""

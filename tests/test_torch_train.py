@@ -100,6 +100,7 @@ def test_train_end_to_end_writes_a_complete_record(tmp_path, wt2_cache):
     assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step_*"))] == ["step_10", "step_20"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "variant,profile,mode",
     [

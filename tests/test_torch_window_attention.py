@@ -162,6 +162,7 @@ def test_training_banded_on_cpu_is_refused_in_one_line() -> None:
         net(x, y, "ar").loss.backward()
 
 
+@pytest.mark.slow
 def test_compiled_flex_forward_matches_masked_model() -> None:
     """The one compiled case (inductor's CPU FlexAttention, 6-15 s to compile here): a two-layer global-local
     model in evaluation with ``banded`` gives the ``masked`` model's outputs, and the spec's; a local model with
@@ -187,6 +188,7 @@ def test_compiled_flex_forward_matches_masked_model() -> None:
     np.testing.assert_allclose(out.target_log_prob.numpy(), spec.target_log_prob, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_model_under_torch_compile_trains_like_masked(flex_backward_on_cpu) -> None:
     """``train.compile=on`` compiles the model's forward and backward: the FlexAttention path traces into one graph
     (the compiled ``flex_attention`` and the block-mask cache inline) and gives the masked model's loss and
