@@ -403,6 +403,7 @@ def test_huge_lr_diverges_and_the_last_good_checkpoint_loads(tmp_path):
     assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree_util.tree_leaves(state.params))
 
 
+@pytest.mark.slow
 def test_poisoned_weight_stops_at_that_step_and_resume_continues(tmp_path):
     class Poisoned(JaxBackend):
         def train_step(self, state, inputs, targets, lr):
