@@ -87,15 +87,38 @@ def test_a_launcher_without_the_cluster_extra_is_refused_in_one_line_naming_it(t
 # --------------------------------------------------------------------------- Slurm's sbatch script
 
 
-def _slurm_tools(tmp_path: Path, monkeypatch) -> None:
-    """``srun``/``sbatch`` on PATH, as on a login node: submitit's Slurm executor checks they exist. Never run:
-    nothing is submitted here."""
+def _slurm_tools(tmp_path: Path) -> str:
+    """A ``PATH`` with ``srun``/``sbatch``, as on a login node: the commands and submitit's Slurm executor check that
+    they exist. Never run: nothing is submitted here."""
     tools = tmp_path / "bin"
     tools.mkdir()
     for name in ("srun", "sbatch"):
         (tools / name).write_text("#!/bin/sh\necho 'not a cluster' >&2\nexit 1\n")
         (tools / name).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    return f"{tools}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_every_job_is_validated_before_any_is_submitted_through_either_launcher(tmp_path):
+    out = tmp_path / "out"
+    path = _slurm_tools(tmp_path)
+    for launcher in ("local", "slurm"):
+        res = _run([sys.executable, "-m", "experiments.run", "-m", "experiment=wt2-nt-1024/pcaf_context",
+                    "scale=smoke", "memory.top_k=4,0,-1", f"hydra/launcher={launcher}", f"output_root={out}"],
+                   PATH=path)
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert res.stderr.splitlines() == [
+            "config error: memory.top_k=0 is invalid: K must be >= 1 (job 1: memory.top_k=0)",
+            "config error: memory.top_k=-1 is invalid: K must be >= 1 (job 2: memory.top_k=-1)",
+            "config error: 2 of 3 jobs are invalid; no job was started"]
+        res = _run([sys.executable, "-m", "experiments.reproduce", "--table", "wt2-nt-1024", "--scale", "smoke",
+                    "--rows", "pcaf_context,local_conv", "--launcher", launcher, "--output-root", str(out),
+                    "memory.top_k=0"], PATH=path)
+        assert res.returncode == 2 and res.stderr == "config error: memory.top_k=0 is invalid: K must be >= 1\n"
+        res = _run([sys.executable, "-m", "experiments.reproduce", *TABLE_ARGS, "--launcher", launcher,
+                    "--output-root", str(out), "hydra.launcher.timeout_min=soon"], PATH=path)
+        assert res.returncode == 2 and res.stderr.startswith("config error: hydra.launcher.timeout_min: Value 'soon'")
+        assert res.stderr.count("\n") == 1
+    assert not out.exists()
 
 
 def _sbatch(executor) -> list[str]:
@@ -107,7 +130,7 @@ def test_the_slurm_job_of_a_two_gpu_row_asks_for_two_gpus_on_one_node_and_its_es
     from experiments import cluster, cluster_jobs
     from experiments.reproduce import compose_row
 
-    _slurm_tools(tmp_path, monkeypatch)
+    monkeypatch.setenv("PATH", _slurm_tools(tmp_path))
     (resolved,) = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch", ["backend.world_size=2"])
     settings = cluster.launcher_settings("slurm", ["hydra.launcher.partition=gpu",
                                                    "hydra.launcher.setup=[module load cuda/12.4]"])
@@ -175,6 +198,7 @@ def test_a_sweep_through_the_local_launcher_runs_each_job_in_its_own_process_and
     same = ["memory.top_k", "n_runs", "n_failed", "best_ppl", "final_ppl", "acc_at_best", "full_ppl", "params"]
     assert [[r[k] for k in same] for r in local_rows] == [[r[k] for k in same] for r in basic_rows]
     assert [r["memory.top_k"] for r in local_rows] == ["4", "8", "16"] and {r["n_runs"] for r in local_rows} == {"1"}
+    assert (local_dir / "sweep_memory.top_k.png").stat().st_size > 0
 
     # Each job ran in a process of its own, started by submitit, not in the launching command's process.
     envs = [json.loads(p.read_text()) for p in sorted(local_dir.glob("*/environment.json"))]
