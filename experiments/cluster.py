@@ -124,9 +124,10 @@ def read_step_costs(path: str | Path) -> dict[tuple[str, str, str, str], dict[st
 
 
 def train_seconds(resolved: Any, costs: dict | None) -> tuple[float, str]:
-    """``(seconds, basis)``: the estimated wall time of a run's training and evaluation, before the start-up
-    allowance, and one phrase saying where the figure comes from. A measured step cost counts when its row
-    has the run's T, batch and precision."""
+    """``(seconds, basis)``: a run's estimated wall time before the start-up allowance (its training time times a
+    margin for what that leaves out: evaluation, checkpoints, a step slower than its FLOP count), and one phrase
+    saying where the figure comes from. A measured step cost counts when its row has the run's T, batch and
+    precision; the speed-up of several data-parallel GPUs is not counted."""
     run = resolved.run
     measured = (costs or {}).get((resolved.table, resolved.row, resolved.scale, resolved.backend))
     if measured is not None and (int(measured["T"]), int(measured["batch"]), measured["precision"]) == (
@@ -186,7 +187,8 @@ def row_resources(resolved: Any, kind: str, settings: dict[str, Any], costs: dic
     if mem is None and kind == "slurm":
         mem = host_memory_gb(resolved)
     cap = int(settings["timeout_min"])
-    requeues = int(settings.get("max_num_timeout") or 0)
+    # The local launcher's settings have no max_num_timeout: submitit's default, 3.
+    requeues = int(settings.get("max_num_timeout", 3))
     if kind != "slurm":
         minutes = time_min or cap
         return Resources(gpus, mem, minutes, requeues, "--time-min" if time_min else "hydra.launcher.timeout_min")

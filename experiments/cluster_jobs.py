@@ -38,7 +38,7 @@ from pcaf_core.run_identity import identity_digest
 
 LEDGER = "jobs.json"
 POLL_S = {"local": 1.0, "slurm": 30.0}
-"""How often a waiting command looks at its jobs (Slurm: submitit asks sacct at most this often anyway)."""
+"""Seconds between a waiting command's looks at its jobs (on Slurm a look may ask ``sacct``: not too often)."""
 
 
 class RowJob(submitit.helpers.Checkpointable):

@@ -318,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=0,
                         help="--launcher local: at most this many jobs at once (0: every job at once)")
     parser.add_argument("--time-min", type=int, default=0,
-                        help="--launcher slurm: minutes each job asks for, instead of the estimate")
+                        help="minutes each job may run: on Slurm instead of the estimate, locally instead of "
+                             "hydra.launcher.timeout_min")
     parser.add_argument("--step-cost", default="",
                         help="--launcher slurm: a CSV of make step-cost (--csv) measured on the cluster's device, "
                              "from which each row's time is estimated")
