@@ -11,6 +11,10 @@ q = '$(subst ','\'',$(1))'
 # $(call hydra_str,TEXT): TEXT as a quoted Hydra override value ('a path', its quotes escaped as \').
 hydra_str = '$(subst ',\',$(1))'
 PYTEST_ARGS ?=
+# Optional dependency groups of pyproject.toml installed besides dev, comma-separated: make setup EXTRAS=cluster.
+# Each has its own stamp ($(VENV)/.installed-<extra>), so asking for one that is not installed installs it.
+EXTRAS ?=
+comma := ,
 # glibc malloc keeps freed memory instead of unmapping it: 1.6-1.8x faster CPU training steps, same
 # numbers (experiments/allocator.py explains; its entry points set this themselves when run directly).
 export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295:glibc.malloc.hugetlb=1
@@ -21,8 +25,8 @@ export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=4294967295:glibc.malloc.tri
 -include mk/*.mk
 
 help:
-	@echo "make setup   - create $(VENV) and install the project with dev extras"
-	@echo "make test    - run the whole test suite (runs setup first when $(VENV) is missing)"
+	@echo "make setup   - create $(VENV) and install the project with dev extras (EXTRAS=cluster adds the cluster launchers)"
+	@echo "make test    - run the whole test suite (sets up first, with the cluster extra its launcher tests use)"
 	@echo "make test-fast - the fast tier: no slow and no gpu tests (the edit-test loop)"
 	@echo "make test-hermetic - the fast tier with XLA_FLAGS=...device_count=4, then with OMP_NUM_THREADS=1"
 	@echo "               (times of all three: docs/results/README.md, \"Test suite\")"
@@ -33,6 +37,7 @@ help:
 	@echo "make reproduce-all SCALE=...  - every table"
 	@echo "make step-cost TABLE=<name> SCALE=<scale> [ROWS=<globs>] - per-row step cost and the training time it implies"
 	@echo "make sweep SWEEP_ROW=<table>/<row> SWEEP='memory.top_k=4,8,16,32' SCALE=smoke - Hydra multirun"
+	@echo "    LAUNCHER=local|slurm (reproduce-table, sweep): one job per run, on this machine or a Slurm cluster"
 	@echo "make figures - re-render tables and figures from existing run records"
 	@echo "make params  - paper-scale parameter counts from the instantiated models"
 	@echo "make bench   - the benchmark report docs/results/bench.md (routing vs T, throughput and fraction of peak,"
@@ -48,7 +53,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-setup: $(VENV)/.installed
+# An extra on top of the dev install (EXTRAS, or a target that needs it, e.g. LAUNCHER=...).
+$(VENV)/.installed-%: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[dev,$*]'
+	touch $@
+
+setup: $(VENV)/.installed $(foreach e,$(subst $(comma), ,$(EXTRAS)),$(VENV)/.installed-$(e))
 
 # Two tiers (pytest markers, tests/conftest.py): `make test-fast` leaves out the `slow` and `gpu` tests (the
 # edit-test loop), `make test` runs everything. One pytest worker per core (pytest-xdist), each test file on one
@@ -57,16 +67,16 @@ setup: $(VENV)/.installed
 PYTEST_WORKERS ?= auto
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 .PHONY: test-fast test-hermetic
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(VENV)/.installed-cluster
 	@start=$$SECONDS; $(PYTEST) --durations=25 $(PYTEST_ARGS); code=$$?; \
 	  echo "make test: $$((SECONDS - start)) s wall"; exit $$code
 
-test-fast: $(VENV)/.installed
+test-fast: $(VENV)/.installed $(VENV)/.installed-cluster
 	@start=$$SECONDS; $(PYTEST) -m "not slow and not gpu" --durations=10 $(PYTEST_ARGS); code=$$?; \
 	  echo "make test-fast: $$((SECONDS - start)) s wall"; exit $$code
 
 # The fast tier under the environments a user may have set: several emulated JAX devices, one OpenMP thread.
-test-hermetic: $(VENV)/.installed
+test-hermetic: $(VENV)/.installed $(VENV)/.installed-cluster
 	XLA_FLAGS=--xla_force_host_platform_device_count=4 $(MAKE) --no-print-directory test-fast
 	OMP_NUM_THREADS=1 $(MAKE) --no-print-directory test-fast
 

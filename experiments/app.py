@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import platform
 import re
 import shlex
@@ -310,13 +311,14 @@ def labels(resolved: ResolvedRun) -> dict[str, Any]:
 
 
 def write_run_files(run_dir: Path, resolved: ResolvedRun) -> None:
-    """``config.yaml`` (the resolved Hydra config) and ``environment.json`` (labels, argv, host), atomically: once,
-    when the run is created (nothing rewrites them afterwards)."""
+    """``config.yaml`` (the resolved Hydra config) and ``environment.json`` (labels, argv, host and process id of
+    the process that created the run), atomically: once, when the run is created (nothing rewrites them
+    afterwards)."""
     cfg = config_dict(resolved)
     cfg["run_dir"] = str(run_dir)
     atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(cfg)))
     env = {**labels(resolved), "argv": sys.argv, "platform": platform.platform(), "host": platform.node(),
-           "malloc": allocator.describe()}
+           "pid": os.getpid(), "malloc": allocator.describe()}
     atomic_write_text(run_dir / "environment.json", json.dumps(env, indent=2, default=str))
 
 

@@ -69,7 +69,10 @@ def one_line(exc: BaseException, override: str = "") -> str:
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         key = cause.full_key
         parent = key.rsplit(".", 1)[0] if "." in key else "the config"
-        return (f"{key} is not a setting (unknown key); the keys of {parent} are {', '.join(_schema_keys(key))}: "
+        # Hydra's own settings (hydra.launcher.*) are not in the suite's schema: the node says what it holds.
+        node = getattr(cause, "parent_node", None)
+        keys = [str(k) for k in node.keys()] if key.startswith("hydra.") and node is not None else _schema_keys(key)
+        return (f"{key} is not a setting (unknown key); the keys of {parent} are {', '.join(keys)}: "
                 "fix the spelling or drop the override")
     if isinstance(cause, ValidationError):
         return f"{cause.full_key}: {_first_line(cause.msg)}; give it a value of that type"
@@ -202,7 +205,10 @@ def check_command_line(argv: list[str]) -> int | None:
 
 
 def _check_jobs(overrides: list[str], multirun: bool, config_name: str) -> int | None:
+    from experiments.cluster import check_launcher_overrides
+
     try:
+        check_launcher_overrides(overrides)  # once for the command: a missing extra is not one error per job
         jobs = sweep_jobs(overrides) if multirun else [list(overrides)]
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

@@ -11,6 +11,8 @@ run directory instead, the old one kept as it is. Before Hydra starts, every job
 validated (:mod:`experiments.preflight`): a bad key, type, value or output directory exits 2 with one
 ``config error`` line per bad job, and nothing runs. In a sweep, a job that fails while running is
 recorded as failed and the others go on; the sweep's summary marks it, and the command exits 1.
+``hydra/launcher=local|slurm`` runs each job of a sweep as a submitit job, on this machine or on a Slurm cluster
+(docs/EXPERIMENTS.md, "On a cluster").
 """
 
 from __future__ import annotations

@@ -66,9 +66,14 @@ same second get different directories (every job of one sweep runs in the proces
 
 
 def register() -> None:
-    """Register the schema, the profiles and the ``pcaf_process_token`` resolver (idempotent)."""
+    """Register the schema, the profiles and the ``pcaf_process_token`` and ``pcaf_gpus`` resolvers
+    (idempotent)."""
     if not OmegaConf.has_resolver("pcaf_process_token"):
         OmegaConf.register_new_resolver("pcaf_process_token", lambda: PROCESS_TOKEN)
+    if not OmegaConf.has_resolver("pcaf_gpus"):  # the launchers' GPUs a job (conf/hydra/launcher/*.yaml)
+        from experiments.cluster import gpus_for
+
+        OmegaConf.register_new_resolver("pcaf_gpus", gpus_for)
     cs = ConfigStore.instance()
     cs.store(name="experiment_schema", node=ExperimentConfig)
     for name, prof in PROFILES.items():

@@ -12,6 +12,17 @@ OUTPUTS ?= outputs
 OVERRIDES ?=
 SWEEP_ROW ?= wt2-nt-1024/pcaf_context
 SWEEP ?= memory.top_k=4,8,16,32
+# LAUNCHER=local|slurm: every run as a submitit job (its own process here, or a Slurm job), with the cluster extra
+# installed on demand; JOBS=N: at most N local jobs at once; NO_WAIT=1: submit and return (the same command again
+# collects and renders); STEP_COST=<csv of experiments.step_cost --csv>: Slurm job times from measured steps.
+# Settings: OVERRIDES='hydra.launcher.partition=gpu ...' (docs/EXPERIMENTS.md, "On a cluster").
+LAUNCHER ?=
+JOBS ?=
+NO_WAIT ?=
+STEP_COST ?=
+LAUNCHER_STAMP := $(if $(strip $(LAUNCHER)),$(VENV)/.installed-cluster)
+LAUNCH_ARGS = $(if $(strip $(LAUNCHER)),--launcher $(call q,$(LAUNCHER))) $(if $(strip $(JOBS)),--jobs $(call q,$(JOBS))) \
+  $(if $(strip $(NO_WAIT)),--no-wait) $(if $(strip $(STEP_COST)),--step-cost $(call q,$(STEP_COST)))
 # The tables reproduce-all runs and figures renders (FIGURE_TABLES=wt2-nt-1024 renders one).
 ALL_TABLES := wt2-nt-1024 wt2-nt-2048 wt103-nt-baselines wt103-nt-ablations sweeps-41m main-303m semantic-leak-audit
 FIGURE_TABLES ?= $(ALL_TABLES)
@@ -21,14 +32,14 @@ FIGURE_TABLES ?= $(ALL_TABLES)
 
 # One paper table: run its rows (reusing completed runs), collect, render. The last line printed is
 # the path of the rendered Markdown table.
-reproduce-table: $(VENV)/.installed data
+reproduce-table: $(VENV)/.installed $(LAUNCHER_STAMP) data
 	$(PY) -m experiments.reproduce --table $(call q,$(TABLE)) --scale $(call q,$(SCALE)) --backend $(call q,$(BACKEND)) \
-	  --rows $(call q,$(ROWS)) --output-root $(call q,$(OUTPUTS)) $(OVERRIDES)
+	  --rows $(call q,$(ROWS)) --output-root $(call q,$(OUTPUTS)) $(LAUNCH_ARGS) $(OVERRIDES)
 
-reproduce-all: $(VENV)/.installed data
+reproduce-all: $(VENV)/.installed $(LAUNCHER_STAMP) data
 	@for t in $(ALL_TABLES); do \
 	  $(PY) -m experiments.reproduce --table $$t --scale $(call q,$(SCALE)) --backend $(call q,$(BACKEND)) \
-	    --output-root $(call q,$(OUTPUTS)) $(OVERRIDES) || exit $$?; \
+	    --output-root $(call q,$(OUTPUTS)) $(LAUNCH_ARGS) $(OVERRIDES) || exit $$?; \
 	done
 
 # Per-row step cost of a table at a scale (the row's own shapes and text, a few timed steps): what a scale's
@@ -39,9 +50,10 @@ step-cost: $(VENV)/.installed data
 
 # A Hydra multirun sweep over one row; ends in one table and one plot in the sweep directory, under
 # $(OUTPUTS)/multirun/ (a sweep job is never taken for its row's run: docs/EXPERIMENTS.md, "Run identity").
-sweep: $(VENV)/.installed data
+sweep: $(VENV)/.installed $(LAUNCHER_STAMP) data
 	$(PY) -m experiments.run -m experiment=$(call q,$(SWEEP_ROW)) scale=$(call q,$(SCALE)) backend=$(call q,$(BACKEND)) \
-	  $(call q,output_root=$(call hydra_str,$(OUTPUTS))) $(SWEEP) $(OVERRIDES)
+	  $(call q,output_root=$(call hydra_str,$(OUTPUTS))) $(if $(strip $(LAUNCHER)),hydra/launcher=$(call q,$(LAUNCHER))) \
+	  $(if $(strip $(JOBS)),hydra.sweeper.max_batch_size=$(call q,$(JOBS))) $(SWEEP) $(OVERRIDES)
 
 # Re-render every table and figure from the run records already under $(OUTPUTS) (each row from its own runs,
 # chosen by identity; sweep jobs are listed, not rendered as rows).

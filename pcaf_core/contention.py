@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 TRAINING_MODULES = ("experiments.run", "experiments.reproduce", "experiments.step_cost", "backends.torch.train",
-                    "backends.torch.train_ddp", "backends.jax.train")
+                    "backends.torch.train_ddp", "backends.jax.train",
+                    "submitit.core._submit")  # a sweep's or table's job (docs/EXPERIMENTS.md, "On a cluster")
 SAMPLE_EVERY_S = 20.0
 MAX_LISTED = 5
 

@@ -1,0 +1,222 @@
+"""A table's runs as submitit jobs: ``python -m experiments.reproduce ... --launcher local|slurm``.
+
+One job per run (per seed entry of a multi-seed row). A job runs :func:`experiments.reproduce.run_planned`, the
+code path of the serial command, in its own process: on this machine (submitit's local executor) or on a Slurm
+node, asking for the resources :func:`experiments.cluster.row_resources` states. Run identity, locks and records
+therefore behave as without jobs: a completed run is reused (no job is submitted for it), a stopped one is
+resumed from its last checkpoint, a run another process is training is waited for.
+
+Jobs live under ``<output root>/jobs/<table>/<scale>/<backend>/``: ``<job id>/`` holds submitit's files (the
+pickled call, ``<job id>_0_log.out`` / ``.err``, the result) and the sbatch script; ``jobs.json`` records which job
+was submitted for which run identity, so that the same command run again while the jobs are queued or running
+waits for them instead of submitting them twice (``--no-wait`` submits and returns; the command run again after
+the jobs ended collects the runs and renders the table). A job that ends without finishing its run (killed, out
+of memory, a node failure) is reported with its log; the same command run again submits the run again, and the
+job resumes it from its last checkpoint. A job preempted or signalled at its time limit is requeued by
+submitit (:class:`RowJob` is checkpointable) and continues the run it claimed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import submitit
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+from experiments import app, cluster
+from pcaf_core.fsutil import atomic_write_text, file_lock
+from pcaf_core.loop import RunInterrupted
+from pcaf_core.run_identity import identity_digest
+
+LEDGER = "jobs.json"
+POLL_S = {"local": 1.0, "slurm": 30.0}
+"""Seconds between a waiting command's looks at its jobs (on Slurm a look may ask ``sacct``: not too often)."""
+
+
+class RowJob(submitit.helpers.Checkpointable):
+    """One run of a table as a job: :func:`experiments.reproduce.run_planned` in the job's process, returning its
+    :class:`~experiments.reproduce.Outcome` as a dict.
+
+    Checkpointable: a job signalled at its time limit or preempted is requeued by submitit with this object as it
+    is then (:meth:`checkpoint`), so the requeued job continues the directory it claimed, from the run's last
+    checkpoint, instead of choosing again (with ``--fresh`` it would start yet another run)."""
+
+    def __init__(self) -> None:
+        self.run_dir: str | None = None
+
+    def __call__(self, resolved: app.ResolvedRun, root: str, fresh: bool, restart_damaged: bool) -> dict[str, Any]:
+        from experiments.reproduce import Outcome, interrupted_line, run_planned
+
+        def claimed(run_dir: Path) -> None:
+            self.run_dir = str(run_dir)
+
+        try:
+            outcome = run_planned(resolved, Path(root), fresh=fresh, restart_damaged=restart_damaged,
+                                  say=lambda line: print(line, flush=True),
+                                  run_dir=Path(self.run_dir) if self.run_dir else None, on_claim=claimed)
+        except (KeyboardInterrupt, RunInterrupted):
+            outcome = Outcome("interrupted", self.run_dir, interrupted_line(self.run_dir))
+        print(outcome.line, flush=True)
+        return dataclasses.asdict(outcome)
+
+
+def job_parameters(kind: str, settings: dict[str, Any], resources: cluster.Resources, name: str) -> dict[str, Any]:
+    """The submitit executor parameters of one job: the launcher ``settings`` with the run's resources, named as
+    Hydra's submitit plugin names them (its shared keys as they are, the others prefixed by the executor). A
+    table's job is one task on one node."""
+    shared = {f.name for f in dataclasses.fields(BaseQueueConf)}
+    values = {**settings, "name": name, "gpus_per_node": resources.gpus, "timeout_min": resources.timeout_min,
+              "mem_gb": resources.mem_gb, "tasks_per_node": 1, "nodes": 1}
+    skip = {"_target_", "submitit_folder", "max_num_timeout"}
+    return {(k if k in shared else f"{kind}_{k}"): v for k, v in values.items() if k not in skip and v is not None}
+
+
+def make_executor(kind: str, folder: Path, settings: dict[str, Any], resources: cluster.Resources,
+                  name: str) -> submitit.AutoExecutor:
+    """The executor that submits one job (``kind``: ``local`` or ``slurm``) into ``folder/<job id>/``."""
+    executor = submitit.AutoExecutor(folder=folder / "%j", cluster=kind,
+                                     **{f"{kind}_max_num_timeout": resources.requeues})
+    executor.update_parameters(**job_parameters(kind, settings, resources, name))
+    return executor
+
+
+def job_name(resolved: app.ResolvedRun) -> str:
+    return f"pcaf-{resolved.table}-{resolved.row}-seed{resolved.run.train.seed}"
+
+
+# --------------------------------------------------------------------------- the ledger: run identity -> job
+
+
+def _read_ledger(folder: Path) -> dict[str, dict[str, Any]]:
+    try:
+        return json.loads((folder / LEDGER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _record_job(folder: Path, key: str, entry: dict[str, Any]) -> None:
+    """Add one job to ``jobs.json`` (under a lock: two commands of one table may submit side by side)."""
+    with file_lock(folder / ".jobs.lock"):
+        ledger = _read_ledger(folder)
+        ledger[key] = entry
+        atomic_write_text(folder / LEDGER, json.dumps(ledger, indent=2, sort_keys=True))
+
+
+def _local_alive(job_id: str) -> bool:
+    """Whether a local job another command started still runs: its id is its controller's process id, which
+    submitit cannot poll from another process."""
+    pid = int(job_id)
+    try:
+        os.kill(pid, 0)
+        return "submitit" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except ProcessLookupError:
+        return False
+    except OSError:  # no /proc (not Linux) or no permission: the process exists
+        return True
+
+
+def _earlier_job(folder: Path, entry: dict[str, Any]) -> submitit.Job | None:
+    """The job an earlier command submitted, when it is still queued or running; else None."""
+    if entry["cluster"] == "slurm":
+        job = submitit.SlurmJob(folder=folder / "%j", job_id=entry["job_id"])
+        return None if job.done(force_check=True) else job
+    return submitit.LocalJob(folder=folder / "%j", job_id=entry["job_id"]) if _local_alive(entry["job_id"]) else None
+
+
+def _finished(job: submitit.Job, earlier: bool) -> bool:
+    if earlier and isinstance(job, submitit.LocalJob):
+        return not _local_alive(job.job_id)
+    return job.done()
+
+
+def _outcome(job: submitit.Job) -> dict[str, Any]:
+    try:
+        return job.result()
+    except Exception as exc:  # noqa: BLE001 - the job died (killed, out of memory) or raised: reported, not lost
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        return {"status": "lost", "run_dir": None,
+                "line": f"job {job.job_id} ended without finishing its run ({first[:300]}); its log: "
+                        f"{job.paths.stdout} and {job.paths.stderr}; run the same command again to resume the run "
+                        "from its last checkpoint"}
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def run_jobs(plan: list, args: argparse.Namespace, root: Path, settings: dict[str, Any]) -> list | int:
+    """Submit a job for every run of ``plan`` that is neither complete nor already queued or running as a job,
+    then wait for the jobs: ``(tag, outcome)`` per run in the plan's order. Returns 0 instead when the command
+    returns without waiting (``--no-wait``) and jobs remain, 130 when Ctrl-C stopped the waiting (the jobs go
+    on)."""
+    from experiments.reproduce import Outcome, completed_run, report, run_tag
+
+    kind = args.launcher
+    folder = root / "jobs" / args.table / args.scale / args.backend
+    folder.mkdir(parents=True, exist_ok=True)
+    costs = cluster.read_step_costs(args.step_cost) if args.step_cost else None
+    ledger = _read_ledger(folder)
+    runs = [(run_tag(i + 1, sum(len(r) for _, r in plan), args.table, row, resolved), resolved)
+            for i, (row, resolved) in enumerate((row, r) for row, rs in plan for r in rs)]
+    outcomes: dict[int, Outcome] = {}
+    active: list[tuple[int, submitit.Job, bool]] = []  # (index, job, submitted by an earlier command)
+    queue: list[int] = []
+    for i, (tag, resolved) in enumerate(runs):
+        done = None if args.fresh else completed_run(resolved, root)
+        if done is not None:
+            print(f"{tag}: reusing completed run {done}", flush=True)
+            outcomes[i] = Outcome("reused", str(done), f"reusing completed run {done}")
+            continue
+        entry = ledger.get(identity_digest(app.config_dict(resolved)))
+        job = _earlier_job(folder, entry) if entry and entry["cluster"] == kind else None
+        if job is not None:
+            print(f"{tag}: job {job.job_id} (submitted {entry['submitted']}) is still queued or running; "
+                  f"its log: {job.paths.stdout}", flush=True)
+            active.append((i, job, True))
+        else:
+            queue.append(i)
+
+    def submit(i: int) -> None:
+        tag, resolved = runs[i]
+        resources = cluster.row_resources(resolved, kind, settings, costs, args.time_min)
+        executor = make_executor(kind, folder, settings, resources, job_name(resolved))
+        job = executor.submit(RowJob(), resolved, str(root), args.fresh, args.restart_damaged)
+        _record_job(folder, identity_digest(app.config_dict(resolved)),
+                    {"cluster": kind, "job_id": job.job_id, "table": resolved.table, "row": resolved.row,
+                     "seed": resolved.run.train.seed, "submitted": datetime.now(UTC).isoformat(timespec="seconds")})
+        print(f"{tag}: submitted job {job.job_id}: {resources.text()}; its log: {job.paths.stdout}", flush=True)
+        active.append((i, job, False))
+
+    limit = args.jobs or len(runs)
+    while queue and len(active) < limit:
+        submit(queue.pop(0))
+    if args.no_wait and active:
+        print(f"[{args.table} scale={args.scale} backend={args.backend}] {len(active)} job(s) queued or running "
+              f"(jobs: {folder}); run the same command again after they end to collect the runs and render the table",
+              flush=True)
+        return 0
+    try:
+        while active:
+            for item in [a for a in active if _finished(a[1], a[2])]:
+                active.remove(item)
+                i, job, _ = item
+                outcomes[i] = Outcome(**_outcome(job))
+                report(runs[i][0], i + 1, len(runs), outcomes[i])
+                if queue:
+                    submit(queue.pop(0))
+            if active:
+                time.sleep(POLL_S[kind])
+    except KeyboardInterrupt:
+        print(f"interrupted while waiting for {len(active)} job(s) (jobs: {folder}; Slurm jobs go on, local ones got "
+              "the Ctrl-C too); run the same command again to wait for them or resume their runs", file=sys.stderr,
+              flush=True)
+        return 130
+    return [(runs[i][0], outcomes[i]) for i in sorted(outcomes)]
+

@@ -1,0 +1,257 @@
+"""Sweeps and tables as submitit jobs (docs/EXPERIMENTS.md, "On a cluster"), with the real executor: submitit's
+local executor runs every job as its own process here, so the cluster path is tested for real; Slurm is not on
+this machine, so its jobs are checked through the sbatch script submitit would submit.
+
+Faults inside job processes come from ``tests/fixtures/site/sitecustomize.py`` (on ``PYTHONPATH``, inherited by
+every process a job starts): a one-time hold at a training step, or modules made unimportable.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments.allocator import TUNABLES
+from pcaf_core.results import read_curve, read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+SITE = REPO / "tests" / "fixtures" / "site"
+# One row, 8 steps, a checkpoint every 2 steps, no full-split pass: a few seconds a job.
+TABLE_ARGS = ["--table", "wt2-nt-1024", "--scale", "smoke", "--rows", "pcaf_context", "--no-render",
+              "train.steps=8", "train.checkpoint_every=2", "eval.protocol=reference"]
+SWEEP = ["experiment=wt2-nt-1024/pcaf_context", "scale=smoke", "memory.top_k=4,8,16"]
+CLUSTER_MODULES = "submitit,hydra_plugins.hydra_submitit_launcher"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    # One intra-op thread in every process: the two launchers' runs must compute the same numbers.
+    path = os.pathsep.join([str(SITE), str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {**os.environ, "PCAF_NO_PROGRESS": "1", "GLIBC_TUNABLES": TUNABLES, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": path, **extra}
+
+
+def _run(cmd: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=_env(**env), timeout=timeout)
+
+
+def _wait_for(check, what: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}; output:\n{log.read_text()[-3000:]}")
+
+
+def _holder_pid(run_dir: Path) -> int:
+    """The process training ``run_dir``: its lock file names it."""
+    return int(json.loads((run_dir / ".lock").read_text())["pid"])
+
+
+def _parent_command(pid: int) -> str:
+    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return Path(f"/proc/{ppid}/cmdline").read_text().replace("\0", " ")
+
+
+# --------------------------------------------------------------------------- without the extra, without Slurm
+
+
+def test_a_launcher_without_the_cluster_extra_is_refused_in_one_line_naming_it(tmp_path):
+    out = tmp_path / "out"
+    commands = [
+        [sys.executable, "-m", "experiments.reproduce", *TABLE_ARGS, "--launcher", "slurm", "--output-root", str(out)],
+        [sys.executable, "-m", "experiments.run", "-m", *SWEEP, "hydra/launcher=slurm", f"output_root={out}"],
+        [sys.executable, "-m", "experiments.run", "-m", *SWEEP, "hydra/launcher=submitit_local", f"output_root={out}"],
+    ]
+    for cmd in commands:
+        res = _run(cmd, PCAF_SITE_BLOCK=CLUSTER_MODULES)
+        assert res.returncode == 2, res.stdout + res.stderr
+        (line,) = res.stderr.splitlines()
+        assert line.startswith("config error: ") and "needs the cluster extra" in line, line
+        assert "pip install -e '.[cluster]' (or make setup EXTRAS=cluster)" in line
+    assert not out.exists()
+    # With the extra, Slurm's absence is the next thing said, as one line.
+    res = _run(commands[0])
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "sbatch, which is not on PATH" in res.stderr
+
+
+# --------------------------------------------------------------------------- Slurm's sbatch script
+
+
+def _slurm_tools(tmp_path: Path) -> str:
+    """A ``PATH`` with ``srun``/``sbatch``, as on a login node: the commands and submitit's Slurm executor check that
+    they exist. Never run: nothing is submitted here."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in ("srun", "sbatch"):
+        (tools / name).write_text("#!/bin/sh\necho 'not a cluster' >&2\nexit 1\n")
+        (tools / name).chmod(0o755)
+    return f"{tools}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_every_job_is_validated_before_any_is_submitted_through_either_launcher(tmp_path):
+    out = tmp_path / "out"
+    path = _slurm_tools(tmp_path)
+    for launcher in ("local", "slurm"):
+        res = _run([sys.executable, "-m", "experiments.run", "-m", "experiment=wt2-nt-1024/pcaf_context",
+                    "scale=smoke", "memory.top_k=4,0,-1", f"hydra/launcher={launcher}", f"output_root={out}"],
+                   PATH=path)
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert res.stderr.splitlines() == [
+            "config error: memory.top_k=0 is invalid: K must be >= 1 (job 1: memory.top_k=0)",
+            "config error: memory.top_k=-1 is invalid: K must be >= 1 (job 2: memory.top_k=-1)",
+            "config error: 2 of 3 jobs are invalid; no job was started"]
+        res = _run([sys.executable, "-m", "experiments.reproduce", "--table", "wt2-nt-1024", "--scale", "smoke",
+                    "--rows", "pcaf_context,local_conv", "--launcher", launcher, "--output-root", str(out),
+                    "memory.top_k=0"], PATH=path)
+        assert res.returncode == 2 and res.stderr == "config error: memory.top_k=0 is invalid: K must be >= 1\n"
+        res = _run([sys.executable, "-m", "experiments.reproduce", *TABLE_ARGS, "--launcher", launcher,
+                    "--output-root", str(out), "hydra.launcher.timeout_min=soon"], PATH=path)
+        assert res.returncode == 2 and res.stderr.startswith("config error: hydra.launcher.timeout_min: Value 'soon'")
+        assert res.stderr.count("\n") == 1
+    assert not out.exists()
+
+
+def _sbatch(executor) -> list[str]:
+    slurm = executor._executor
+    return slurm._make_submission_file_text(slurm._submitit_command_str, "uid").splitlines()
+
+
+def test_the_slurm_job_of_a_two_gpu_row_asks_for_two_gpus_on_one_node_and_its_estimated_time(tmp_path, monkeypatch):
+    from experiments import cluster, cluster_jobs
+    from experiments.reproduce import compose_row
+
+    monkeypatch.setenv("PATH", _slurm_tools(tmp_path))
+    (resolved,) = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch", ["backend.world_size=2"])
+    settings = cluster.launcher_settings("slurm", ["hydra.launcher.partition=gpu",
+                                                   "hydra.launcher.setup=[module load cuda/12.4]"])
+    run = resolved.run
+    costs_csv = tmp_path / "step_cost.csv"
+    with costs_csv.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=["table", "row", "scale", "backend", "T", "batch", "precision",
+                                                "step_ms", "device"])
+        writer.writeheader()
+        writer.writerow({"table": "wt2-nt-1024", "row": "pcaf_context", "scale": "smoke", "backend": "torch",
+                         "T": run.train.seq_len, "batch": run.train.batch_size, "precision": run.train.precision,
+                         "step_ms": 90_000, "device": "NVIDIA H100 80GB HBM3"})
+    resources = cluster.row_resources(resolved, "slurm", settings, cluster.read_step_costs(costs_csv))
+    # 90 s a step, measured, x 2 for what the step cost leaves out, plus the start-up allowance.
+    minutes = cluster.START_MINUTES + run.train.steps * 90 * 2 // 60
+    assert (resources.gpus, resources.timeout_min) == (2, minutes)
+    assert "measured on NVIDIA H100 80GB HBM3" in resources.basis
+    executor = cluster_jobs.make_executor("slurm", tmp_path / "jobs", settings, resources,
+                                          cluster_jobs.job_name(resolved))
+    lines = _sbatch(executor)
+    flags = {line for line in lines if line.startswith("#SBATCH")}
+    for flag in ("--gpus-per-node=2", "--ntasks-per-node=1", "--nodes=1", f"--time={minutes}",
+                 f"--mem={cluster.host_memory_gb(resolved)}GB", "--partition=gpu", "--signal=USR2@120",
+                 "--job-name=pcaf-wt2-nt-1024-pcaf_context-seed1234",
+                 f"--output={tmp_path}/jobs/%j/%j_0_log.out"):
+        assert f"#SBATCH {flag}" in flags, (flag, lines)
+    assert cluster.host_memory_gb(resolved) == 17  # two DDP processes of 8 GB and a 13M-parameter model's state
+    assert lines.index("module load cuda/12.4") < next(i for i, line in enumerate(lines) if line.startswith("srun"))
+
+    # A paper-scale row without a measured step: the FLOP-based figure, longer than a job may ask for, so the job
+    # asks for the partition's limit and is requeued (resuming from its checkpoint) often enough to finish.
+    (paper,) = compose_row("main-303m", "pcaf_context_wt103_t1024", "paper", "torch", [])
+    long = cluster.row_resources(paper, "slurm", settings)
+    total = cluster.START_MINUTES + cluster.train_seconds(paper, None)[0] / 60
+    assert "no measured step cost: analytic FLOPs at 48 TFLOP/s x 10" in long.basis
+    assert long.timeout_min == 2880 and long.requeues >= total / 2880 > 3
+    executor = cluster_jobs.make_executor("slurm", tmp_path / "jobs", settings, long, cluster_jobs.job_name(paper))
+    assert executor._executor.max_num_timeout == long.requeues
+    assert "#SBATCH --time=2880" in _sbatch(executor) and "#SBATCH --gpus-per-node=1" in _sbatch(executor)
+
+
+# --------------------------------------------------------------------------- sweeps through submitit_local
+
+
+def _sweep_table(out: Path) -> tuple[Path, list[dict[str, str]]]:
+    (sweep_dir,) = (out / "multirun").iterdir()
+    with (sweep_dir / "sweep_memory.top_k.csv").open() as fh:
+        return sweep_dir, list(csv.DictReader(fh))
+
+
+@pytest.mark.slow
+def test_a_sweep_through_the_local_launcher_runs_each_job_in_its_own_process_and_summarises_as_the_basic_one(
+        tmp_path):
+    cmd = [sys.executable, "-m", "experiments.run", "-m", *SWEEP]
+    basic = _run([*cmd, f"output_root={tmp_path / 'basic'}"])
+    assert basic.returncode == 0, basic.stderr[-3000:]
+    local = subprocess.Popen([*cmd, f"output_root={tmp_path / 'local'}", "hydra/launcher=local",
+                              "hydra.sweeper.max_batch_size=2"], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=_env())
+    stdout, stderr = local.communicate(timeout=300)
+    assert local.returncode == 0, stderr[-3000:]
+
+    basic_dir, basic_rows = _sweep_table(tmp_path / "basic")
+    local_dir, local_rows = _sweep_table(tmp_path / "local")
+    same = ["memory.top_k", "n_runs", "n_failed", "best_ppl", "final_ppl", "acc_at_best", "full_ppl", "params"]
+    assert [[r[k] for k in same] for r in local_rows] == [[r[k] for k in same] for r in basic_rows]
+    assert [r["memory.top_k"] for r in local_rows] == ["4", "8", "16"] and {r["n_runs"] for r in local_rows} == {"1"}
+    assert (local_dir / "sweep_memory.top_k.png").stat().st_size > 0
+
+    # Each job ran in a process of its own, started by submitit, not in the launching command's process.
+    envs = [json.loads(p.read_text()) for p in sorted(local_dir.glob("*/environment.json"))]
+    pids = {env["pid"] for env in envs}
+    assert len(envs) == 3 and len(pids) == 3 and local.pid not in pids
+    assert all(env["argv"][0].endswith(os.path.join("submitit", "core", "_submit.py")) for env in envs)
+    assert len({p.name for p in (local_dir / ".submitit").iterdir()} - {"%j"}) == 3
+    # The summary callback ran once, in the launching process; the jobs' logs do not have it.
+    assert stdout.count(f"sweep output: {local_dir}/sweep_memory.top_k.md") == 1
+    assert not any("sweep output" in p.read_text() for p in (local_dir / ".submitit").glob("*/*_log.out"))
+    assert {p.name for p in basic_dir.glob("0*")} == {p.name for p in local_dir.glob("0*")}
+
+
+# --------------------------------------------------------------------------- a table's jobs: killed, preempted
+
+
+@pytest.mark.slow
+def test_a_table_job_killed_is_resubmitted_by_the_same_command_and_a_preempted_one_requeued_both_resuming(tmp_path):
+    """The job training the row is SIGKILLed at step 3 (after the step-2 checkpoint): the command reports it and
+    exits 1; the same command again submits the run again and its job resumes from step 2. That job is preempted
+    at step 5 (submitit's signal, SIGUSR2): submitit requeues it (RowJob.checkpoint) and it resumes from step 4 in
+    the same directory. One run directory, no step trained twice past a checkpoint."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "experiments.reproduce", *TABLE_ARGS, "--launcher", "local", "--output-root", str(out)]
+    runs = out / "wt2-nt-1024" / "smoke" / "torch" / "pcaf_context"
+
+    logs = {n: tmp_path / f"{n}.log" for n in ("first", "again")}
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=logs["first"].open("w"), stderr=subprocess.STDOUT, text=True,
+                             env=_env(PCAF_SITE_HOLD_AT_STEP="3", PCAF_SITE_HOLD_MARKER=str(tmp_path / "3.held")))
+    _wait_for(lambda: (tmp_path / "3.held").exists(), "the job to reach step 3", first, logs["first"])
+    (run_dir,) = runs.iterdir()
+    job_pid = _holder_pid(run_dir)
+    assert job_pid != first.pid and "submitit.local._local" in _parent_command(job_pid)
+    os.kill(job_pid, signal.SIGKILL)
+    assert first.wait(120) == 1, logs["first"].read_text()[-3000:]
+    text = logs["first"].read_text()
+    assert re.search(r"job \d+ ended without finishing its run \(.*\); its log: .*; run the same command again to "
+                     r"resume the run from its last checkpoint", text), text[-3000:]
+    assert "1 failed of 1 runs" in text and read_metrics(run_dir).status == "running"
+
+    again = subprocess.Popen(cmd, cwd=REPO, stdout=logs["again"].open("w"), stderr=subprocess.STDOUT, text=True,
+                             env=_env(PCAF_SITE_HOLD_AT_STEP="5", PCAF_SITE_HOLD_MARKER=str(tmp_path / "5.held")))
+    _wait_for(lambda: (tmp_path / "5.held").exists(), "the resubmitted job to reach step 5", again, logs["again"])
+    job_log = Path(re.search(r"submitted job \d+: .*; its log: (\S+)", logs["again"].read_text()).group(1))
+    assert f"resuming {run_dir} from step 2" in job_log.read_text()
+    os.kill(_holder_pid(run_dir), signal.SIGUSR2)  # what Slurm sends before preempting or timing out a job
+    assert again.wait(120) == 0, logs["again"].read_text()[-3000:]
+
+    assert list(runs.iterdir()) == [run_dir]
+    log = job_log.read_text()
+    assert "Requeued job" in log and f"resuming {run_dir} from step 4" in log
+    rec = read_metrics(run_dir)
+    assert rec.status == "completed" and rec.steps_done == 8 and rec.extra["segments"] == 3
+    assert [r["step"] for r in read_curve(run_dir)] == [1, 2, 4, 6, 8]
+    assert json.loads((run_dir / "environment.json").read_text())["pid"] == job_pid  # made by the killed job
+    assert "[1/1] [wt2-nt-1024/pcaf_context scale=smoke backend=torch" in logs["again"].read_text()
