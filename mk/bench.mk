@@ -59,7 +59,7 @@ bench-train-step: $(VENV)/.installed
 	$(PY) -m benchmarks.bench_train_step --out bench/train_step.csv
 
 # The head loss in one tile against tiles (train.head_loss), torch and JAX, the head alone and whole cpu-scale
-# full-AR training steps (about 3 minutes on a 2-core EPYC; docs/BACKENDS.md, "Chunked head loss").
+# full-AR training steps (about 3 minutes on a 2-core EPYC; docs/KERNELS.md, "Chunked head loss").
 bench-head-loss: $(VENV)/.installed
 	$(PY) -m benchmarks.bench_head_loss --out bench/head_loss.csv --rounds 9 --chunks 1024x8192,256x2048
 	$(PY) -m benchmarks.bench_head_loss --out bench/head_loss_steps.csv --rounds 9 --train-steps

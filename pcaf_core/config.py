@@ -28,7 +28,7 @@ TRANSFORMER_VARIANTS = ("transformer_dense", "transformer_local", "transformer_g
 WINDOWED_VARIANTS = ("transformer_local", "transformer_global_local")  # softmax attention over a window
 # How a backend computes windowed attention (model.attention_impl): banded = only the key blocks within the
 # window (torch: FlexAttention with a block mask; JAX: a blocked band of GEMMs); masked = every [T, T] score
-# under the mask; auto = the backend's choice per device (docs/BACKENDS.md, "Windowed attention").
+# under the mask; auto = the backend's choice per device (docs/KERNELS.md, "Windowed attention").
 ATTENTION_IMPLS = ("auto", "banded", "masked")
 ROUTES = ("context", "semantic", "hybrid")
 SEMANTIC_INDEXES = ("dense", "bucketed")
@@ -367,7 +367,7 @@ class RunConfig:
 
 HEAD_LOSS_AUTO_LOGITS = 2**28
 """``train.head_loss=auto`` trains through tiles when one step's ``[N, V]`` logits on one device would hold more
-elements than this (1 GiB in float32), and in one tile otherwise (docs/BACKENDS.md, "Chunked head loss")."""
+elements than this (1 GiB in float32), and in one tile otherwise (docs/KERNELS.md, "Chunked head loss")."""
 
 
 def head_loss_chunks(cfg: RunConfig, parts: int = 1) -> tuple[int, int] | None:

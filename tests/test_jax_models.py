@@ -209,7 +209,7 @@ def test_affine_vjp_matches_autodiff_of_the_plain_product(dtype) -> None:
 def test_conv_and_layernorm_per_feature_parameters_broadcast_in_one_step(batch, layer) -> None:
     """CausalConv and LayerNorm give the values and gradients of the NumPy-broadcast formulas, and each
     per-feature parameter's gradient is one sum over every leading axis (``expand_param``): the form whose
-    backward XLA:CPU runs fast at batch 1 (docs/BACKENDS.md)."""
+    backward XLA:CPU runs fast at batch 1 (docs/JAX.md, "Step cost on a CPU")."""
     from backends.jax.layers import CausalConv, LayerNorm, expand_param
 
     rng = np.random.default_rng(5)

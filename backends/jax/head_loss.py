@@ -4,7 +4,7 @@ The one-tile form is :meth:`backends.jax.layers.Head.target_log_prob`'s ``logit_
 the whole ``[N, V]`` logits. :func:`chunked_target_log_softmax` computes the same values without any
 ``[N, V]`` array: ``[P, C]`` logit tiles (``lax.map`` over position chunks, ``lax.scan`` over vocabulary
 chunks), an online log-sum-exp per row, and a custom VJP that recomputes each tile in the backward pass and
-accumulates the head's gradients tile by tile, the weight's in place. docs/BACKENDS.md ("Chunked head
+accumulates the head's gradients tile by tile, the weight's in place. docs/KERNELS.md ("Chunked head
 loss") has the algorithm and its cost.
 
 Operands follow :class:`backends.jax.layers.Dense`: ``z`` and ``w`` in the compute dtype, ``b`` in the wide

@@ -81,8 +81,8 @@ def expand_param(p: jax.Array, x: jax.Array) -> jax.Array:
     Same values as NumPy-style broadcasting (``p * x``), which reshapes ``p`` to ``[1, 1, d]`` first: the
     gradient of that form is a sum over the time axis alone that keeps a unit batch axis, and XLA:CPU's YNN
     reduction runs it 10x slower at batch 1 (15.1 against 1.2 ms for the conv's forward and backward at
-    ``[1, 2048, 224]``; docs/BACKENDS.md). A direct ``broadcast_in_dim`` transposes to one sum over every
-    leading axis.
+    ``[1, 2048, 224]``; docs/results/design_measurements.md, "JAX training step on a CPU"). A direct
+    ``broadcast_in_dim`` transposes to one sum over every leading axis.
     """
     return jnp.broadcast_to(p, x.shape)
 

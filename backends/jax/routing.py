@@ -9,7 +9,8 @@ All shapes are static: ``top_k``, ``policy``, ``strategy``, ``sparse_window``, `
 ``target_leak`` are Python values, the sequence length and the number of queries come from the array
 shapes, so every function traces once under ``jax.jit``. ``rho`` may be a traced scalar (a parameter).
 
-How the context route avoids T×T arrays (docs/BACKENDS.md gives the argument in full):
+How the context route avoids T×T arrays (docs/KERNELS.md, "`topk_score` without T×T, and why it is exact",
+gives the argument in full; docs/JAX.md, "Routing with static shapes", the JAX form):
 
 * One stable sort per sequence by ``(address, position)`` lays every sequence out bucket by bucket,
   positions ascending inside a bucket (:func:`bucket_layout`). A query's earlier same-bucket records

@@ -6,7 +6,7 @@ is multiplied by its own key block and the ``c = ceil((w-1)/b)`` blocks before i
 query of the block, one batched GEMM), plus the g global keys for global-local. The scores of one block are
 ``[b, (c+1)·b + g]``, so the work is ``O(T·(w + b + g))`` instead of ``O(T²)``; the same idea as the routing's
 banded products (:func:`backends.jax.ops.banded_dot`) and the torch backend's FlexAttention block mask
-(:mod:`backends.torch.window_attention`). This is ``model.attention_impl=banded`` (docs/BACKENDS.md,
+(:mod:`backends.torch.window_attention`). This is ``model.attention_impl=banded`` (docs/KERNELS.md,
 "Windowed attention").
 
 A global key that also lies in the window is read in the band and masked among the global columns, so no pair

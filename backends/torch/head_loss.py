@@ -16,15 +16,15 @@ normaliser:
 
 On this project's 2-core CPU the three output products are about 80% of a full-AR step; of the rest, the
 backward pass's ``[N, V]`` traffic drops from five passes (a multiply that reads and writes, the bias sum, the
-two products) to three, and the ``[N, V]`` gradient buffer is gone (the step and memory figures are in
-docs/BACKENDS.md, "Step cost on a CPU").
+two products) to three, and the ``[N, V]`` gradient buffer is gone (docs/TRAINING.md, "Step cost on a CPU"; the
+step and memory figures are in docs/results/design_measurements.md, "The head read at the targets only").
 
 The arithmetic is :meth:`backends.torch.layers.Head.forward`'s: logits in the matmul dtype (bf16 under
 autocast), normaliser and target logit in float32 (float64 stays float64), so both paths agree to float
 rounding (tests/test_torch_head_loss.py).
 
 :func:`chunked_target_log_softmax` computes the same without any ``[N, V]`` tensor, in logit tiles recomputed
-by the backward pass (``train.head_loss``; docs/BACKENDS.md, "Chunked head loss").
+by the backward pass (``train.head_loss``; docs/KERNELS.md, "Chunked head loss").
 """
 
 from __future__ import annotations

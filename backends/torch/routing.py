@@ -5,7 +5,8 @@ bool, in the spec's slot order: ``topk_score`` by descending score with ties to 
 ``recent`` most recent first, ``first`` earliest first, dense semantic by descending
 ``m + 1e-4·ρ·r`` with ties to the lower index, empty slots last.
 
-How the context route avoids T×T tensors (docs/BACKENDS.md gives the argument in full):
+How the context route avoids T×T tensors (docs/KERNELS.md, "Sparse context routing" and "`topk_score` without
+T×T, and why it is exact", gives the argument in full):
 
 * One sort of the key ``address·T + position`` lays every sequence out bucket by bucket, positions
   ascending inside a bucket (:func:`bucket_layout`). A query's earlier same-bucket records are exactly

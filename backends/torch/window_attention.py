@@ -5,7 +5,7 @@ The spec's rule (:func:`pcaf_core.reference.attention_allowed`: key s visible to
 (``torch.nn.attention.flex_attention``) then computes only the key blocks of each query block that hold a
 visible key (its own block, the blocks ``w`` positions back, and for global-local the first block(s) holding
 the g global keys), compiled into fused kernels by ``torch.compile``. No ``[T, T]`` score or mask array
-exists. This is ``model.attention_impl=banded`` in the torch backend (docs/BACKENDS.md, "Windowed attention").
+exists. This is ``model.attention_impl=banded`` in the torch backend (docs/KERNELS.md, "Windowed attention").
 
 Attention dropout. FlexAttention has no dropout, and the reference drops the attention *weights*
 (``p_ts·m_ts/(1-p)`` after the softmax, m Bernoulli(1-p)). A ``score_mod`` that sends dropped scores to -inf
