@@ -98,6 +98,7 @@ def _slurm_tools(tmp_path: Path) -> str:
     return f"{tools}{os.pathsep}{os.environ['PATH']}"
 
 
+@pytest.mark.slow
 def test_every_job_is_validated_before_any_is_submitted_through_either_launcher(tmp_path):
     out = tmp_path / "out"
     path = _slurm_tools(tmp_path)
