@@ -40,7 +40,8 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     assert by[("PCAF-context, chunked head", "bf16")]["head_loss"] == "head loss in 1024x8192 tiles"
     jax_row = by[("PCAF-context (JAX)", "fp32")]
     assert (jax_row["backend"], jax_row["compile"], jax_row["mode"]) == ("jax", "xla", "ar")
-    assert float(jax_row["peak_mb"]) > 0 and ("PCAF-context (JAX)", "bf16") in by
+    assert float(jax_row["peak_mb"]) > 0 and ("PCAF-context (JAX)", "bf16") not in by  # smoke: fp32 only
+    assert {c.precision for c in bench_cuda.gpu_cases() if c.backend == "jax"} == {"fp32", "bf16"}
     routes = {r["route"] for r in read_csv(smoke_run / "routing.csv")}
     assert routes == set(bench_cuda.ROUTING_ROUTES)
     assert read_csv(smoke_run / "labels.csv")[0]["bench_set"] == "smoke"
