@@ -46,7 +46,7 @@ from pcaf_core.fsutil import atomic_write_text
 from pcaf_core.profiles import resolve_matmul_precision
 from pcaf_core.results import CONFIG_FILE, RunMetrics, SchemaError, read_metrics
 from pcaf_core.resume import previous_divergence
-from pcaf_core.run_identity import identity_digest, read_run_config, resume_diff
+from pcaf_core.run_identity import flatten, identity_digest, read_run_config, resume_diff
 from pcaf_core.run_record import mark_failed, run_lock
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -70,18 +70,9 @@ class ResolvedRun:
     row_identities: list[str] | None = None  # its row's identity digests (app.row_identities), once computed
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
-
-
 def _section_values(cfg: DictConfig) -> dict[str, Any]:
     container = OmegaConf.to_container(cfg, resolve=True)
-    return _flatten({k: container[k] for k in RUN_SECTIONS})
+    return flatten({k: container[k] for k in RUN_SECTIONS})
 
 
 def _overridden_keys(task_overrides: list[str]) -> set[str]:

@@ -97,18 +97,19 @@ def identity_digest(cfg: Mapping[str, Any]) -> str:
     return hashlib.sha256(_canonical(identity_view(cfg)).encode("utf-8")).hexdigest()[:16]
 
 
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as ``{"section.key": value}`` (lists and scalars are leaves)."""
     if isinstance(node, Mapping):
         out: dict[str, Any] = {}
         for key, value in node.items():
-            out.update(_flat(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         return out
     return {prefix[:-1]: node}
 
 
 def view_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     """``key: old -> new`` for every differing field of two views (sorted; ``<absent>`` for a missing one)."""
-    a, b = _flat(old), _flat(new)
+    a, b = flatten(old), flatten(new)
     return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in sorted(set(a) | set(b))
             if a.get(k, "<absent>") != b.get(k, "<absent>")]
 

@@ -89,6 +89,20 @@ class _TargetLogSoftmax(torch.autograd.Function):
         return dz, dweight, dbias.to(weight.dtype), None
 
 
+def _apply_flat(fn, z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor, *args):
+    """``fn(z [N, H], weight, bias, targets [N], *args)`` on ``z`` flattened to rows, in the autocast dtype when
+    autocast is on (the casts outside the autograd function, so their gradients reach the float32 parameters
+    through autograd's own cast backward); the result in ``targets``' shape."""
+    lead = targets.shape
+    zf = z.reshape(-1, z.shape[-1])
+    if torch.is_autocast_enabled(zf.device.type):
+        dtype = torch.get_autocast_dtype(zf.device.type)
+        zf, weight, bias = zf.to(dtype), weight.to(dtype), bias.to(dtype)
+    with torch.autocast(zf.device.type, enabled=False):
+        out = fn(zf, weight, bias, targets.reshape(-1), *args)
+    return out.reshape(lead)
+
+
 def target_log_softmax(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor
                        ) -> torch.Tensor:
     """Head log-probability of ``targets``: z ``[..., H]``, targets ``[...]`` (ids in ``[0, V)``) ->
@@ -98,14 +112,7 @@ def target_log_softmax(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ``weight`` and ``bias`` sit outside the autograd function, so their gradients reach the float32
     parameters through autograd's own cast backward.
     """
-    lead = targets.shape
-    zf = z.reshape(-1, z.shape[-1])
-    if torch.is_autocast_enabled(zf.device.type):
-        dtype = torch.get_autocast_dtype(zf.device.type)
-        zf, weight, bias = zf.to(dtype), weight.to(dtype), bias.to(dtype)
-    with torch.autocast(zf.device.type, enabled=False):
-        out = _TargetLogSoftmax.apply(zf, weight, bias, targets.reshape(-1))
-    return out.reshape(lead)
+    return _apply_flat(_TargetLogSoftmax.apply, z, weight, bias, targets)
 
 
 # --------------------------------------------------------------------------- chunked (never [N, V])
@@ -212,11 +219,4 @@ def chunked_target_log_softmax(z: torch.Tensor, weight: torch.Tensor, bias: torc
     """
     if position_chunk < 1 or vocab_chunk < 1:
         raise ValueError(f"position_chunk={position_chunk} and vocab_chunk={vocab_chunk} must both be >= 1")
-    lead = targets.shape
-    zf = z.reshape(-1, z.shape[-1])
-    if torch.is_autocast_enabled(zf.device.type):
-        dtype = torch.get_autocast_dtype(zf.device.type)
-        zf, weight, bias = zf.to(dtype), weight.to(dtype), bias.to(dtype)
-    with torch.autocast(zf.device.type, enabled=False):
-        out = _ChunkedTargetLogSoftmax.apply(zf, weight, bias, targets.reshape(-1), position_chunk, vocab_chunk)
-    return out.reshape(lead)
+    return _apply_flat(_ChunkedTargetLogSoftmax.apply, z, weight, bias, targets, position_chunk, vocab_chunk)
