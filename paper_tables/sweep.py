@@ -106,11 +106,11 @@ def load_sweep(root: str | os.PathLike[str], param: str) -> pd.DataFrame:
         value, source = swept_value(run["run_dir"], root, param, run["overrides"], run["extra"])
         line = {param: value, "value_source": source}
         for key in ("status", "error", "seed", "table", "row", "scale", "backend", "profile", "run_dir",
-                    *SWEEP_METRICS):
+                    "shared_machine", *SWEEP_METRICS):
             line[key] = run[key]
         lines.append(line)
     columns = [param, "value_source", "status", "error", "seed", "table", "row", "scale", "backend", "profile",
-               "run_dir", *SWEEP_METRICS]
+               "run_dir", "shared_machine", *SWEEP_METRICS]
     return pd.DataFrame(lines, columns=columns, dtype=object)
 
 
@@ -132,6 +132,8 @@ def aggregate_sweep(df: pd.DataFrame, param: str) -> pd.DataFrame:
         line: dict[str, Any] = {param: value, "n_runs": len(done), "n_failed": len(failed),
                                 "n_running": int((sub["status"] == "running").sum())}
         line["error"] = " ".join(str(failed["error"].iloc[0]).split())[:200] if len(failed) else ""
+        # Jobs run at once (a local launcher with JOBS > 1) time each other: their tokens/s is labelled so.
+        line["n_shared"] = int(sum(bool(v) for v in done["shared_machine"])) if "shared_machine" in done else 0
         for metric in SWEEP_METRICS:
             nums = [float(v) for v in done[metric] if v is not None]
             mean = sum(nums) / len(nums) if nums else None
@@ -198,8 +200,12 @@ def render_sweep_markdown(agg: pd.DataFrame, param: str, y: str, root: str, unre
         cells = [str(line[param]), _cell(line["best_ppl"], line["best_ppl_std"]),
                  _cell(line["final_ppl"], line["final_ppl_std"]),
                  _cell(line["acc_at_best"], line["acc_at_best_std"], 4), _cell(line["full_ppl"], line["full_ppl_std"]),
-                 _cell(line["tokens_per_sec"], line["tokens_per_sec_std"], 0), _status(line)]
+                 _cell(line["tokens_per_sec"], line["tokens_per_sec_std"], 0)
+                 + (" (shared)" if line.get("n_shared") else ""), _status(line)]
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    if len(agg) and agg["n_shared"].astype(int).sum():
+        out += ["", "(shared): tokens/s measured while sharing the machine with other training processes (e.g. "
+                "sweep jobs run at once); compare such throughputs with care."]
     if agg.empty:
         out.append("")
         out.append(f"No run with a value for `{param}` was found.")

@@ -311,3 +311,20 @@ def test_speed_quality_of_a_large_table_has_one_panel_per_group(tmp_path):
         rows = [r for r in spec.rows if r.group == group]
         texts = {t.get_text() for t in ax.texts}
         assert len([t for t in texts if not t.endswith("(paper)")]) == len(rows), group
+
+
+def test_sweep_table_labels_throughput_measured_while_jobs_shared_the_machine(tmp_path):
+    """Jobs run at once (``make sweep LAUNCHER=local JOBS=2``) time each other: the sweep table marks their
+    tokens/s and says why, as the paper tables do; a value whose runs ran alone is not marked."""
+    from paper_tables.sweep import render_sweep
+    from pcaf_core.results import read_metrics
+
+    _multirun(tmp_path / "multirun")
+    record = read_metrics(tmp_path / "multirun" / "2")  # top_k 16, seed 1
+    record.extra["shared_machine"] = {"method": "proc", "samples": 2, "shared_samples": 2,
+                                      "others": ["pid 1: python -m submitit.core._submit"]}
+    write_metrics(tmp_path / "multirun" / "2", record)
+    md = render_sweep(tmp_path / "multirun", "memory.top_k", tmp_path / "out")[-1].read_text()
+    lines = {line.split(" | ")[0]: line for line in md.splitlines() if line.startswith("| ")}
+    assert "(shared)" in lines["| 16"] and "(shared)" not in lines["| 4"]
+    assert "(shared): tokens/s measured while sharing the machine" in md
