@@ -36,8 +36,6 @@ import math
 import os
 import shutil
 import signal
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -82,6 +80,7 @@ from pcaf_core.evaluation import (
     unigram_ppl,
 )
 from pcaf_core.fsutil import DiskFullError, is_disk_full
+from pcaf_core.interrupts import RunInterrupted, SigtermGuard, TrainingDiverged
 from pcaf_core.progress import OFF, Progress, progress_style
 from pcaf_core.results import RunMetrics
 from pcaf_core.resume import (
@@ -92,6 +91,7 @@ from pcaf_core.resume import (
     previous_divergence,
     refuse_if_all_damaged,
     refuse_other_backend,
+    restore_curve,
     resume_hint,
     scan_checkpoints,
     set_aside_unusable,
@@ -117,27 +117,6 @@ __all__ = [
 
 log = logging.getLogger("pcaf.loop")
 
-class TrainingDiverged(RuntimeError):
-    """The training loss became NaN or infinite. The message names the step, the last good checkpoint
-    and the command that continues the run at a lower learning rate; ``details`` = ``{step, loss, lr}``."""
-
-    def __init__(self, message: str, details: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.details = dict(details or {})
-
-    def __reduce__(self):  # picklable across processes with its details
-        return (type(self), (str(self), self.details))
-
-
-class RunInterrupted(BaseException):
-    """The process was asked to stop (SIGTERM). Derives from BaseException like KeyboardInterrupt,
-    so ``except Exception`` blocks in backends do not swallow it."""
-
-    def __init__(self, message: str = "", signum: int = signal.SIGTERM) -> None:
-        super().__init__(message)
-        self.signum = signum
-
-
 # --------------------------------------------------------------------------- helpers
 
 
@@ -158,31 +137,6 @@ def _make_sampler(tokens: np.ndarray, seq_len: int, batch_size: int, mode: str, 
     from pcaf_core.data import WindowSampler
 
     return WindowSampler(tokens, seq_len, batch_size, mode, seed=seed, split=split)
-
-
-class _SigtermGuard:
-    """Turn SIGTERM (cluster pre-emption, ``kill``) into :class:`RunInterrupted` so the run record
-    says the run was interrupted; only the main thread may install signal handlers."""
-
-    def __init__(self) -> None:
-        self._previous: Any = None
-        self._installed = False
-
-    def __enter__(self) -> _SigtermGuard:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.getsignal(signal.SIGTERM)
-            if self._previous in (signal.SIG_DFL, None):
-                signal.signal(signal.SIGTERM, self._handler)
-                self._installed = True
-        return self
-
-    @staticmethod
-    def _handler(signum: int, frame: Any) -> None:
-        raise RunInterrupted(f"received signal {signal.Signals(signum).name}", signum)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -309,21 +263,8 @@ class TrainingLoop:
         self.eval_sampler.load_state_dict(ls.eval_sampler)
         self.last_good_checkpoint = path
         if self.is_main:
-            self._rewrite_curve(ls.curve)
+            restore_curve(self.run_dir, ls.curve)
         log.info("resumed from %s at step %d", path, ls.step)
-
-    def _rewrite_curve(self, rows: list[dict[str, Any]]) -> None:
-        """Replace curve.csv by the rows a checkpoint holds (a killed run may have appended rows past
-        its last checkpoint). Written beside the run and moved in place atomically."""
-        target = results.curve_path(self.run_dir)
-        with tempfile.TemporaryDirectory(dir=self.run_dir, prefix=".curve.") as tmp:
-            for row in rows:
-                results.append_curve_row(tmp, row)
-            staged = results.curve_path(tmp)
-            if staged.exists():
-                os.replace(staged, target)
-            elif target.exists():
-                target.unlink()
 
     def _fresh_start(self, incidents: list[dict[str, Any]] | None = None) -> None:
         if self.is_main:
@@ -404,7 +345,7 @@ class TrainingLoop:
         """Train (or resume), evaluate, checkpoint and write the record. Returns the final record."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            with _SigtermGuard():
+            with SigtermGuard():
                 return self._run()
         except RunRefused:
             raise  # nothing was started: the directory's record keeps what it said

@@ -11,6 +11,7 @@
 * A checkpoint written by another backend is refused by name (:func:`refuse_other_backend`).
 * A ``metrics.json`` or ``curve.csv`` that fails its check (:mod:`pcaf_core.record_check`) is kept beside the
   run as ``<file>.damaged-<UTC time>`` before the run rebuilds it (:func:`keep_damaged_record`).
+* A resumed run's ``curve.csv`` is the checkpoint's curve (:func:`restore_curve`).
 
 NumPy/stdlib only, like the loop.
 """
@@ -22,6 +23,7 @@ import math
 import os
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -138,6 +140,21 @@ def keep_damaged_record(run_dir: Path, ckpt: Path | None) -> list[dict[str, Any]
             f"is rebuilt from {source}")
     print(f"warning: {run_dir}: {what}", file=sys.stderr, flush=True)
     return [{"utc": stamp, "what": what, "kept": kept}]
+
+
+def restore_curve(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace ``curve.csv`` by the rows a checkpoint holds (a killed run may have appended rows past its last
+    checkpoint): written beside the run and moved in place atomically, so a reader sees the old curve or the
+    new one, never a mix."""
+    target = results.curve_path(run_dir)
+    with tempfile.TemporaryDirectory(dir=run_dir, prefix=".curve.") as tmp:
+        for row in rows:
+            results.append_curve_row(tmp, row)
+        staged = results.curve_path(tmp)
+        if staged.exists():
+            os.replace(staged, target)
+        elif target.exists():
+            target.unlink()
 
 
 def accept_config(ls: LoopState, cfg: RunConfig, path: Path, run_dir: Path, diverged: dict[str, Any] | None) -> None:
