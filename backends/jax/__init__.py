@@ -9,14 +9,8 @@ from backends.jax.runtime import configure_cpu_dispatch
 
 configure_cpu_dispatch()  # before anything asks JAX for a device (backends/jax/runtime.py says why)
 
-from backends.jax.models import (
-    CanonicalLM,
-    JaxForwardOutput,
-    JaxMemoryTrace,
-    PCAFModel,
-    TransformerLM,
-    build_model,
-)
+from backends.jax.model_io import JaxForwardOutput, JaxMemoryTrace
+from backends.jax.models import CanonicalLM, PCAFModel, TransformerLM, build_model
 from backends.jax.params import init_params
 from backends.jax.routing import Candidates, SelectionInputs
 from backends.jax.weights import load_safetensors, save_safetensors, to_canonical, to_variables

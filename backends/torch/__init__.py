@@ -7,14 +7,8 @@ from backends.torch.runtime import configure_mkl
 
 configure_mkl()  # before any oneMKL call (backends/torch/runtime.py says why)
 
-from backends.torch.models import (  # noqa: E402
-    CanonicalLM,
-    PCAFModel,
-    TorchForwardOutput,
-    TorchMemoryTrace,
-    TransformerLM,
-    build_model,
-)
+from backends.torch.model_io import TorchForwardOutput, TorchMemoryTrace  # noqa: E402
+from backends.torch.models import CanonicalLM, PCAFModel, TransformerLM, build_model  # noqa: E402
 from backends.torch.params import init_params  # noqa: E402
 from backends.torch.routing import Candidates, SelectionInputs  # noqa: E402
 from backends.torch.weights import (  # noqa: E402

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,6 +30,7 @@ from backends.torch.layers import (
     l2_normalize,
     layer_norm,
 )
+from backends.torch.model_io import TorchForwardOutput, TorchMemoryTrace
 from backends.torch.ops import batch_gather
 from backends.torch.params import init_params
 from backends.torch.routing import Candidates, SelectionInputs
@@ -45,53 +45,6 @@ from pcaf_core.config import (
 from pcaf_core.mixture import mixture_rule
 from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
 from pcaf_core.routing import ScoreBand
-
-
-@dataclass
-class TorchMemoryTrace:
-    """Intermediates of the associative memory path (Q queries, C slots).
-
-    addresses: ``[B, T]`` int64 bucket of every position; cand: the selected :class:`Candidates`;
-    scores / cache_weights: ``[B, Q, C]``; gate: ``[B, Q]`` masked (and clipped) λ;
-    p_cache: ``[B, Q, V]`` or None when full distributions were not requested;
-    router_probs: ``[B, T, S]`` or None (context route);
-    topk_dense: ``[B, Q]`` bool, which queries the ``topk_score`` context route scored densely
-    (None for the other policies and routes).
-    """
-
-    addresses: torch.Tensor
-    cand: Candidates
-    scores: torch.Tensor
-    cache_weights: torch.Tensor
-    gate: torch.Tensor
-    p_cache: torch.Tensor | None
-    router_probs: torch.Tensor | None
-    topk_dense: torch.Tensor | None = None
-
-
-@dataclass
-class TorchForwardOutput:
-    """Model outputs at the Q query positions (Q = 1 in NT mode, T in AR mode).
-
-    hidden: ``[B, T, d]`` final states (next-token with ``nt_receptive_field``: ``[B, 1 + C, d]``, the
-        query's state and its C candidate slots' states, :meth:`PCAFModel.nt_receptive_read`);
-    param_log_probs: ``[B, Q, V]`` parametric head; None when neither log-probs nor predictions were
-        requested (a training step reads the head at the targets only);
-    log_probs: ``[B, Q, V]`` the predictive distribution in log space (unnormalised under the NT floor),
-        None when neither requested nor needed for the predictions;
-    target_log_prob: ``[B, Q]`` log p(target) as the loss uses it (None without targets);
-    prediction: ``[B, Q]`` int64 argmax under the profile's accuracy definition (None when not requested);
-    memory: the memory trace (None without a cache);
-    loss: mean NLL, a 0-d tensor with grad (None without targets).
-    """
-
-    hidden: torch.Tensor
-    param_log_probs: torch.Tensor | None
-    log_probs: torch.Tensor | None
-    target_log_prob: torch.Tensor | None
-    prediction: torch.Tensor | None
-    memory: TorchMemoryTrace | None
-    loss: torch.Tensor | None
 
 
 class CanonicalLM(nn.Module, abc.ABC):
