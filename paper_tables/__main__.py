@@ -24,7 +24,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from paper_tables.specs import BACKENDS, SCALES, TABLES, get_table
+from paper_tables.spec_types import BACKENDS, SCALES
+from paper_tables.specs import TABLES, get_table
 from paper_tables.sweep import SWEEP_METRICS
 
 

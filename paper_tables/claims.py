@@ -1,6 +1,6 @@
 """Claim verdicts: does a paper claim hold on the measured numbers (and on the published ones)?
 
-A :class:`~paper_tables.specs.Claim` compares rows on one column. Its verdict is
+A :class:`~paper_tables.spec_types.Claim` compares rows on one column. Its verdict is
 
 - ``holds``: every (left, right) pair satisfies ``left op factor * right``;
 - ``fails``: some pair does not;
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import pandas as pd
 
 from paper_tables.published import published_value
-from paper_tables.specs import TABLES, Claim, TableSpec, resolve_ref
+from paper_tables.spec_types import Claim, TableSpec, resolve_ref
+from paper_tables.specs import TABLES
 
 HOLDS, FAILS, NOT_MEASURED = "holds", "fails", "not measured"
 QUALITY_METRICS = ("best_ppl", "final_ppl", "full_ppl", "acc")

@@ -30,7 +30,8 @@ from typing import Any
 
 import pandas as pd
 
-from paper_tables.specs import BACKENDS, SCALES, TABLES, RowSpec, TableSpec
+from paper_tables.spec_types import BACKENDS, SCALES, RowSpec, TableSpec
+from paper_tables.specs import TABLES
 from pcaf_core.contention import describe as describe_sharing
 from pcaf_core.contention import shared as was_shared
 from pcaf_core.record_check import DAMAGED, UNVERIFIED, check_run

@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from paper_tables.claims import paper_value
-from paper_tables.specs import TableSpec
+from paper_tables.spec_types import TableSpec
 from pcaf_core.results import read_curve
 
 CURVE_METRIC = "eval_ppl_reference"

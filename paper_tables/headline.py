@@ -1,6 +1,6 @@
 """Headline verdicts: one sentence at the top of a rendered table that judges a paper claim twice.
 
-A :class:`~paper_tables.specs.Headline` pairs a claim on the rows run under the paper's profile with the
+A :class:`~paper_tables.spec_types.Headline` pairs a claim on the rows run under the paper's profile with the
 same claim on a row run under ``corrected``. The sentence says whether each holds and gives the numbers
 behind both: the claimed row's measured value against the best row it must beat.
 """
@@ -8,7 +8,7 @@ behind both: the claimed row's measured value against the best row it must beat.
 from __future__ import annotations
 
 from paper_tables.claims import HOLDS, NOT_MEASURED, Verdict, measured_value
-from paper_tables.specs import Claim, Headline, TableSpec, resolve_ref
+from paper_tables.spec_types import Claim, Headline, TableSpec, resolve_ref
 
 
 def _display(spec: TableSpec, ref: str) -> str:

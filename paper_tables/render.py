@@ -28,7 +28,7 @@ from paper_tables.collect import LEARNING_BAR_DIVISOR
 from paper_tables.headline import headline_lines
 from paper_tables.published import published_value
 from paper_tables.record_notes import SHARED_MARK, claim_detail, record_lines
-from paper_tables.specs import ColumnSpec, RowSpec, TableSpec
+from paper_tables.spec_types import ColumnSpec, RowSpec, TableSpec
 
 DATASET_IDS = {"WikiText-2": "wikitext2", "WikiText-103": "wikitext103", "PG-19": "pg19"}
 """Printed dataset name -> dataset id used in run records."""

@@ -6,256 +6,19 @@ columns shown side by side (published value from ``published/<table>.csv`` besid
 value from the run records) and the paper's claims as small comparisons that
 :mod:`paper_tables.claims` turns into verdicts.
 
-Units: a :class:`ColumnSpec` converts a measured value (in :class:`pcaf_core.results.RunMetrics`
-units: tokens/s, parameters, fractions, seconds) into the unit the paper prints by multiplying with
-``scale`` (e.g. ``1e-6`` for "M tok/s", ``100`` for a percentage).
+The types are :mod:`paper_tables.spec_types`; the column sets :mod:`paper_tables.columns`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-OPS = ("<", "<=", ">", ">=", "~=")
-"""Claim operators; ``~=`` means equal within the claim's relative tolerance ``tol``."""
-
-CLAIM_METRICS = ("best_ppl", "final_ppl", "full_ppl", "acc", "acc_param", "tok_s", "peak_mb")
-"""Column keys a claim may compare."""
-
-SCALES = ("paper", "cpu", "smoke")
-BACKENDS = ("torch", "jax")
-
-
-@dataclass(frozen=True)
-class ColumnSpec:
-    """One quantity shown as a (paper, measured) pair of columns.
-
-    ``key``: short id (``best_ppl``, ``tok_s``...); ``header``: heading as the paper prints it;
-    ``metric``: the measured field (a :class:`RunMetrics` field, ``"acc"`` for the row's accuracy
-    definition, or ``"n_runs"`` for the number of completed runs); ``published`` /
-    ``published_std``: columns of the published CSV (``None``: the paper has no such number);
-    ``scale``: paper unit = measured value x scale; ``decimals``: digits printed; ``thousands``:
-    thousands separators; ``suffix``: unit suffix printed after the number (``"M"``, ``"%"``);
-    ``batch`` / ``alt`` / ``alt_batch``: published CSV columns for a batch size printed in
-    parentheses and a second printed throughput; ``better``: ``"lower"``/``"higher"`` or ``None``;
-    ``spread``: show "± std" over seeds for the measured value (off for settings such as batch).
-    """
-
-    key: str
-    header: str
-    metric: str
-    published: str | None
-    unit: str
-    scale: float = 1.0
-    decimals: int = 2
-    published_std: str | None = None
-    thousands: bool = False
-    suffix: str = ""
-    batch: str | None = None
-    alt: str | None = None
-    alt_batch: str | None = None
-    better: str | None = None
-    spread: bool = True
-
-
-@dataclass(frozen=True)
-class RowSpec:
-    """One paper row = one experiment file.
-
-    ``id``: snake-case row id; ``display``: model name as the paper prints it; ``experiment``:
-    Hydra experiment name ``<table>/<id>`` (file ``experiments/conf/experiment/<table>/<id>.yaml``);
-    ``published_key``: value of the ``row`` column in the published CSV (``None``: not in the
-    paper); ``params``: parameter count as printed (``"26.59M"``); ``dataset``: corpus as printed
-    (``""``: not fixed by the paper, the measured one is shown); ``seq_len``: T (``None``: not fixed
-    by the paper); ``mode``: ``"nt"`` or ``"ar"``; ``group``: panel/group label used by figures;
-    ``paper_steps``: the paper's step budget (``None`` when unknown); ``profile``: compat profile
-    that reproduces the paper's row; ``acc_field``: the measured accuracy field comparable with the
-    paper's accuracy (``acc_at_best`` = argmax of the mixture, NT; ``acc_param_at_best`` = argmax of
-    the parametric head, the paper's full-AR definition); ``note``: remark shown in the report;
-    ``figure_label``: the model's name in figures where ``display`` is the paper's code identifier plus a
-    description (``"pcaf_semantic (Semantic Hash Routing)"``); empty: ``display``.
-    """
-
-    id: str
-    display: str
-    experiment: str
-    published_key: str | None
-    params: str
-    dataset: str
-    seq_len: int | None
-    mode: str
-    group: str
-    paper_steps: int | None
-    profile: str
-    acc_field: str
-    note: str = ""
-    figure_label: str = ""
-
-    @property
-    def label(self) -> str:
-        """The model's name as figures print it."""
-        return self.figure_label or self.display
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A claim of the paper as a comparison of measured numbers.
-
-    Holds iff ``left_value op factor * right_value`` for every (left, right) row pair, on the
-    column ``metric`` (mean over seeds). A row reference is a row id of the same table or
-    ``"<table>/<row>"`` for another table (measured at the same scale and backend). ``~=`` holds
-    when ``|left - right| <= tol * |right|``. ``source`` says where the paper makes the claim.
-    """
-
-    id: str
-    text: str
-    left: tuple[str, ...]
-    op: str
-    right: tuple[str, ...]
-    metric: str
-    factor: float = 1.0
-    tol: float = 0.0
-    source: str = ""
-
-
-@dataclass(frozen=True)
-class Headline:
-    """A one-sentence verdict at the top of a rendered table: one claim of the paper judged under the
-    profile that produced the paper's number (``reference_claim``) and again on rows run under
-    ``corrected`` (``corrected_claim``), with the numbers behind both verdicts.
-
-    ``label``: what the sentence is about (``"WikiText-103 T=1024"``); ``claim``: the claim in the
-    paper's words; ``corrected_means``: what changes under ``corrected``, said after its verdict.
-    """
-
-    label: str
-    claim: str
-    reference_claim: str
-    corrected_claim: str
-    corrected_means: str
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """A suite table: paper label, rows, columns, claims, headline verdicts and the paper's setting in words."""
-
-    name: str
-    title: str
-    label: str | None
-    mode: str
-    datasets: tuple[str, ...]
-    profile: str
-    setting: str
-    columns: tuple[ColumnSpec, ...]
-    rows: tuple[RowSpec, ...]
-    claims: tuple[Claim, ...] = field(default_factory=tuple)
-    headlines: tuple[Headline, ...] = field(default_factory=tuple)
-    # Where the paper measured its throughput column ("" when the table has none): figures that put the
-    # paper's tokens/s beside ours name both machines.
-    paper_device: str = ""
-
-    def row(self, row_id: str) -> RowSpec:
-        """The row with id ``row_id``; raises ``KeyError`` listing the valid ids."""
-        for r in self.rows:
-            if r.id == row_id:
-                return r
-        raise KeyError(f"table {self.name!r} has no row {row_id!r}; rows: {[r.id for r in self.rows]}")
-
-    @property
-    def row_ids(self) -> tuple[str, ...]:
-        return tuple(r.id for r in self.rows)
-
-    def column(self, key: str) -> ColumnSpec:
-        for c in self.columns:
-            if c.key == key:
-                return c
-        raise KeyError(f"table {self.name!r} has no column {key!r}; columns: {[c.key for c in self.columns]}")
-
-    @property
-    def has_published(self) -> bool:
-        return any(r.published_key for r in self.rows)
-
-
-# ---------------------------------------------------------------------------------------------
-# Columns
-# ---------------------------------------------------------------------------------------------
-
-def _params(published: str | None = "params_M") -> ColumnSpec:
-    return ColumnSpec("params", "Params", "params", published, "M parameters", scale=1e-6, decimals=2,
-                      suffix="M", spread=False)
-
-
-_FINAL = ColumnSpec("final_ppl", "Final PPL", "final_ppl", "final_ppl", "perplexity", better="lower")
-_BEST = ColumnSpec("best_ppl", "Best PPL", "best_ppl", "best_ppl", "perplexity", better="lower")
-_FULL = ColumnSpec("full_ppl", "Full-split PPL", "full_ppl", None, "perplexity (full protocol)",
-                   better="lower")
-
-_WT2_COLUMNS = (
-    ColumnSpec("batch", "Batch", "batch_size", "batch", "windows per step", decimals=0, spread=False),
-    _params(),
-    _FINAL,
-    _BEST,
-    ColumnSpec("acc", "Acc.", "acc", "acc", "fraction", decimals=4, better="higher"),
-    ColumnSpec("tok_s", "Tok/s", "tokens_per_sec", "tok_s", "tokens/s", decimals=0, thousands=True,
-               better="higher"),
-    ColumnSpec("peak_mb", "Peak MB", "peak_mem_mb", "peak_mb", "MiB", decimals=0, thousands=True,
-               better="lower"),
-    _FULL,
+from paper_tables.columns import (
+    COLUMNS_41M,
+    COLUMNS_303M,
+    COLUMNS_AUDIT,
+    COLUMNS_TPU_NT,
+    COLUMNS_WT2,
 )
-
-_TPU_NT_COLUMNS = (
-    ColumnSpec("batch", "Batch", "batch_size", "batch", "windows per step (from the paper's logs)",
-               decimals=0, spread=False),
-    _params(),
-    _FINAL,
-    _BEST,
-    ColumnSpec("acc", "Eval Acc.", "acc", "acc", "fraction", decimals=4, better="higher"),
-    ColumnSpec("tok_s", "Throughput", "tokens_per_sec", "throughput_Mtok_s", "M tok/s", scale=1e-6,
-               decimals=2, suffix="M", better="higher"),
-    ColumnSpec("elapsed", "Elapsed (min)", "wall_time_s", "elapsed_min", "minutes", scale=1 / 60,
-               decimals=2, better="lower"),
-    _FULL,
-)
-
-_41M_COLUMNS = (
-    ColumnSpec("seeds", "Seeds", "n_runs", "seeds", "runs", decimals=0, spread=False),
-    ColumnSpec("batch", "Batch", "batch_size", "batch", "windows per step (from the paper's scripts)",
-               decimals=0, spread=False),
-    _params(),
-    ColumnSpec("best_ppl", "Best PPL", "best_ppl", "best_ppl", "perplexity", published_std="best_ppl_std",
-               better="lower"),
-    ColumnSpec("acc", "Acc. @ Best", "acc", "acc_at_best_pct", "%", scale=100.0, decimals=2,
-               published_std="acc_at_best_pct_std", suffix="%", better="higher"),
-    ColumnSpec("tok_s", "Throughput", "tokens_per_sec", "throughput_Mtok_s", "M tok/s", scale=1e-6,
-               decimals=2, published_std="throughput_Mtok_s_std", suffix="M", better="higher"),
-    _FULL,
-)
-
-_303M_COLUMNS = (
-    ColumnSpec("seeds", "Seeds", "n_runs", "seeds", "runs", decimals=0, spread=False),
-    _params(),
-    _BEST,
-    _FINAL,
-    ColumnSpec("acc", "Acc. @ Best", "acc", "acc_at_best_pct", "%", scale=100.0, decimals=2, suffix="%",
-               better="higher"),
-    ColumnSpec("tok_s", "Throughput (Batch Size)", "tokens_per_sec", "throughput_Mtok_s", "M tok/s",
-               scale=1e-6, decimals=2, suffix="M", batch="batch", alt="throughput_alt_Mtok_s",
-               alt_batch="throughput_alt_batch", better="higher"),
-    _FULL,
-)
-
-_AUDIT_COLUMNS = (
-    _params(None),
-    _BEST,
-    _FINAL,
-    ColumnSpec("acc", "Acc. @ Best (mixture)", "acc_at_best", None, "%", scale=100.0, decimals=2, suffix="%",
-               better="higher"),
-    ColumnSpec("acc_param", "Acc. @ Best (parametric)", "acc_param_at_best", None, "%", scale=100.0,
-               decimals=2, suffix="%", better="higher"),
-    # No published column to match: plain tokens/s, which a cpu-scale full-AR run (a few thousand) needs.
-    ColumnSpec("tok_s", "Tok/s", "tokens_per_sec", None, "tokens/s", decimals=0, thousands=True, better="higher"),
-    _FULL,
-)
-
+from paper_tables.spec_types import CLAIM_METRICS, OPS, Claim, Headline, RowSpec, TableSpec, resolve_ref
 
 # ---------------------------------------------------------------------------------------------
 # Rows
@@ -626,7 +389,7 @@ TABLES: dict[str, TableSpec] = {
             title="WikiText-2 next-token prediction at context length 1024",
             label="tab:main1024", mode="nt", datasets=("wikitext2",), profile="reference_torch",
             setting=_WT2_SETTING + "; T=1024",
-            columns=_WT2_COLUMNS, rows=_wt2_rows("wt2-nt-1024", 1024, _WT2_ROWS_1024), claims=_wt2_claims(1024),
+            columns=COLUMNS_WT2, rows=_wt2_rows("wt2-nt-1024", 1024, _WT2_ROWS_1024), claims=_wt2_claims(1024),
             paper_device=_WT2_DEVICE,
         ),
         TableSpec(
@@ -634,21 +397,21 @@ TABLES: dict[str, TableSpec] = {
             title="WikiText-2 next-token prediction at context length 2048",
             label="tab:main2048", mode="nt", datasets=("wikitext2",), profile="reference_torch",
             setting=_WT2_SETTING + "; T=2048",
-            columns=_WT2_COLUMNS, rows=_wt2_rows("wt2-nt-2048", 2048, _WT2_ROWS_2048), claims=_wt2_claims(2048),
+            columns=COLUMNS_WT2, rows=_wt2_rows("wt2-nt-2048", 2048, _WT2_ROWS_2048), claims=_wt2_claims(2048),
             paper_device=_WT2_DEVICE,
         ),
         TableSpec(
             name=_BASE, title="Next-token diagnostic baselines on WikiText-103 (TPU v4-32)",
             label="tab:tpu_baselines", mode="nt", datasets=("wikitext103",), profile="reference_jax",
             setting=_TPU_SETTING + "; batch 128 (T=1024) / 64 (T=2048) for attention, 256 for local conv",
-            columns=_TPU_NT_COLUMNS, rows=_BASELINE_ROWS, claims=_BASELINE_CLAIMS,
+            columns=COLUMNS_TPU_NT, rows=_BASELINE_ROWS, claims=_BASELINE_CLAIMS,
             paper_device=_TPU_DEVICE,
         ),
         TableSpec(
             name=_ABL, title="Next-token PCAF routing and gating diagnostics on WikiText-103 (TPU v4-32)",
             label="tab:tpu_ablations", mode="nt", datasets=("wikitext103",), profile="reference_jax",
             setting=_TPU_SETTING + "; batch 256; lambda_sem=0.5",
-            columns=_TPU_NT_COLUMNS, rows=_ABLATION_ROWS, claims=_ABLATION_CLAIMS,
+            columns=COLUMNS_TPU_NT, rows=_ABLATION_ROWS, claims=_ABLATION_CLAIMS,
             paper_device=_TPU_DEVICE,
         ),
         TableSpec(
@@ -660,7 +423,7 @@ TABLES: dict[str, TableSpec] = {
                      "steps, batch 256 (128 at T=4096); full-AR S sweep: d=224/h=896/L=14, K=32, lambda_sem=1.0, "
                      "25,000 steps, batch 256, lr 7.5e-5, eval every 5000 steps on 20 batches; full-AR T=4096 "
                      "rows: budget not recorded by the paper; JAX on a TPU v4-32 pod"),
-            columns=_41M_COLUMNS, rows=_41M_ROWS, claims=_41M_CLAIMS,
+            columns=COLUMNS_41M, rows=_41M_ROWS, claims=_41M_CLAIMS,
             paper_device=_TPU_DEVICE,
         ),
         TableSpec(
@@ -672,7 +435,7 @@ TABLES: dict[str, TableSpec] = {
                      "eval on 100 batches of 2M validation tokens; PCAF d=896/h=3584/L=24, K=32, S=256, tau=0.2, "
                      "lambda_sem=0.5; batch 256 for PCAF/local conv at T=1024, 32 otherwise; JAX on a TPU v4-32 "
                      "pod"),
-            columns=_303M_COLUMNS, rows=_303M_ROWS, claims=_303M_CLAIMS, headlines=_303M_HEADLINES,
+            columns=COLUMNS_303M, rows=_303M_ROWS, claims=_303M_CLAIMS, headlines=_303M_HEADLINES,
             paper_device=_TPU_DEVICE,
         ),
         TableSpec(
@@ -682,7 +445,7 @@ TABLES: dict[str, TableSpec] = {
                      "(whose semantic route can select the position of the target itself) and under corrected "
                      "(strictly causal), beside PCAF-context under both profiles as a control; no published "
                      "numbers, the claims compare the two profiles"),
-            columns=_AUDIT_COLUMNS, rows=_AUDIT_ROWS, claims=_AUDIT_CLAIMS,
+            columns=COLUMNS_AUDIT, rows=_AUDIT_ROWS, claims=_AUDIT_CLAIMS,
         ),
     )
 }
@@ -699,14 +462,6 @@ def get_table(name: str) -> TableSpec:
         return TABLES[name]
     except KeyError:
         raise KeyError(f"unknown table {name!r}; valid tables: {', '.join(TABLES)}") from None
-
-
-def resolve_ref(ref: str, default_table: str) -> tuple[str, str]:
-    """Split a claim row reference into ``(table, row)``; a bare row id belongs to ``default_table``."""
-    if "/" in ref:
-        table, row = ref.split("/", 1)
-        return table, row
-    return default_table, ref
 
 
 def check_specs() -> list[str]:
@@ -739,31 +494,3 @@ def check_specs() -> list[str]:
                 if cid not in claim_ids:
                     problems.append(f"{t.name} headline {h.label!r}: unknown claim {cid!r}")
     return problems
-
-
-def select_rows(spec: TableSpec, patterns: str | None) -> TableSpec:
-    """``spec`` restricted to the rows whose id matches one of the comma-separated globs.
-
-    Claims survive only when every same-table row they name is selected (a claim about rows that
-    were not run would read "not measured" for a reason the reader did not choose). The title says
-    which rows were selected.
-    """
-    import dataclasses
-    import fnmatch
-
-    if not patterns or patterns == "*":
-        return spec
-    globs = [p.strip() for p in patterns.split(",") if p.strip()]
-    rows = tuple(r for r in spec.rows if any(fnmatch.fnmatch(r.id, g) for g in globs))
-    if not rows:
-        raise KeyError(f"rows {patterns!r} match no row of {spec.name!r}; rows: {list(spec.row_ids)}")
-    kept = {r.id for r in rows}
-
-    def local_ok(refs: tuple[str, ...]) -> bool:
-        return all("/" in ref or ref in kept for ref in refs)
-
-    claims = tuple(c for c in spec.claims if local_ok(c.left) and local_ok(c.right))
-    kept_claims = {c.id for c in claims}
-    headlines = tuple(h for h in spec.headlines if {h.reference_claim, h.corrected_claim} <= kept_claims)
-    return dataclasses.replace(spec, rows=rows, claims=claims, headlines=headlines,
-                               title=f"{spec.title} [rows: {patterns}]")

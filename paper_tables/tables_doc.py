@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paper_tables.specs import TABLES, TableSpec
+from paper_tables.spec_types import TableSpec
+from paper_tables.specs import TABLES
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "TABLES.md"
 BEGIN = "<!-- begin: rows and claims, written by `python -m paper_tables docs`; edit paper_tables/specs.py -->"

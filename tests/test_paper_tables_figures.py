@@ -261,7 +261,7 @@ def _text_boxes(fig):
 def test_speed_quality_names_every_point_and_no_label_overlaps_a_label_or_a_marker(tmp_path):
     from paper_tables.figures import plot_speed_quality
     from paper_tables.published import load_published
-    from paper_tables.specs import select_rows
+    from paper_tables.spec_types import select_rows
 
     # The default table's cpu numbers: every measured point within 2.7k-3.3k tokens/s.
     values = dict(transformer_dense=(239.6, 3082), transformer_local=(233.1, 3011), local_conv=(168.7, 3231),

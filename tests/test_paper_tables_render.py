@@ -14,7 +14,8 @@ from paper_tables.collect import aggregate, learning_bar, load_runs
 from paper_tables.pipeline import build_report, render_table
 from paper_tables.published import load_published
 from paper_tables.render import render_csv, render_latex, render_markdown, tex_escape
-from paper_tables.specs import Claim, get_table
+from paper_tables.spec_types import Claim
+from paper_tables.specs import get_table
 from pcaf_core.results import RunMetrics, write_metrics
 
 TABLE = "wt2-nt-1024"
@@ -283,7 +284,7 @@ def test_headline_says_not_measured_and_names_the_missing_row(tmp_path):
 def test_headlines_follow_the_row_selection():
     spec = get_table("main-303m")
     assert len(spec.headlines) == 4
-    from paper_tables.specs import select_rows
+    from paper_tables.spec_types import select_rows
 
     assert [h.label for h in select_rows(spec, "*_wt103_t1024").headlines] == ["WikiText-103 T=1024"]
     assert select_rows(spec, "pcaf_semantic_wt103_t1024,pcaf_context_wt103_t1024").headlines == ()
