@@ -70,12 +70,13 @@ def _exit_status(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else 1
 
 
-def run_main(main: Callable[[list[str]], int | None], argv: list[str], **env: str) -> Result:
-    """``python -m <module> ARGV`` of a module whose ``__main__`` block is ``sys.exit(main(argv))``."""
+def run_main(main: Callable[..., int | None], argv: list[str], **env: str) -> Result:
+    """``python -m <module> ARGV`` of a module whose ``__main__`` block is ``sys.exit(main())`` (a ``main`` that
+    takes no ``argv`` reads ``sys.argv``)."""
     module = sys.modules[main.__module__]
     with _as_a_command([module.__file__, *argv], {**ENV, **env}) as (out, err):
         try:
-            code = main(list(argv)) or 0
+            code = (main(list(argv)) if inspect.signature(main).parameters else main()) or 0
         except SystemExit as exc:
             code = _exit_status(exc)
     return Result(code, out.getvalue(), err.getvalue())
