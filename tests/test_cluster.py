@@ -207,6 +207,10 @@ def test_a_sweep_through_the_local_launcher_runs_each_job_in_its_own_process_and
 
     basic_dir, basic_rows = _sweep_table(tmp_path / "basic")
     local_dir, local_rows = _sweep_table(tmp_path / "local")
+    # The basic sweep ends in one table and one plot (the command test_experiments_e2e would run again).
+    assert len(list(basic_dir.glob("*/metrics.json"))) == 2  # failing jobs: tests/test_interrupt_and_rerun.py
+    assert (basic_dir / "sweep_memory.top_k.png").stat().st_size > 0
+    assert sorted(int(r["memory.top_k"]) for r in basic_rows) == [4, 16] and all(r["best_ppl"] for r in basic_rows)
     same = ["memory.top_k", "n_runs", "n_failed", "best_ppl", "final_ppl", "acc_at_best", "full_ppl", "params"]
     assert [[r[k] for k in same] for r in local_rows] == [[r[k] for k in same] for r in basic_rows]
     assert [r["memory.top_k"] for r in local_rows] == ["4", "16"] and {r["n_runs"] for r in local_rows} == {"1"}

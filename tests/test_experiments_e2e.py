@@ -1,6 +1,6 @@
-"""End to end: `make reproduce-table` at smoke scale, a multirun sweep, config errors, failed runs. The commands
-other than ``make`` run in this process (tests/entry_points.py): what they print and their exit status are what
-is checked, not their process."""
+"""End to end: `make reproduce-table` at smoke scale, config errors, failed runs (a multirun sweep:
+tests/test_cluster.py). The commands other than ``make`` run in this process (tests/entry_points.py): what they
+print and their exit status are what is checked, not their process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import os
 import subprocess
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
 from experiments import app
@@ -47,20 +46,8 @@ def test_make_reproduce_table_smoke_on_the_jax_backend(tmp_path):
         assert "missing" not in line and "failed" not in line
 
 
-@pytest.mark.slow
-def test_multirun_sweep_ends_in_one_table_and_one_plot(tmp_path):
-    res = run_app(["-m", "experiment=wt2-nt-1024/pcaf_context", "scale=smoke", "memory.top_k=4,16",
-                   f"output_root={tmp_path}"])
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    sweep_dirs = list((tmp_path / "multirun").iterdir())
-    assert len(sweep_dirs) == 1
-    sweep = sweep_dirs[0]
-    assert len([p for p in sweep.glob("*/metrics.json")]) == 2  # failing jobs: tests/test_interrupt_and_rerun.py
-    table = sweep / "sweep_memory.top_k.csv"
-    assert table.exists() and (sweep / "sweep_memory.top_k.png").stat().st_size > 0
-    df = pd.read_csv(table)
-    assert sorted(df["memory.top_k"].tolist()) == [4, 16]
-    assert df["best_ppl"].notna().all()
+# A multirun sweep ending in one table and one plot: the basic-launcher sweep of tests/test_cluster.py (the same
+# command, memory.top_k=4,16, which that test compares the local launcher's with).
 
 
 @pytest.mark.slow
