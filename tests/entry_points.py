@@ -32,8 +32,9 @@ class Result:
 def _as_a_command(argv: list[str], env: dict[str, str]):
     """``sys.argv`` and the environment as the command's, stdout and stderr captured; afterwards the process as it
     was: environment, logging (Hydra configures it for its jobs) and Hydra's global state (its main initialises
-    it)."""
+    it and sets the job's config)."""
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
 
     out, err = io.StringIO(), io.StringIO()
     root = logging.getLogger()
@@ -57,6 +58,7 @@ def _as_a_command(argv: list[str], env: dict[str, str]):
             else:
                 os.environ[key] = value
         GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None
         root.handlers[:] = handlers
         root.setLevel(level)
         logging._handlerList[:] = live
