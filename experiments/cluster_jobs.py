@@ -138,6 +138,11 @@ def _finished(job: submitit.Job, earlier: bool) -> bool:
 
 
 def _outcome(job: submitit.Job) -> dict[str, Any]:
+    if isinstance(job, submitit.LocalJob):
+        # A local job's process writes its result before it ends, on this machine's file system: a job that ended
+        # without one never writes it. (submitit waits 15 s for it, for the lag of a cluster's shared file system,
+        # before saying that a killed job left no result.)
+        job._results_timeout_s = 0
     try:
         return job.result()
     except Exception as exc:  # noqa: BLE001 - the job died (killed, out of memory) or raised: reported, not lost

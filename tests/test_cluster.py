@@ -3,7 +3,9 @@ local executor runs every job as its own process here, so the cluster path is te
 this machine, so its jobs are checked through the sbatch script submitit would submit.
 
 Faults inside job processes come from ``tests/fixtures/site/sitecustomize.py`` (on ``PYTHONPATH``, inherited by
-every process a job starts): a one-time hold at a training step, or modules made unimportable.
+every process a job starts): a one-time hold at a training step, or modules made unimportable. Commands that only
+check their jobs, and the basic launcher's sweep the local one is compared with, run in this process
+(tests/entry_points.py).
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import pytest
 
 from experiments.allocator import TUNABLES
 from pcaf_core.results import read_curve, read_metrics
+from tests.entry_points import run_app, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = REPO / "tests" / "fixtures" / "site"
 # One row, 8 steps, a checkpoint every 2 steps, no full-split pass: a few seconds a job.
 TABLE_ARGS = ["--table", "wt2-nt-1024", "--scale", "smoke", "--rows", "pcaf_context", "--no-render",
               "train.steps=8", "train.checkpoint_every=2", "eval.protocol=reference"]
-SWEEP = ["experiment=wt2-nt-1024/pcaf_context", "scale=smoke", "memory.top_k=4,8,16"]
+SWEEP = ["experiment=wt2-nt-1024/pcaf_context", "scale=smoke", "memory.top_k=4,16"]
 CLUSTER_MODULES = "submitit,hydra_plugins.hydra_submitit_launcher"
 
 
@@ -99,24 +102,24 @@ def _slurm_tools(tmp_path: Path) -> str:
 
 
 @pytest.mark.slow
-def test_every_job_is_validated_before_any_is_submitted_through_either_launcher(tmp_path):
+def test_every_job_is_validated_before_any_is_submitted_through_either_launcher(tmp_path, monkeypatch):
+    from experiments.reproduce import main as reproduce
+
     out = tmp_path / "out"
-    path = _slurm_tools(tmp_path)
+    monkeypatch.setenv("PATH", _slurm_tools(tmp_path))
     for launcher in ("local", "slurm"):
-        res = _run([sys.executable, "-m", "experiments.run", "-m", "experiment=wt2-nt-1024/pcaf_context",
-                    "scale=smoke", "memory.top_k=4,0,-1", f"hydra/launcher={launcher}", f"output_root={out}"],
-                   PATH=path)
+        res = run_app(["-m", "experiment=wt2-nt-1024/pcaf_context", "scale=smoke", "memory.top_k=4,0,-1",
+                       f"hydra/launcher={launcher}", f"output_root={out}"])
         assert res.returncode == 2, res.stdout + res.stderr
         assert res.stderr.splitlines() == [
             "config error: memory.top_k=0 is invalid: K must be >= 1 (job 1: memory.top_k=0)",
             "config error: memory.top_k=-1 is invalid: K must be >= 1 (job 2: memory.top_k=-1)",
             "config error: 2 of 3 jobs are invalid; no job was started"]
-        res = _run([sys.executable, "-m", "experiments.reproduce", "--table", "wt2-nt-1024", "--scale", "smoke",
-                    "--rows", "pcaf_context,local_conv", "--launcher", launcher, "--output-root", str(out),
-                    "memory.top_k=0"], PATH=path)
+        res = run_main(reproduce, ["--table", "wt2-nt-1024", "--scale", "smoke", "--rows", "pcaf_context,local_conv",
+                                   "--launcher", launcher, "--output-root", str(out), "memory.top_k=0"])
         assert res.returncode == 2 and res.stderr == "config error: memory.top_k=0 is invalid: K must be >= 1\n"
-        res = _run([sys.executable, "-m", "experiments.reproduce", *TABLE_ARGS, "--launcher", launcher,
-                    "--output-root", str(out), "hydra.launcher.timeout_min=soon"], PATH=path)
+        res = run_main(reproduce, [*TABLE_ARGS, "--launcher", launcher, "--output-root", str(out),
+                                   "hydra.launcher.timeout_min=soon"])
         assert res.returncode == 2 and res.stderr.startswith("config error: hydra.launcher.timeout_min: Value 'soon'")
         assert res.stderr.count("\n") == 1
     assert not out.exists()
@@ -185,28 +188,40 @@ def _sweep_table(out: Path) -> tuple[Path, list[dict[str, str]]]:
 @pytest.mark.slow
 def test_a_sweep_through_the_local_launcher_runs_each_job_in_its_own_process_and_summarises_as_the_basic_one(
         tmp_path):
-    cmd = [sys.executable, "-m", "experiments.run", "-m", *SWEEP]
-    basic = _run([*cmd, f"output_root={tmp_path / 'basic'}"])
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the local launcher's jobs (_env)
+    try:
+        basic = run_app(["-m", *SWEEP, f"output_root={tmp_path / 'basic'}"])
+    finally:
+        torch.set_num_threads(threads)
     assert basic.returncode == 0, basic.stderr[-3000:]
-    local = subprocess.Popen([*cmd, f"output_root={tmp_path / 'local'}", "hydra/launcher=local",
-                              "hydra.sweeper.max_batch_size=2"], cwd=REPO, stdout=subprocess.PIPE,
+    # One job at a time: two batches of the sweep.
+    local = subprocess.Popen([sys.executable, "-m", "experiments.run", "-m", *SWEEP,
+                              f"output_root={tmp_path / 'local'}", "hydra/launcher=local",
+                              "hydra.sweeper.max_batch_size=1"], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=_env())
     stdout, stderr = local.communicate(timeout=300)
     assert local.returncode == 0, stderr[-3000:]
 
     basic_dir, basic_rows = _sweep_table(tmp_path / "basic")
     local_dir, local_rows = _sweep_table(tmp_path / "local")
+    # The basic sweep ends in one table and one plot (the command test_experiments_e2e would run again).
+    assert len(list(basic_dir.glob("*/metrics.json"))) == 2  # failing jobs: tests/test_interrupt_and_rerun.py
+    assert (basic_dir / "sweep_memory.top_k.png").stat().st_size > 0
+    assert sorted(int(r["memory.top_k"]) for r in basic_rows) == [4, 16] and all(r["best_ppl"] for r in basic_rows)
     same = ["memory.top_k", "n_runs", "n_failed", "best_ppl", "final_ppl", "acc_at_best", "full_ppl", "params"]
     assert [[r[k] for k in same] for r in local_rows] == [[r[k] for k in same] for r in basic_rows]
-    assert [r["memory.top_k"] for r in local_rows] == ["4", "8", "16"] and {r["n_runs"] for r in local_rows} == {"1"}
+    assert [r["memory.top_k"] for r in local_rows] == ["4", "16"] and {r["n_runs"] for r in local_rows} == {"1"}
     assert (local_dir / "sweep_memory.top_k.png").stat().st_size > 0
 
     # Each job ran in a process of its own, started by submitit, not in the launching command's process.
     envs = [json.loads(p.read_text()) for p in sorted(local_dir.glob("*/environment.json"))]
     pids = {env["pid"] for env in envs}
-    assert len(envs) == 3 and len(pids) == 3 and local.pid not in pids
+    assert len(envs) == 2 and len(pids) == 2 and local.pid not in pids
     assert all(env["argv"][0].endswith(os.path.join("submitit", "core", "_submit.py")) for env in envs)
-    assert len({p.name for p in (local_dir / ".submitit").iterdir()} - {"%j"}) == 3
+    assert len({p.name for p in (local_dir / ".submitit").iterdir()} - {"%j"}) == 2
     # The summary callback ran once, in the launching process; the jobs' logs do not have it.
     assert stdout.count(f"sweep output: {local_dir}/sweep_memory.top_k.md") == 1
     assert not any("sweep output" in p.read_text() for p in (local_dir / ".submitit").glob("*/*_log.out"))

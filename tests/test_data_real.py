@@ -1,17 +1,15 @@
 """The real corpora: WikiText-2 (vendored) and pg19-mini, built into a fresh cache per session.
 
 pg19-mini is found through the usual search (``$PCAF_DATA_DIR``, the repository's ``data/``,
-``../shared/data``); see docs/DATA.md.
+``../shared/data``); see docs/DATA.md. The ``python -m pcaf_core.data`` commands run in this process
+(tests/entry_points.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +25,9 @@ from pcaf_core.data import (
     load_corpus,
 )
 from pcaf_core.data.cli import count_conventions
+from pcaf_core.data.cli import main as data_main
 from pcaf_core.data.corpora import read_text, repo_root, text_lines
+from tests.entry_points import Result, run_main
 
 ROOT = repo_root()
 
@@ -52,10 +52,9 @@ def pg19_mini(real_cache) -> TokenizedCorpus:
     return load_corpus(DataConfig(name="pg19_mini", max_vocab=32000, cache_dir=str(real_cache)))
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "pcaf_core.data", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+def cli(*args: str) -> Result:
+    """``python -m pcaf_core.data ARGS``."""
+    return run_main(data_main, list(args))
 
 
 def test_wikitext2_vocab_and_token_counts(wt2):

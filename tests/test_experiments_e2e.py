@@ -1,18 +1,19 @@
-"""End to end: `make reproduce-table` at smoke scale, a multirun sweep, config errors, failed runs."""
+"""End to end: `make reproduce-table` at smoke scale, config errors, failed runs (a multirun sweep:
+tests/test_cluster.py). The commands other than ``make`` run in this process (tests/entry_points.py): what they
+print and their exit status are what is checked, not their process."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
 from experiments import app
 from experiments.reproduce import compose_row
 from pcaf_core.results import read_metrics
+from tests.entry_points import run_app
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,21 +46,8 @@ def test_make_reproduce_table_smoke_on_the_jax_backend(tmp_path):
         assert "missing" not in line and "failed" not in line
 
 
-@pytest.mark.slow
-def test_multirun_sweep_ends_in_one_table_and_one_plot(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "experiments.run", "-m", "experiment=wt2-nt-1024/pcaf_context",
-                          "scale=smoke", "memory.top_k=4,16", f"output_root={tmp_path}"],
-                         cwd=REPO, capture_output=True, text=True, env=_env(), timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    sweep_dirs = list((tmp_path / "multirun").iterdir())
-    assert len(sweep_dirs) == 1
-    sweep = sweep_dirs[0]
-    assert len([p for p in sweep.glob("*/metrics.json")]) == 2  # failing jobs: tests/test_interrupt_and_rerun.py
-    table = sweep / "sweep_memory.top_k.csv"
-    assert table.exists() and (sweep / "sweep_memory.top_k.png").stat().st_size > 0
-    df = pd.read_csv(table)
-    assert sorted(df["memory.top_k"].tolist()) == [4, 16]
-    assert df["best_ppl"].notna().all()
+# A multirun sweep ending in one table and one plot: the basic-launcher sweep of tests/test_cluster.py (the same
+# command, memory.top_k=4,16, which that test compares the local launcher's with).
 
 
 @pytest.mark.slow
@@ -75,9 +63,7 @@ def test_multirun_sweep_ends_in_one_table_and_one_plot(tmp_path):
 ])
 def test_config_errors_fail_before_training_and_name_the_key(override, key, tmp_path):
     """One line naming the key, exit 2, nothing trained (the table driver: tests/test_interrupt_and_rerun.py)."""
-    res = subprocess.run([sys.executable, "-m", "experiments.run", "experiment=wt2-nt-1024/pcaf_context",
-                          "scale=smoke", override, f"output_root={tmp_path}"],
-                         cwd=REPO, capture_output=True, text=True, env=_env(), timeout=300)
+    res = run_app(["experiment=wt2-nt-1024/pcaf_context", "scale=smoke", override, f"output_root={tmp_path}"])
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error: ") and key in lines[0], res.stderr
@@ -102,9 +88,7 @@ def test_a_config_error_creates_no_output_root(tmp_path, capsys):
     root = tmp_path / "new-root"
     assert main(["--table", "wt2-nt-1024", "--scale", "smoke", "--output-root", str(root), "memory.top_k=0"]) == 2
     assert "memory.top_k=0 is invalid" in capsys.readouterr().err and not root.exists()
-    res = subprocess.run([sys.executable, "-m", "experiments.run", "experiment=wt2-nt-1024/pcaf_context",
-                          "scale=smoke", "memory.top_k=0", f"output_root={root}"],
-                         cwd=REPO, capture_output=True, text=True, env=_env(), timeout=300)
+    res = run_app(["experiment=wt2-nt-1024/pcaf_context", "scale=smoke", "memory.top_k=0", f"output_root={root}"])
     assert res.returncode == 2 and not root.exists(), res.stderr[-2000:]
 
 
@@ -122,9 +106,8 @@ def test_paper_scale_on_a_cpu_says_how_long_it_would_train_and_needs_confirmatio
     hours = float(line.split("for at least ")[1].split(" hours")[0].replace(",", ""))
     assert line.startswith("config error: 1 run(s) of this command would train on this CPU") and hours > LONG_RUN_HOURS
     assert "make step-cost TABLE=main-303m SCALE=paper" in line and "add --yes" in line and not root.exists()
-    res = subprocess.run([sys.executable, "-m", "experiments.run", "experiment=main-303m/pcaf_context_wt103_t1024",
-                          "scale=paper", "backend.device=cpu", f"output_root={root}"],
-                         cwd=REPO, capture_output=True, text=True, env=_env(), timeout=300)
+    res = run_app(["experiment=main-303m/pcaf_context_wt103_t1024", "scale=paper", "backend.device=cpu",
+                   f"output_root={root}"])
     assert res.returncode == 2 and "add confirm=true to start it anyway" in res.stderr and not root.exists()
 
 

@@ -1,15 +1,13 @@
 """``generate`` on torch and ``python -m experiments.generate`` end to end.
 
 A smoke-scale PCAF-context run is trained by the table driver (what ``make reproduce-table SCALE=smoke``
-runs), then the command generates from it in a subprocess; greedy generation equals the argmax of the
-full AR forward over its own output; sampling is reproducible by seed; errors are one line.
+runs), then the command (``python -m experiments.generate``, run in this process: tests/entry_points.py) generates
+from it; greedy generation equals the argmax of the full AR forward over its own output; sampling is reproducible
+by seed; errors are one line.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +20,7 @@ from experiments import generate as generate_cli
 from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.profiles import get_profile
 from pcaf_core.weights import load_canonical, save_canonical
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.entry_points import run_main
 
 
 @pytest.fixture
@@ -33,10 +30,8 @@ def smoke_run(smoke_pcaf_run) -> Path:
 
 @pytest.mark.slow
 def test_generate_command_end_to_end_from_a_smoke_table_run(smoke_run):
-    env = {**os.environ, "PCAF_NO_PROGRESS": "1"}
-    res = subprocess.run([sys.executable, "-m", "experiments.generate", f"run_dir={smoke_run}",
-                          "prompt=The game was Zqxjv released in", "max_new_tokens=12", "seed=3"],
-                         cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    res = run_main(generate_cli.main, [f"run_dir={smoke_run}", "prompt=The game was Zqxjv released in",
+                                       "max_new_tokens=12", "seed=3"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert "warning: prompt words not in the vocabulary, read as <unk>: 'Zqxjv'" in res.stderr
     lines = res.stdout.splitlines()

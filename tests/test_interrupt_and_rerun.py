@@ -2,7 +2,8 @@
 points (docs/EXPERIMENTS.md, "Interrupting and rerunning", names these tests for each guarantee).
 
 Faults come from ``tests/fixtures/faulty_entry.py``, which runs ``python -m <module>`` with a hold at a chosen
-training step (so a real signal lands at a known point) or a full disk. Everything runs at smoke scale.
+training step (so a real signal lands at a known point) or a full disk. Everything runs at smoke scale. Commands
+whose claim is what they print and do, not their process, run in this process (tests/entry_points.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 
 from experiments.allocator import TUNABLES
 from pcaf_core.results import read_curve, read_metrics, write_metrics
+from tests.entry_points import run_app, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTY = REPO / "tests" / "fixtures" / "faulty_entry.py"
@@ -235,9 +237,8 @@ def test_a_flipped_byte_in_a_token_cache_is_caught_on_open_and_old_manifests_are
 
 @pytest.mark.slow
 def test_a_sweep_with_an_invalid_job_starts_no_job(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "experiments.run", "-m", "experiment=wt2-nt-1024/pcaf_context",
-                          "scale=smoke", "memory.top_k=4,0,8", f"output_root={tmp_path}"],
-                         cwd=REPO, capture_output=True, text=True, env=_env(), timeout=300)
+    res = run_app(["-m", "experiment=wt2-nt-1024/pcaf_context", "scale=smoke", "memory.top_k=4,0,8",
+                   f"output_root={tmp_path}"])
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "config error: memory.top_k=0 is invalid: K must be >= 1 (job 1: memory.top_k=0)" in res.stderr
     assert "no job was started" in res.stderr and "Traceback" not in res.stderr
@@ -248,10 +249,14 @@ def test_a_sweep_with_an_invalid_job_starts_no_job(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_while_checkpointing_is_reported_recorded_and_cleaned_up(tmp_path):
+def test_a_full_disk_while_checkpointing_is_reported_recorded_and_cleaned_up(tmp_path, monkeypatch):
+    from experiments.reproduce import main as reproduce
+    from tests.fixtures.faulty_entry import disk_full_fsync
+
     out = tmp_path / "out"
-    res = subprocess.run(_reproduce(out), cwd=REPO, capture_output=True, text=True,
-                         env=_env(PCAF_FAULT_DISK_FULL=str(out)), timeout=300)
+    monkeypatch.setattr(os, "fsync", disk_full_fsync(out.resolve()))  # faulty_entry's PCAF_FAULT_DISK_FULL, here
+    res = run_main(reproduce, [*RUN_ARGS, "--output-root", str(out)])
+    monkeypatch.undo()
     # The row is failed, the table goes on; the command says so last and exits 1.
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr.strip().splitlines()[-1].endswith("1 failed of 1 runs (their rows show why)")
@@ -303,9 +308,7 @@ def test_an_unwritable_output_root_is_one_line_with_exit_2_on_every_entry_point(
     assert reproduce.main([*RUN_ARGS, "--output-root", str(blocker / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"config error: --output-root={blocker / 'out'} is not a writable directory")
-    res = subprocess.run([sys.executable, "-m", "experiments.run", "experiment=wt2-nt-1024/pcaf_context",
-                          "scale=smoke", f"output_root={blocker / 'out'}"],
-                         cwd=REPO, capture_output=True, text=True, env=_env(), timeout=300)
+    res = run_app(["experiment=wt2-nt-1024/pcaf_context", "scale=smoke", f"output_root={blocker / 'out'}"])
     assert res.returncode == 2 and res.stderr.strip().startswith(f"config error: output_root={blocker / 'out'}")
     assert len(res.stderr.strip().splitlines()) == 1
 
@@ -353,8 +356,8 @@ def test_a_diverged_run_continues_from_its_last_finite_checkpoint_with_the_print
     assert command, rec.error
     lower = float(command.group(2)) / 2
     argv = shlex.split(command.group(1))
-    res = subprocess.run([sys.executable, *argv[1:], f"train.lr={lower}"], cwd=REPO, capture_output=True, text=True,
-                         env=_env(), timeout=300)
+    assert argv[:3] == ["python", "-m", "experiments.run"], argv
+    res = run_app([*argv[3:], f"train.lr={lower}"])  # the printed command, in this process
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rec = read_metrics(run_dir)
     assert rec.status == "completed" and rec.steps_done == 8 and rec.extra["segments"] == 2

@@ -1,25 +1,24 @@
 """``make bench-precision`` end to end at smoke scale: the CSV that benchmarks/precision_check.py writes is the one
-the benchmark report judges the CPU's bf16 learning curves from, labelled with the machine and the run."""
+the benchmark report judges the CPU's bf16 learning curves from, labelled with the machine and the run. The command
+(``python -m benchmarks.precision_check``) runs in this process (tests/entry_points.py)."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 
 from benchmarks.bench_report import render
 from benchmarks.common import read_csv
+from tests.entry_points import run_main
 
 
 @pytest.mark.slow
 def test_precision_check_writes_labelled_curves_the_report_judges(tmp_path):
+    from benchmarks.precision_check import main as precision_check
+
     bench = tmp_path / "bench"
     page = tmp_path / "results" / "bf16-vs-fp32.md"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.precision_check", "--scale", "smoke", "--steps", "12", "--every", "6",
-         "--out", str(page), "--csv", str(bench / "precision.csv"), f"data.cache_dir={tmp_path / 'cache'}"],
-        capture_output=True, text=True, timeout=600)
+    proc = run_main(precision_check, ["--scale", "smoke", "--steps", "12", "--every", "6", "--out", str(page),
+                                      "--csv", str(bench / "precision.csv"), f"data.cache_dir={tmp_path / 'cache'}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_csv(bench / "precision.csv")
     assert [int(r["step"]) for r in rows] == [1, 6, 12]

@@ -1,7 +1,8 @@
 """A run record that nothing can silently replace or rewrite, through the real entry points at smoke scale
 (docs/EXPERIMENTS.md, "Run identity and run records", names these tests).
 
-One smoke run of wt2-nt-1024/pcaf_context is trained once for the module; each test works on its own copy.
+One smoke run of wt2-nt-1024/pcaf_context is trained once for the module; each test works on its own copy. Commands
+run through ``make`` and side by side are processes; the others run in this process (tests/entry_points.py).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from experiments.allocator import TUNABLES
 from experiments.app import hydra_value
 from pcaf_core.checkpoints import read_loop_state
 from pcaf_core.results import read_metrics, write_metrics
+from tests.entry_points import run_app, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 ROW = ["--table", "wt2-nt-1024", "--scale", "smoke", "--rows", "pcaf_context"]
-RUN = [sys.executable, "-m", "experiments.run", "experiment=wt2-nt-1024/pcaf_context", "scale=smoke"]
+RUN = ["experiment=wt2-nt-1024/pcaf_context", "scale=smoke"]  # python -m experiments.run RUN ...
 
 pytestmark = pytest.mark.slow
 
@@ -122,20 +124,20 @@ def test_a_refused_resume_changes_nothing_and_the_original_command_still_resumes
     write_metrics(run_dir, dataclasses.replace(read_metrics(run_dir), status="running"))
     before = _snapshot(run_dir)
     for override, field in (("train.lr=0.01", "train.lr"), ("memory.top_k=8", "memory.top_k")):
-        res = _cli([*RUN, _at("run_dir", run_dir), _at("output_root", outputs), override])
+        res = run_app([*RUN, _at("run_dir", run_dir), _at("output_root", outputs), override])
         assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
         line = res.stderr.strip().splitlines()[-1]
         assert line.startswith(f"refused: cannot resume {run_dir} with this command: it changes {field}: ")
         assert f"Nothing in {run_dir} was changed" in line and "restart=true" in line
         assert _snapshot(run_dir) == before, override
 
-    res = _cli([*RUN, _at("run_dir", run_dir), _at("output_root", outputs), "train.lr=0.01", "restart=true"])
+    res = run_app([*RUN, _at("run_dir", run_dir), _at("output_root", outputs), "train.lr=0.01", "restart=true"])
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert f"{run_dir} is kept as it is" in res.stderr and _snapshot(run_dir) == before
     new = [d for d in outputs.rglob("config.yaml") if d.parent != run_dir]
     assert len(new) == 1 and "lr: 0.01" in new[0].read_text()
 
-    res = _cli([*RUN, _at("run_dir", run_dir)])  # the original command still knows its run
+    res = run_app([*RUN, _at("run_dir", run_dir)])  # the original command still knows its run
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert f"resuming {run_dir} from step 5" in res.stderr
     rec = read_metrics(run_dir)
@@ -153,7 +155,7 @@ def test_resuming_with_the_other_backend_is_refused_by_name_with_the_command_tha
     assert state.backend == "torch" and state.checkpoint_format.startswith("torch-1: ")
     write_metrics(torch_dir, dataclasses.replace(read_metrics(torch_dir), status="running"))
     before = _snapshot(torch_dir)
-    res = _cli([*RUN, "backend=jax", _at("run_dir", torch_dir)])
+    res = run_app([*RUN, "backend=jax", _at("run_dir", torch_dir)])
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     (line,) = res.stderr.strip().splitlines()
     assert line.startswith(f"refused: {torch_dir} was trained by the torch backend (its checkpoints are torch-1: ")
@@ -163,10 +165,13 @@ def test_resuming_with_the_other_backend_is_refused_by_name_with_the_command_tha
 
     from experiments import reproduce
 
-    assert reproduce.main([*ROW, "--backend", "jax", "--output-root", str(outputs), "--no-render"]) == 0
-    (jax_dir,) = [p.parent for p in outputs.glob("wt2-nt-1024/smoke/jax/pcaf_context/*/config.yaml")]
+    # The JAX run is of the local conv row: JAX compiles it in half the time of PCAF's, and what is refused is the
+    # backend, whatever the row (the command below is that row's own, but for the backend).
+    assert reproduce.main(["--table", "wt2-nt-1024", "--scale", "smoke", "--rows", "local_conv", "--backend", "jax",
+                           "--output-root", str(outputs), "--no-render"]) == 0
+    (jax_dir,) = [p.parent for p in outputs.glob("wt2-nt-1024/smoke/jax/local_conv/*/config.yaml")]
     before = _snapshot(jax_dir)
-    res = _cli([*RUN, "backend=torch", _at("run_dir", jax_dir)])
+    res = run_app(["experiment=wt2-nt-1024/local_conv", "scale=smoke", "backend=torch", _at("run_dir", jax_dir)])
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     (line,) = res.stderr.strip().splitlines()
     assert line.startswith(f"refused: {jax_dir} was trained by the jax backend (its checkpoints are jax-1: ")
@@ -177,8 +182,9 @@ def test_resuming_with_the_other_backend_is_refused_by_name_with_the_command_tha
 
 
 def test_failed_rows_make_the_command_fail_and_the_fix_replaces_the_bad_override(tmp_path):
-    res = _cli([sys.executable, "-m", "experiments.reproduce", *ROW, "--output-root", str(tmp_path / "out"),
-                "train.lr=1e30"])
+    from experiments.reproduce import main as reproduce
+
+    res = run_main(reproduce, [*ROW, "--output-root", str(tmp_path / "out"), "train.lr=1e30"])
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr.strip().splitlines()[-1].endswith("1 failed of 1 runs (their rows show why)")
     failed = next(ln for ln in res.stdout.splitlines() if "FAILED: training diverged" in ln)
@@ -187,9 +193,9 @@ def test_failed_rows_make_the_command_fail_and_the_fix_replaces_the_bad_override
 
     empty = tmp_path / "no-data"
     empty.mkdir()
-    res = _cli([sys.executable, "-m", "experiments.reproduce", "--table", "main-303m", "--scale", "paper", "--rows",
-                "pcaf_context_wt103_t1024", "--yes", "--no-render", "--output-root", str(tmp_path / "paper"),
-                f"data.data_dir={empty}", "backend.device=cpu"])
+    res = run_main(reproduce, ["--table", "main-303m", "--scale", "paper", "--rows", "pcaf_context_wt103_t1024",
+                               "--yes", "--no-render", "--output-root", str(tmp_path / "paper"),
+                               f"data.data_dir={empty}", "backend.device=cpu"])
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     assert "FAILED: DataNotFoundError" in res.stdout
     assert res.stderr.strip().splitlines()[-1].endswith("1 failed of 1 runs (their rows show why)")
@@ -200,6 +206,7 @@ def test_failed_rows_make_the_command_fail_and_the_fix_replaces_the_bad_override
 
 def test_an_edited_or_truncated_record_is_caught_and_rebuilt_keeping_the_damaged_file(outputs, capsys):
     from experiments import reproduce
+    from paper_tables.__main__ import main as tables
 
     (run_dir,) = _row_dirs(outputs)
     record = run_dir / "metrics.json"
@@ -208,15 +215,18 @@ def test_an_edited_or_truncated_record_is_caught_and_rebuilt_keeping_the_damaged
     data["best_ppl"] = 12.5
     record.write_text(json.dumps(data, indent=2))
     edited = record.read_bytes()
-    res = _cli([sys.executable, "-m", "paper_tables", "render", "--table", "wt2-nt-1024", "--scale", "smoke",
-                "--backend", "torch", "--runs", str(outputs), "--out", str(outputs / "tables"), "--no-figures"])
+    res = run_main(tables, ["render", "--table", "wt2-nt-1024", "--scale", "smoke", "--backend", "torch", "--runs",
+                            str(outputs), "--out", str(outputs / "tables"), "--no-figures"])
     assert res.returncode == 0, res.stderr[-2000:]
     line = _pcaf_line(outputs / "tables" / "wt2-nt-1024_smoke_torch.md")
     assert "12.50" not in line and "| damaged |" in line and f"{record} does not match its own digest" in line
     assert "1 row(s) rendered as damaged (pcaf_context)" in res.stderr
 
+    kept_at = ""  # the UTC second the damaged copy is named by: the next one gets its own
     for damage in ("edited", "truncated"):
         if damage == "truncated":
+            while time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) == kept_at:
+                time.sleep(0.05)
             record.write_bytes(record.read_bytes()[:300])
             edited = record.read_bytes()
         capsys.readouterr()
@@ -228,7 +238,7 @@ def test_an_edited_or_truncated_record_is_caught_and_rebuilt_keeping_the_damaged
         rec = read_metrics(run_dir)
         assert rec.status == "completed" and rec.best_ppl == good
         assert any(kept[0].name in i["kept"] for i in rec.extra["incidents"])
-        time.sleep(1.1)  # the next damaged copy gets its own time stamp
+        kept_at = kept[0].name.rsplit("-", 1)[1]
 
 
 # --------------------------------------------------------------------------- defect 7
