@@ -41,13 +41,23 @@ CASES = [  # (variant, route, semantic index, policy)
     ("pcaf_no_cache", "context", "dense", "first"),
     ("local_conv", "context", "dense", "first"),
 ]
-STEPS = 3
+COMPILED_CASES = [c for c in CASES if c[0] != "local_conv"]
+"""The cases compiled: local_conv is pcaf_no_cache's network with the cache path off (backends/torch/models.py),
+and only parameters the step never reads differ, so Dynamo and AOT autograd make the same forward and backward
+graphs of the two (their generated code is identical in both modes): one of them compiles for both. The eager
+checks (the device reads) still run every case."""
+STEPS = 2
+"""Steps compared: the second runs the compiled step on the weights the first step's update changed (and, on the
+routes that rank with ρ read back, on a new ρ, which Dynamo recompiles for)."""
 
 
 def _cfg(case, mode: str, compile_mode: str = "off") -> RunConfig:
     variant, route, index, policy = case
     return RunConfig(
-        model=ModelConfig(variant=variant, vocab_size=64, d_model=16, d_hidden=24, n_layers=2, max_seq_len=32),
+        # One conv block with a 2-tap conv: compile time grows with the ops traced, and each kind of op of the
+        # step (the conv's shifted multiply-adds, the block, the head, the memory read) is traced all the same.
+        model=ModelConfig(variant=variant, vocab_size=64, d_model=16, d_hidden=24, n_layers=1, kernel_size=2,
+                          max_seq_len=32),
         memory=MemoryConfig(route=route, semantic_index=index, candidate_policy=policy, num_buckets=8, top_k=4,
                             semantic_buckets=4),
         profile=get_profile("reference_torch"),  # dropout 0.1 and clipping on
@@ -99,7 +109,7 @@ def _compare_steps(cfg: RunConfig, compiler: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["nt", "ar"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
+@pytest.mark.parametrize("case", COMPILED_CASES, ids=lambda c: "-".join(c))
 def test_compiled_graph_capture_trains_like_eager(case, mode: str) -> None:
     _compare_steps(_cfg(case, mode), "aot_eager")
 
@@ -350,7 +360,7 @@ def _cudagraph_unsafe(graphs: list[torch.fx.GraphModule], mutated: list[int]) ->
 
 
 @pytest.mark.parametrize("mode", ["ar", "nt"])
-@pytest.mark.parametrize("case", [c for c in CASES if not ranks_with_host_rho(_cfg(c, "ar"))],
+@pytest.mark.parametrize("case", [c for c in COMPILED_CASES if not ranks_with_host_rho(_cfg(c, "ar"))],
                          ids=lambda c: "-".join(c))
 @pytest.mark.slow
 def test_cuda_step_is_one_cudagraph_safe_graph(cuda_code_paths: torch.device, case, mode: str) -> None:
