@@ -46,6 +46,9 @@ COMPILED_CASES = [c for c in CASES if c[0] != "local_conv"]
 and only parameters the step never reads differ, so Dynamo and AOT autograd make the same forward and backward
 graphs of the two (their generated code is identical in both modes): one of them compiles for both. The eager
 checks (the device reads) still run every case."""
+B, T = 2, 16
+"""Batch and window of every step: 16 tokens over 8 buckets repeat enough to fill the K=4 candidate slots, and
+on the CUDA code paths the Triton interpreter's time grows with the programs a kernel launches (B·T rows)."""
 STEPS = 2
 """Steps compared: the second runs the compiled step on the weights the first step's update changed (and, on the
 routes that rank with ρ read back, on a new ρ, which Dynamo recompiles for)."""
@@ -61,7 +64,7 @@ def _cfg(case, mode: str, compile_mode: str = "off") -> RunConfig:
         memory=MemoryConfig(route=route, semantic_index=index, candidate_policy=policy, num_buckets=8, top_k=4,
                             semantic_buckets=4),
         profile=get_profile("reference_torch"),  # dropout 0.1 and clipping on
-        train=TrainConfig(mode=mode, seq_len=24, batch_size=3, steps=STEPS, compile=compile_mode))
+        train=TrainConfig(mode=mode, seq_len=T, batch_size=B, steps=STEPS, compile=compile_mode))
 
 
 def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -83,8 +86,8 @@ def _compare_steps(cfg: RunConfig, compiler: str):
     rng = np.random.default_rng(0)
     state.module.train()
     for step in range(STEPS):
-        x = torch.as_tensor(rng.integers(3, 64, (3, 24)))
-        y = torch.as_tensor(rng.integers(3, 64, (3,) if cfg.train.mode == "nt" else (3, 24)))
+        x = torch.as_tensor(rng.integers(3, 64, (B, T)))
+        y = torch.as_tensor(rng.integers(3, 64, (B,) if cfg.train.mode == "nt" else (B, T)))
         generator = torch.get_rng_state()
         state.optimizer.zero_grad(set_to_none=True)
         loss_e = eager(x, y, cfg.train.mode)
@@ -263,8 +266,8 @@ def _device_reads(case, mode: str, precision: str, device: torch.device) -> list
     backend = TorchBackend(device)
     state = backend.init(cfg)
     rng = np.random.default_rng(0)
-    x = torch.as_tensor(rng.integers(3, 64, (3, 24)), device=device)
-    y = torch.as_tensor(rng.integers(3, 64, (3,) if mode == "nt" else (3, 24)), device=device)
+    x = torch.as_tensor(rng.integers(3, 64, (B, T)), device=device)
+    y = torch.as_tensor(rng.integers(3, 64, (B,) if mode == "nt" else (B, T)), device=device)
     loss_module = TrainingLoss(state.module)
     state.module.train()
     reads = _DeviceReads()
@@ -371,8 +374,8 @@ def test_cuda_step_is_one_cudagraph_safe_graph(cuda_code_paths: torch.device, ca
     state = TorchBackend(cuda_code_paths).init(cfg)
     prepare_for_compile(state.module)
     rng = np.random.default_rng(0)
-    x = torch.as_tensor(rng.integers(3, 64, (3, 24)), device=cuda_code_paths)
-    y = torch.as_tensor(rng.integers(3, 64, (3,) if mode == "nt" else (3, 24)), device=cuda_code_paths)
+    x = torch.as_tensor(rng.integers(3, 64, (B, T)), device=cuda_code_paths)
+    y = torch.as_tensor(rng.integers(3, 64, (B,) if mode == "nt" else (B, T)), device=cuda_code_paths)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(TrainingLoss(state.module))(x, y, mode)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
@@ -497,7 +500,7 @@ def test_cudagraph_step_trains_like_eager_on_cuda() -> None:
     counters.clear()
     case = ("pcaf", "context", "dense", "first")
     rng = np.random.default_rng(0)
-    batches = [(rng.integers(3, 64, (3, 24)).astype(np.int32), rng.integers(3, 64, (3, 24)).astype(np.int32))
+    batches = [(rng.integers(3, 64, (B, T)).astype(np.int32), rng.integers(3, 64, (B, T)).astype(np.int32))
                for _ in range(6)]
     losses = {}
     for compile_mode in ("off", "cudagraphs", "auto"):  # fp32 all: the backend turns cuDNN's TF32 off
