@@ -40,13 +40,16 @@ Sections (``--sections``, comma-separated):
 ``make bench-cuda`` runs both, with ``benchmarks/precision_check.py`` at the paper shape in between.
 
 The second form renders the page from the CSVs (``benchmarks.bench_cuda_report``; anywhere, no GPU).
-``--smoke --device cpu`` runs every section at toy sizes (T = 64 steps, 128-256 token routes) to check the
-script without a GPU; its numbers mean nothing and its rows say ``bench_set=smoke``.
+``--smoke --device cpu`` runs every section at toy sizes (T = 64 steps of the rows at the smoke scale's widths,
+128-256 token routes, no warm-up and one timed step a case) to check the script without a GPU; its numbers mean
+nothing and its rows say ``bench_set=smoke``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import statistics
 import sys
 import time
@@ -57,6 +60,7 @@ import numpy as np
 
 from benchmarks.bench_cuda_report import COMPILES, render
 from benchmarks.common import package_version, read_csv, write_csv
+from pcaf_core.config import validate
 
 SECTIONS = ("gemm", "models", "routing", "profile")
 STEPS = (*COMPILES, "xla")
@@ -64,6 +68,10 @@ STEPS = (*COMPILES, "xla")
 GEMM_TOKENS = 8192
 ROUTING_SEQ_LENS = (4096, 8192, 16384)
 SMOKE_ROUTING_SEQ_LENS = (128, 256)
+SMOKE_SCALE = "smoke"
+"""The scale a ``--smoke`` run builds its models at (experiments/conf/scale/smoke.yaml: d=16, h=32, one block, the
+Transformers 2 heads and window 8; V=20,000 as the paper's, so the WikiText-2 batches fit): it checks the script,
+and a paper-width model would only make that slower. Its rows record the widths (``d``, ``d_hidden``, ``layers``)."""
 ROUTING_ROUTES = ("recent", "recent_kernel", "topk_score", "semantic_bucketed", "dense")
 
 
@@ -124,12 +132,28 @@ def gpu_cases(smoke: bool = False) -> list[GpuCase]:
             if not (smoke and c.backend == "jax" and p == "bf16")]
 
 
-def _build(case: GpuCase, cpu_case, device: str):
-    """``(config, policy note, backend, state)`` of one case: ``TorchBackend(device)`` or ``JaxBackend`` on JAX's
-    device of the same kind (``gpu`` for ``cuda``); the note says what a CPU ran instead (:func:`device_config`)."""
+@functools.cache
+def _fp32_config(cpu_case, backend: str, head_loss: str, scale: str):
     from benchmarks.bench_models import run_config
 
-    cfg, note = device_config(run_config(cpu_case, case.backend, (f"train.head_loss={case.head_loss}",)), device)
+    return run_config(cpu_case, backend, (f"train.head_loss={head_loss}",), scale)
+
+
+def case_config(case: GpuCase, cpu_case, scale: str = "paper"):
+    """The composed run config of ``case`` (``cpu_case``: its ``benchmarks.bench_models`` case) at ``scale``: each
+    row is composed once (a Hydra composition costs about half a second), in fp32, and a bf16 case is that config
+    with ``train.precision=bf16`` (nothing else in a composition depends on the precision once it is not
+    ``auto``), validated again. A fresh copy each call: :func:`device_config` edits it."""
+    cfg = copy.deepcopy(_fp32_config(replace(cpu_case, precision="fp32"), case.backend, case.head_loss, scale))
+    cfg.train.precision = cpu_case.precision
+    return validate(cfg)
+
+
+def _build(case: GpuCase, cpu_case, device: str, smoke: bool = False):
+    """``(config, policy note, backend, state)`` of one case: ``TorchBackend(device)`` or ``JaxBackend`` on JAX's
+    device of the same kind (``gpu`` for ``cuda``); the note says what a CPU ran instead (:func:`device_config`).
+    ``smoke``: the row at :data:`SMOKE_SCALE`."""
+    cfg, note = device_config(case_config(case, cpu_case, SMOKE_SCALE if smoke else "paper"), device)
     if case.backend == "jax":
         from backends.jax.backend import JaxBackend
 
@@ -287,7 +311,7 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
             cpu_case = Case(case.model, case.mode, case.T, case.batch, case.dropout,
                             case.compile if case.backend == "torch" else "eager", case.precision)
             try:
-                cfg, note, backend, state = _build(case, cpu_case, device)
+                cfg, note, backend, state = _build(case, cpu_case, device, smoke)
                 x, y, source = _batch(cfg)
                 t0 = time.perf_counter()
                 state, loss = backend.train_step(state, x, y, 1e-4)
@@ -375,7 +399,7 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False,
     from torch.profiler import ProfilerActivity, profile
 
     from backends.torch.backend import TorchBackend
-    from benchmarks.bench_models import Case, _batch, run_config
+    from benchmarks.bench_models import Case, _batch
 
     rows, failures = [], []
     T, batch = (64, 2) if smoke else (1024, 8)
@@ -383,7 +407,8 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False,
     profiled = [c for c in (("eager",) if device == "cpu" else ("eager", "cudagraphs")) if c in compiles]
     for compile_, precision in ((c, p) for c in profiled for p in ("fp32", "bf16")):
         case = Case("PCAF-context", "ar", T, batch, 0.1, compile_, precision)
-        cfg = run_config(case)
+        cfg = case_config(GpuCase(case.model, "ar", T, batch, precision, compile_), case,
+                          SMOKE_SCALE if smoke else "paper")
         try:
             backend = TorchBackend(device)
             state = backend.init(cfg)
@@ -472,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{', '.join(STEPS)}")
     start = time.perf_counter()
     if args.smoke:
-        args.warmup, args.steps, args.repeats = 1, 2, 2
+        args.warmup, args.steps, args.repeats = 0, 1, 2  # a case's first step, its memory step and one timed
     if "gemm" in sections:
         write_csv(out / "gemm.csv", gemm_section(args.device, args.smoke))
     if "models" in sections:

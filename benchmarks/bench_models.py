@@ -131,9 +131,10 @@ TRAIN_COMPILE = {"eager": "off", "inductor": "on", "cudagraphs": "cudagraphs"}
 """``train.compile`` of each case's ``compile`` label."""
 
 
-def run_config(case: Case, backend: str = "torch", extra_overrides: tuple[str, ...] = ()):
-    """The composed run config of ``case`` (the paper-scale row plus the case's overrides) on ``backend``
-    (``train.compile`` is torch's; a JAX step is always compiled by XLA)."""
+def run_config(case: Case, backend: str = "torch", extra_overrides: tuple[str, ...] = (), scale: str = "paper"):
+    """The composed run config of ``case`` (the row at ``scale``, paper unless a smoke check asks for ``smoke``,
+    plus the case's overrides) on ``backend`` (``train.compile`` is torch's; a JAX step is always compiled by
+    XLA)."""
     from experiments.reproduce import compose_row
 
     table, row, extra = MODELS[case.model]
@@ -141,7 +142,7 @@ def run_config(case: Case, backend: str = "torch", extra_overrides: tuple[str, .
                  f"profile.dropout={case.dropout}", f"train.precision={case.precision}", *extra_overrides]
     if backend == "torch":
         overrides.append(f"train.compile={TRAIN_COMPILE[case.compile]}")
-    return compose_row(table, row, "paper", backend, overrides)[0].run
+    return compose_row(table, row, scale, backend, overrides)[0].run
 
 
 def gemm_flops_per_s(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) -> float:

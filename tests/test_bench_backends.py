@@ -85,10 +85,13 @@ def test_jax_step_floor_times_the_work_a_step_must_do():
     """The head's three products, the other FLOPs at the best rate, and with a state the run's own optimiser
     update and the loss's log-sum-exp: each part positive, the total their sum."""
     from benchmarks.bench_backends import CASES, _backend, _run_config, jax_step_floor
+    from pcaf_core.params import init_params
 
     cfg = _run_config(CASES[0])  # a cheap full-AR case (cpu scale)
     backend = _backend("jax")
-    state = backend.init(cfg)
+    # The run's train state (its parameters' shapes, a fresh AdamW state) around the spec's initial weights: the
+    # floor times shapes, not values, and JAX's own initialiser compiles a draw per parameter shape (~5 s here).
+    state = backend.from_canonical(cfg, init_params(cfg.model, cfg.memory, cfg.profile, seed=cfg.train.seed))
     n, h, V = cfg.train.batch_size * cfg.train.seq_len, cfg.model.d_hidden, cfg.model.vocab_size
     head = 3 * 2.0 * n * h * V
     out = jax_step_floor(cfg, head + 1e12, state, repeats=1)  # a teraFLOP more than the head's products

@@ -18,7 +18,9 @@ import pytest
 import safetensors.numpy
 import torch
 
-from pcaf_core.loop import config_to_dict, latest_checkpoint, read_loop_state
+from backends.torch.train import TorchBackend
+from pcaf_core.config_io import config_from_dict
+from pcaf_core.loop import config_to_dict, latest_checkpoint, read_loop_state, run_training
 from pcaf_core.results import read_curve, read_metrics
 from tests.test_torch_train import tiny_cfg, wt2_cache  # noqa: F401 - wt2_cache is a fixture
 
@@ -89,40 +91,57 @@ def _optimizer_tensors(ck: Path) -> list[torch.Tensor]:
     return [t for i in sorted(state) for t in (state[i]["exp_avg"], state[i]["exp_avg_sq"], state[i]["step"])]
 
 
+STEPS = 12
+"""Steps of a run: checkpoints every 3, evaluations every 4, so a run killed after its step-6 checkpoint has
+evaluated (and tracked a best step) before it, and evaluates and checkpoints again after resuming. A tiny
+step takes milliseconds: the processes' start-up is the cost, whatever the step count."""
+
+
 @pytest.fixture
 def run_cfg(tmp_path, wt2_cache):  # noqa: F811 - the fixture parameter shadows its import
     # reference_torch: dropout (RNG state) and gradient clipping are part of what must resume exactly.
     cfg = tiny_cfg(wt2_cache, profile="reference_torch",
-                   train={"steps": 30, "checkpoint_every": 5, "log_every": 1},
-                   eval={"every": 10, "batches": 3, "full_max_windows": 32})
+                   train={"steps": STEPS, "checkpoint_every": 3, "log_every": 1},
+                   eval={"every": 4, "batches": 3, "full_max_windows": 32})
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(config_to_dict(cfg)))
     return path
 
 
+def _uninterrupted(run_cfg: Path, run_dir: Path) -> None:
+    """The reference run, in this process (the property is about the interrupted run's processes): one torch
+    thread, as the runner sets."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_training(config_from_dict(json.loads(run_cfg.read_text())), TorchBackend("cpu"), run_dir,
+                     progress=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path, run_cfg):
     ref_dir, run_dir = tmp_path / "uninterrupted", tmp_path / "interrupted"
-    ref = _start(tmp_path, run_cfg, ref_dir, 0.0)
     victim = _start(tmp_path, run_cfg, run_dir, 0.1)
-    killed_after = _wait_for_checkpoint(victim, run_dir, min_step=10)
+    _uninterrupted(run_cfg, ref_dir)  # while the victim starts
+    killed_after = _wait_for_checkpoint(victim, run_dir, min_step=6)
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
     assert victim.returncode == -signal.SIGKILL
     rec = read_metrics(run_dir)
     # SIGKILL cannot be caught: the record still says "running", with the progress of its last update.
-    assert rec.status == "running" and rec.steps_done < 30
-    assert read_loop_state(latest_checkpoint(run_dir)).step >= killed_after >= 10
+    assert rec.status == "running" and rec.steps_done < STEPS
+    assert read_loop_state(latest_checkpoint(run_dir)).step >= killed_after >= 6
 
     _finish(_start(tmp_path, run_cfg, run_dir, 0.0))
-    _finish(ref)
     a, b = read_metrics(ref_dir), read_metrics(run_dir)
     assert b.status == "completed" and b.extra["segments"] == 2
     assert {k: getattr(b, k) for k in QUALITY} == {k: getattr(a, k) for k in QUALITY}
     assert _curve(run_dir) == _curve(ref_dir)
-    assert len(_curve(run_dir)) == 30
+    assert len(_curve(run_dir)) == STEPS
     ck_a, ck_b = latest_checkpoint(ref_dir), latest_checkpoint(run_dir)
-    assert ck_a.name == ck_b.name == "step_30"
+    assert ck_a.name == ck_b.name == f"step_{STEPS}"
     wa = safetensors.numpy.load_file(str(ck_a / "model.safetensors"))
     wb = safetensors.numpy.load_file(str(ck_b / "model.safetensors"))
     assert wa.keys() == wb.keys()
@@ -138,7 +157,7 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path, run_cfg):
 def test_sigterm_leaves_an_interrupted_record_and_resumes(tmp_path, run_cfg):
     run_dir = tmp_path / "run"
     victim = _start(tmp_path, run_cfg, run_dir, 0.1)
-    _wait_for_checkpoint(victim, run_dir, min_step=5)
+    _wait_for_checkpoint(victim, run_dir, min_step=3)
     victim.send_signal(signal.SIGTERM)
     out, _ = victim.communicate(timeout=30)
     assert victim.returncode != 0, out
@@ -147,5 +166,5 @@ def test_sigterm_leaves_an_interrupted_record_and_resumes(tmp_path, run_cfg):
     assert f"resume {run_dir} from {run_dir / 'checkpoints'}/step_" in rec.error and rec.extra["resumable"]
     _finish(_start(tmp_path, run_cfg, run_dir, 0.0))
     done = read_metrics(run_dir)
-    assert done.status == "completed" and done.error is None and done.steps_done == 30
+    assert done.status == "completed" and done.error is None and done.steps_done == STEPS
     assert np.isfinite(done.final_ppl)

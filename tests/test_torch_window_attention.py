@@ -191,8 +191,9 @@ def test_compiled_flex_forward_matches_masked_model() -> None:
 @pytest.mark.slow
 def test_model_under_torch_compile_trains_like_masked(flex_backward_on_cpu) -> None:
     """``train.compile=on`` compiles the model's forward and backward: the FlexAttention path traces into one graph
-    (the compiled ``flex_attention`` and the block-mask cache inline) and gives the masked model's loss and
-    gradients (``aot_eager``: the same capture as inductor, without code generation, which has no CPU backward)."""
+    (the compiled ``flex_attention`` and the block-mask cache inline; ``fullgraph=True`` raises, with the reason, at
+    any graph break) and gives the masked model's loss and gradients, eager (``aot_eager``: the same capture as
+    inductor, without code generation, which has no CPU backward)."""
     import torch._dynamo
 
     x, y = _tokens()
@@ -205,11 +206,7 @@ def test_model_under_torch_compile_trains_like_masked(flex_backward_on_cpu) -> N
         def loss(net=net):
             return net(x, y, "ar", need_log_probs=False, need_predictions=False).loss
 
-        if impl == "banded":
-            explained = torch._dynamo.explain(loss)()
-            assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-            torch._dynamo.reset()
-        step = torch.compile(loss, backend="aot_eager", dynamic=False)
+        step = torch.compile(loss, backend="aot_eager", dynamic=False, fullgraph=True) if impl == "banded" else loss
         losses[impl] = step()
         losses[impl].backward()
         grads[impl] = [p.grad for p in net.parameters()]
