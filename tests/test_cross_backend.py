@@ -76,7 +76,7 @@ def _check_agreement(case, mode: str, profile_name: str, device: str = "cpu") ->
         t_out = net(torch.tensor(tokens, device=device), torch.tensor(targets, device=device), mode)
     jax_device = _jax_device("gpu" if device == "cuda" else "cpu")
     with jax.default_device(jax_device):
-        j_out = jx.build_model(model, memory, profile).apply(jx.to_variables(params), jnp.asarray(tokens),
+        j_out = jx.build_model(model, memory, profile).apply(jx.to_variables(params, np.float32), jnp.asarray(tokens),
                                                              jnp.asarray(targets), mode)
     assert t_out.hidden.device.type == device and j_out.hidden.devices() == {jax_device}
 

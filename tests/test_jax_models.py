@@ -41,18 +41,30 @@ def _loss_fn(net, tokens, targets, mode):
     return jax.jit(loss)
 
 
+def _host(tree):
+    """``tree`` with NumPy leaves. The tests' own arithmetic on parameter trees (perturbations, dot products,
+    finiteness) runs on the host: eagerly in JAX, every operation on every new shape is a compilation."""
+    return jax.tree_util.tree_map(np.asarray, tree)
+
+
+def _variables(params, dtype):
+    """``to_variables`` of the canonical ``params`` cast to ``dtype`` on the host (the same rounding as a cast
+    on the device, without a compilation per shape)."""
+    return to_variables({k: np.asarray(v, dtype) for k, v in params.items()}, dtype)
+
+
 def _direction(params, names: list[str], seed: int):
     """A random unit-scale direction that is non-zero only on the canonical parameters ``names``."""
     rng = np.random.default_rng(seed)
     flat = {k: np.zeros(np.shape(v)) for k, v in to_canonical(params).items()}
     for n in names:
         flat[n] = rng.normal(size=flat[n].shape)
-    return to_variables(flat, jnp.float64)["params"]
+    return _host(to_variables(flat, jnp.float64)["params"])
 
 
 def _tree_dot(a, b) -> float:
-    return float(sum(jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b),
-                                                      strict=True)))
+    return float(sum(np.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b),
+                                                     strict=True)))
 
 
 GRAD_GROUPS = {
@@ -80,17 +92,17 @@ GRAD_RUNS = [(case, mode) for case in GRAD_GROUPS for mode in (("nt", "ar") if c
 @pytest.mark.parametrize(("case", "mode"), GRAD_RUNS, ids=[f"{c[0]}-{m}" for c, m in GRAD_RUNS])
 def test_grad_matches_finite_differences(x64, case, mode: str) -> None:
     model, memory, profile = configs(*case, profile="corrected")
-    params = to_variables(spec_params(model, memory, profile, rho=0.7))["params"]
+    params = _host(_variables(spec_params(model, memory, profile, rho=0.7), np.float64)["params"])
     tokens, targets = window(12, mode)
     net = build_model(model, memory, profile, dtype=jnp.float64)
     # One compiled program serves both the gradient and the finite differences' loss values.
     value_and_grad = jax.jit(jax.value_and_grad(_loss_fn(net, jnp.asarray(tokens), jnp.asarray(targets), mode)))
-    _, grad = value_and_grad(params)
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grad))
+    grad = _host(value_and_grad(params)[1])
+    assert all(np.isfinite(g).all() for g in jax.tree_util.tree_leaves(grad))
     eps = 1e-6
     for i, (group, names) in enumerate(GRAD_GROUPS[case].items()):
         v = _direction(params, names, seed=i)
-        plus = jax.tree_util.tree_map(lambda p, d: p + eps * d, params, v)
+        plus = jax.tree_util.tree_map(lambda p, d: p + eps * d, params, v)  # float64 on the host
         minus = jax.tree_util.tree_map(lambda p, d: p - eps * d, params, v)
         fd = (float(value_and_grad(plus)[0]) - float(value_and_grad(minus)[0])) / (2 * eps)
         analytic = _tree_dot(grad, v)
@@ -102,7 +114,7 @@ def test_grad_matches_finite_differences(x64, case, mode: str) -> None:
 def test_gradient_is_finite_with_empty_queries_and_zero_gate(x64) -> None:
     """AR queries without records have λ = 0 (corrected) and log 0 terms: the gradient stays finite."""
     model, memory, profile = configs("pcaf", "context", "dense", "recent", "corrected")
-    params = to_variables(spec_params(model, memory, profile))["params"]
+    params = _variables(spec_params(model, memory, profile), np.float64)["params"]
     tokens, targets = window(10, "ar", distinct=8)
     net = build_model(model, memory, profile, dtype=jnp.float64)
 
@@ -111,10 +123,10 @@ def test_gradient_is_finite_with_empty_queries_and_zero_gate(x64) -> None:
                         need_predictions=False)
         return out.loss, out.memory.gate
 
-    grad, gate = jax.jit(jax.grad(loss, has_aux=True))(params)
-    assert bool((gate == 0).any())
+    grad, gate = _host(jax.jit(jax.grad(loss, has_aux=True))(params))
+    assert (gate == 0).any()
     for leaf in jax.tree_util.tree_leaves(grad):
-        assert bool(jnp.all(jnp.isfinite(leaf)))
+        assert np.isfinite(leaf).all()
 
 
 @pytest.mark.slow
@@ -126,7 +138,7 @@ def test_dropout_only_in_training_mode(variant: str) -> None:
     params = spec_params(model, memory, profile)
     tokens, targets = window(12, "ar")
     net = build_model(model, memory, profile)
-    variables = to_variables(params, jnp.float32)
+    variables = _variables(params, np.float32)
     x, y = jnp.asarray(tokens), jnp.asarray(targets)
 
     @functools.partial(jax.jit, static_argnums=0)
@@ -145,8 +157,8 @@ def test_dropout_only_in_training_mode(variant: str) -> None:
     assert train[0] == train[1]  # same key, same mask
     assert train[0] != train[2]  # another key, another mask
     assert abs(train[0] - ref.loss) > 1e-4  # dropout changes the loss
-    with pytest.raises(Exception, match="dropout"):  # training without a dropout key fails loudly
-        net.apply(variables, x, y, "ar", deterministic=False)
+    with pytest.raises(Exception, match="dropout"):  # training without a dropout key fails loudly (when traced)
+        jax.eval_shape(lambda v: net.apply(v, x, y, "ar", deterministic=False), variables)
 
 
 @pytest.mark.parametrize("case", [("pcaf", "hybrid", "dense", "topk_score"),
@@ -158,12 +170,12 @@ def test_bf16_compute_is_close_to_fp32(case) -> None:
     params = spec_params(model, memory, profile, rho=RHO["reference_jax"])
     tokens, targets = window(16, "ar")
     ref = reference.forward(params, tokens, model, memory, profile, "ar", targets)
-    variables = to_variables(params, jnp.float32)
+    variables = _variables(params, np.float32)
     x, y = jnp.asarray(tokens), jnp.asarray(targets)
     net = build_model(model, memory, profile, dtype=jnp.bfloat16)
     out = jax.jit(lambda v: net.apply(v, x, y, "ar"))(variables)
     assert out.log_probs.dtype == jnp.float32 and out.hidden.dtype == jnp.float32
-    assert bool(jnp.all(jnp.isfinite(out.log_probs)))
+    assert np.isfinite(np.asarray(out.log_probs)).all()
     assert abs(float(out.loss) - ref.loss) < 0.05 * abs(ref.loss)
     np.testing.assert_allclose(np.exp(out.log_probs), np.exp(ref.log_probs), atol=0.05)
     assert not np.allclose(np.asarray(out.log_probs), ref.log_probs, rtol=1e-5, atol=1e-6)  # bf16 did run
@@ -173,9 +185,9 @@ def test_bf16_compute_is_close_to_fp32(case) -> None:
     def loss(p):
         return net.apply({"params": p}, x, y, "ar", need_log_probs=False, need_predictions=False).loss
 
-    grad = jax.jit(jax.grad(loss))(variables["params"])
+    grad = _host(jax.jit(jax.grad(loss))(variables["params"]))
     for leaf in jax.tree_util.tree_leaves(grad):  # parameters (and so their gradients) stay float32
-        assert leaf.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(leaf)))
+        assert leaf.dtype == np.float32 and np.isfinite(leaf).all()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
@@ -193,8 +205,8 @@ def test_affine_vjp_matches_autodiff_of_the_plain_product(dtype) -> None:
     def plain(x, w, b):
         return jnp.sum(c * (jnp.matmul(x, w, preferred_element_type=jnp.float32) + b))
 
-    got = jax.grad(lambda *a: jnp.sum(c * affine(*a)), argnums=(0, 1, 2))(x, w, b)
-    want = jax.grad(plain, argnums=(0, 1, 2))(x, w, b)
+    got, want = jax.jit(lambda *a: (jax.grad(lambda *a: jnp.sum(c * affine(*a)), argnums=(0, 1, 2))(*a),
+                                    jax.grad(plain, argnums=(0, 1, 2))(*a)))(x, w, b)  # one program
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     for g, r, like in zip(got, want, (x, w, b)):
         assert g.dtype == like.dtype and g.shape == like.shape
@@ -227,11 +239,17 @@ def test_conv_and_layernorm_per_feature_parameters_broadcast_in_one_step(batch, 
         return (x - mu) / jnp.sqrt(var + 1e-5) * p["weight"] + p["bias"]
 
     module, ref = (CausalConv(k), conv_ref) if layer == "conv" else (LayerNorm(), ln_ref)
-    params = module.init(jax.random.PRNGKey(0), x)["params"]
-    params = jax.tree_util.tree_map(lambda a: a + jnp.asarray(rng.normal(size=a.shape), a.dtype), params)
-    np.testing.assert_allclose(module.apply({"params": params}, x), ref(params, x), rtol=1e-5, atol=1e-5)
-    got = jax.grad(lambda p, x: jnp.sum(c * module.apply({"params": p}, x)), argnums=(0, 1))(params, x)
-    want = jax.grad(lambda p, x: jnp.sum(c * ref(p, x)), argnums=(0, 1))(params, x)
+    params = _host(jax.jit(module.init)(jax.random.PRNGKey(0), x)["params"])
+    params = jax.tree_util.tree_map(lambda a: a + rng.normal(size=a.shape).astype(a.dtype), params)
+
+    @jax.jit  # values and gradients of both forms in one program (eagerly, each operation compiles alone)
+    def values_and_grads(params, x):
+        got = jax.grad(lambda p, x: jnp.sum(c * module.apply({"params": p}, x)), argnums=(0, 1))(params, x)
+        want = jax.grad(lambda p, x: jnp.sum(c * ref(p, x)), argnums=(0, 1))(params, x)
+        return module.apply({"params": params}, x), ref(params, x), got, want
+
+    value, ref_value, got, want = values_and_grads(params, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-5)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
     # No parameter gradient summed over time alone (the NumPy form's [B, 1, d] -> [B, d] sum).
@@ -263,10 +281,10 @@ def test_module_init_creates_exactly_the_canonical_parameters(variant: str, prof
     model, memory, profile = configs(variant, "hybrid", profile=profile_name)
     got = _init_shapes(model, memory, profile)
     canonical = param_shapes(model, memory, profile)
-    flat = {name: np.zeros(shape) for name, shape in canonical.items()}
-    want = _tree_shapes(to_variables(flat)["params"])
+    flat = {name: np.zeros(shape, np.float32) for name, shape in canonical.items()}
+    want = _tree_shapes(to_variables(flat, np.float32)["params"])
     assert got == want
-    assert sorted(to_canonical(to_variables(flat))) == sorted(canonical)
+    assert sorted(to_canonical(to_variables(flat, np.float32))) == sorted(canonical)
 
 
 _DISTINCT = {}
@@ -293,19 +311,23 @@ def test_eval_shape_of_init_gives_paper_counts(row) -> None:
 def test_init_params_jax_normal_scheme() -> None:
     model, memory, profile = configs("pcaf", "hybrid", profile="corrected")
     model = ModelConfig(**{**model.__dict__, "vocab_size": 400, "d_model": 64, "d_hidden": 96})
-    draw = jax.jit(lambda seed: init_params(model, memory, profile, seed=seed))  # one program, any seed
+    jitted = jax.jit(lambda seed: init_params(model, memory, profile, seed=seed))  # one program, any seed
+
+    def draw(seed: int) -> dict[str, np.ndarray]:  # statistics on the host: no compilation per shape
+        return _host(jitted(seed))
+
     p = draw(3)
     assert {k: v.shape for k, v in p.items()} == param_shapes(model, memory, profile)
-    assert all(v.dtype == jnp.float32 for v in p.values())
-    np.testing.assert_allclose(float(jnp.std(p["embed.weight"])), 0.02, rtol=0.05)
-    np.testing.assert_allclose(float(jnp.std(p["head.out.weight"])), 1 / math.sqrt(96), rtol=0.05)
-    np.testing.assert_allclose(float(jnp.std(p["blocks.0.conv.weight"])), 1 / math.sqrt(3), rtol=0.15)
-    assert float(jnp.abs(p["head.out.bias"]).max()) == 0.0
+    assert all(v.dtype == np.float32 for v in p.values())
+    np.testing.assert_allclose(float(np.std(p["embed.weight"])), 0.02, rtol=0.05)
+    np.testing.assert_allclose(float(np.std(p["head.out.weight"])), 1 / math.sqrt(96), rtol=0.05)
+    np.testing.assert_allclose(float(np.std(p["blocks.0.conv.weight"])), 1 / math.sqrt(3), rtol=0.15)
+    assert float(np.abs(p["head.out.bias"]).max()) == 0.0
     assert float(p["memory.recency_scale"]) == 1.0 and p["memory.recency_scale"].shape == ()
     np.testing.assert_array_equal(p["gate.norm.weight"], 1.0)
     again, other = draw(3), draw(4)
-    assert all(bool(jnp.array_equal(p[k], again[k])) for k in p)
-    assert not bool(jnp.array_equal(p["head.out.weight"], other["head.out.weight"]))
+    assert all(np.array_equal(p[k], again[k]) for k in p)
+    assert not np.array_equal(p["head.out.weight"], other["head.out.weight"])
 
 
 @pytest.mark.slow
@@ -313,24 +335,25 @@ def test_init_params_torch_default_scheme() -> None:
     model, memory, _ = configs("transformer_dense", profile="reference_torch")
     model = ModelConfig(**{**model.__dict__, "vocab_size": 400, "d_model": 48, "d_hidden": 96, "n_heads": 4})
     profile = get_profile("reference_torch")
-    p = jax.jit(lambda: init_params(model, memory, profile, seed=0))()
+    # Drawn by one jitted program each; the statistics on the host (no compilation per shape).
+    p = _host(jax.jit(lambda: init_params(model, memory, profile, seed=0))())
     d = 48
-    np.testing.assert_allclose(float(jnp.std(p["embed.weight"])), 1.0, rtol=0.05)  # nn.Embedding N(0, 1)
+    np.testing.assert_allclose(float(np.std(p["embed.weight"])), 1.0, rtol=0.05)  # nn.Embedding N(0, 1)
     for name, fan_in in (("blocks.0.mlp_in", d), ("blocks.0.mlp_out", 96), ("head.out", 96), ("blocks.1.attn.out", d)):
         w = p[f"{name}.weight"]
         bound = 1 / math.sqrt(fan_in)
-        assert float(jnp.abs(w).max()) <= bound and float(jnp.abs(w).max()) > 0.9 * bound, name
-        np.testing.assert_allclose(float(jnp.std(w)), bound / math.sqrt(3), rtol=0.1, err_msg=name)
-    assert 0 < float(jnp.abs(p["head.out.bias"]).max()) <= 1 / math.sqrt(96)
+        assert float(np.abs(w).max()) <= bound and float(np.abs(w).max()) > 0.9 * bound, name
+        np.testing.assert_allclose(float(np.std(w)), bound / math.sqrt(3), rtol=0.1, err_msg=name)
+    assert 0 < float(np.abs(p["head.out.bias"]).max()) <= 1 / math.sqrt(96)
     qkv_bound = math.sqrt(6 / (d + 3 * d))
-    assert 0.9 * qkv_bound < float(jnp.abs(p["blocks.0.attn.qkv.weight"]).max()) <= qkv_bound
+    assert 0.9 * qkv_bound < float(np.abs(p["blocks.0.attn.qkv.weight"]).max()) <= qkv_bound
     for zero in ("blocks.0.attn.qkv.bias", "blocks.0.attn.out.bias", "head.norm.bias"):
-        assert float(jnp.abs(p[zero]).max()) == 0.0, zero
+        assert float(np.abs(p[zero]).max()) == 0.0, zero
     conv_model, conv_memory, _ = configs("pcaf", "semantic", profile="reference_torch")
-    q = jax.jit(lambda: init_params(conv_model, conv_memory, profile, seed=0))()
+    q = _host(jax.jit(lambda: init_params(conv_model, conv_memory, profile, seed=0))())
     k = conv_model.kernel_size
-    assert 0 < float(jnp.abs(q["blocks.0.conv.weight"]).max()) <= 1 / math.sqrt(k)
-    assert 0 < float(jnp.abs(q["blocks.0.conv.bias"]).max()) <= 1 / math.sqrt(k)
+    assert 0 < float(np.abs(q["blocks.0.conv.weight"]).max()) <= 1 / math.sqrt(k)
+    assert 0 < float(np.abs(q["blocks.0.conv.bias"]).max()) <= 1 / math.sqrt(k)
     assert "memory.router.bias" not in q and "memory.router_norm.weight" in q  # layernorm_linear router
 
 
@@ -348,7 +371,7 @@ def test_jitted_forward_matches_spec(x64, case, profile_name: str, mode: str) ->
     ref = reference.forward(params, tokens, model, memory, profile, mode, targets)
     net = build_model(model, memory, profile, dtype=jnp.float64)
     fwd = jax.jit(lambda module, v, x, y: module.apply(v, x, y, mode), static_argnums=0)
-    out = fwd(net, to_variables(params), jnp.asarray(tokens), jnp.asarray(targets))
+    out = fwd(net, _variables(params, np.float64), jnp.asarray(tokens), jnp.asarray(targets))
     assert_matches(out, ref, rtol=1e-5, atol=1e-10)
     # an equal module (equal configuration) is the same static argument: no retrace
     assert hash(build_model(model, memory, profile, dtype=jnp.float64)) == hash(net)
@@ -357,7 +380,7 @@ def test_jitted_forward_matches_spec(x64, case, profile_name: str, mode: str) ->
 def test_static_input_checks() -> None:
     model, memory, profile = configs("transformer_dense", profile="corrected")  # trainable table, 32 rows
     net = build_model(model, memory, profile)
-    variables = to_variables(spec_params(model, memory, profile), jnp.float32)
+    variables = _variables(spec_params(model, memory, profile), np.float32)
     ok = jnp.zeros((2, 8), jnp.int32)
     with pytest.raises(ValueError, match="integer"):
         net.apply(variables, ok.astype(jnp.float32), None, "nt")

@@ -8,7 +8,9 @@ p_cache and router probabilities within 1e-5 relative in float64 and 1e-4 in flo
 shows in the outputs; few buckets and few distinct tokens make buckets overflow K.
 
 The forward runs eagerly: per-op compilations are cached across cases of the same shapes, which on
-these tiny shapes is several times faster than compiling a ``jax.jit`` program per configuration.
+these tiny shapes is several times faster than compiling a ``jax.jit`` program per configuration. The
+tiny windows' shapes are theirs alone, so there nothing is shared and one jitted program per case
+compiles faster than its operations one by one.
 """
 
 from __future__ import annotations
@@ -72,9 +74,16 @@ def window(T: int, mode: str, *, B: int = 2, seed: int = 0, distinct: int = 10, 
     return tokens, targets
 
 
-def jax_forward(params, model, memory, profile, tokens, targets, mode, *, dtype=jnp.float64) -> JaxForwardOutput:
+def jax_forward(params, model, memory, profile, tokens, targets, mode, *, dtype=jnp.float64,
+                jitted: bool = False) -> JaxForwardOutput:
+    """The module's forward, eager (every operation compiled on its own, cached by shape) or ``jitted``."""
     net = build_model(model, memory, profile, dtype=dtype)
-    return net.apply(to_variables(params, dtype), jnp.asarray(tokens), jnp.asarray(targets), mode)
+    # Weights cast on the host: the same rounding as a cast on the device, without a compilation per shape.
+    variables = to_variables({k: np.asarray(v, np.dtype(dtype)) for k, v in params.items()}, dtype)
+    def forward(v, x, y):
+        return net.apply(v, x, y, mode)
+
+    return (jax.jit(forward) if jitted else forward)(variables, jnp.asarray(tokens), jnp.asarray(targets))
 
 
 def _close(got, want, rtol: float, atol: float, what: str) -> None:
@@ -110,13 +119,13 @@ def assert_matches(out: JaxForwardOutput, ref: reference.ForwardOutput, rtol: fl
         _close(mem.router_probs, rm.router_probs, rtol, atol, "router_probs")
 
 
-def run_case(case, profile_name: str, mode: str, *, dtype=jnp.float64, T: int = 20):
+def run_case(case, profile_name: str, mode: str, *, dtype=jnp.float64, T: int = 20, jitted: bool = False):
     variant, route, index, policy = case
     model, memory, profile = configs(variant, route, index, policy, profile_name)
     params = spec_params(model, memory, profile, rho=RHO[profile_name])
     tokens, targets = window(T, mode)
     ref = reference.forward(params, tokens, model, memory, profile, mode, targets)
-    out = jax_forward(params, model, memory, profile, tokens, targets, mode, dtype=dtype)
+    out = jax_forward(params, model, memory, profile, tokens, targets, mode, dtype=dtype, jitted=jitted)
     return out, ref
 
 
@@ -185,11 +194,11 @@ def test_context_order_two_hash_matches_spec(x64, profile_name: str, mode: str) 
 @pytest.mark.parametrize(("T", "mode"), [(1, "nt"), (1, "ar"), (3, "ar")])
 def test_tiny_windows_match_spec(x64, mode: str, T: int) -> None:
     """T = 1 (no record at all) and T = 3 (queries with 0, 1, 2 records). Each window shape compiles
-    every op afresh, so the three cases share it and rotate the profiles."""
+    afresh, so the three cases share it and rotate the profiles, and each runs as one jitted program."""
     cases = (("pcaf", "hybrid", "dense", "topk_score"), ("pcaf", "semantic", "dense", "recent"),
              ("transformer_global_local", "context", "dense", "topk_score"))
     for i, case in enumerate(cases):
-        out, ref = run_case(case, PROFILES[(i + T) % len(PROFILES)], mode, T=T)
+        out, ref = run_case(case, PROFILES[(i + T) % len(PROFILES)], mode, T=T, jitted=True)
         assert_matches(out, ref, rtol=1e-5, atol=1e-10)
 
 
@@ -234,7 +243,7 @@ def test_training_path_equals_full_head(x64, mode: str) -> None:
     tokens, targets = window(20, mode)
     ref = reference.forward(params, tokens, model, memory, profile, mode, targets)
     net = build_model(model, memory, profile, dtype=jnp.float64)
-    out = net.apply(to_variables(params), jnp.asarray(tokens), jnp.asarray(targets), mode,
+    out = net.apply(to_variables(params, jnp.float64), jnp.asarray(tokens), jnp.asarray(targets), mode,
                     need_log_probs=False, need_predictions=False)
     assert out.param_log_probs is None and out.log_probs is None and out.prediction is None
     assert out.memory.p_cache is None

@@ -91,7 +91,9 @@ def test_dropout_acts_on_the_band_weights() -> None:
 
 
 def _model(impl: str, T: int = 70) -> tuple[ModelConfig, MemoryConfig, object]:
-    model = ModelConfig(variant="transformer_global_local", vocab_size=40, d_model=16, d_hidden=24, n_layers=2,
+    # One block: each block's attention is the same band (or mask), so a second one would only double the
+    # compiled programs (the band's own shapes and edge cases are test_band_matches_spec_and_masked_path's).
+    model = ModelConfig(variant="transformer_global_local", vocab_size=40, d_model=16, d_hidden=24, n_layers=1,
                         n_heads=2, window=9, n_global=3, max_seq_len=T, attention_impl=impl)
     return model, MemoryConfig(), get_profile("reference_torch")  # dropout 0.1 in training
 
