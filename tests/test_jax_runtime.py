@@ -25,8 +25,10 @@ print(jax.config.values["jax_cpu_enable_async_dispatch"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("env_value", "expected"), [(None, "False"), ("1", "True"), ("0", "False"), ("yes", "True")])
+@pytest.mark.parametrize(("env_value", "expected"), [(None, "False"), ("1", "True")])
 def test_import_sets_cpu_dispatch_before_the_client_exists(env_value: str | None, expected: str) -> None:
+    """Off by default and on when asked, in a fresh interpreter: the import sets it before the client exists.
+    (How every accepted value reads is test_each_accepted_setting_reads_as_on_or_off's, in this process.)"""
     env = {k: v for k, v in os.environ.items() if k != ASYNC_DISPATCH_ENV}
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(ROOT)
@@ -36,6 +38,24 @@ def test_import_sets_cpu_dispatch_before_the_client_exists(env_value: str | None
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == expected
+
+
+@pytest.mark.parametrize(("env_value", "expected"), [("0", False), ("yes", True), (" True ", True), ("no", False),
+                                                    ("", False)])
+def test_each_accepted_setting_reads_as_on_or_off(monkeypatch, env_value: str, expected: bool) -> None:
+    """configure_cpu_dispatch maps the variable to JAX's setting (here, after this process's client exists, the
+    setting has no effect on it; it is restored)."""
+    import jax
+
+    from backends.jax.runtime import configure_cpu_dispatch
+
+    monkeypatch.setenv(ASYNC_DISPATCH_ENV, env_value)
+    before = jax.config.values["jax_cpu_enable_async_dispatch"]
+    try:
+        assert configure_cpu_dispatch() is expected
+        assert jax.config.values["jax_cpu_enable_async_dispatch"] is expected
+    finally:
+        jax.config.update("jax_cpu_enable_async_dispatch", before)
 
 
 def test_a_bad_setting_is_refused_in_one_line(monkeypatch) -> None:
