@@ -18,15 +18,7 @@ from pcaf_core.params import has_positional_table
 
 @flax.struct.dataclass
 class JaxMemoryTrace:
-    """Intermediates of the associative memory path (Q queries, C slots); a pytree.
-
-    addresses: ``[B, T]`` int32 bucket of every position; cand: the selected :class:`Candidates`;
-    scores / cache_weights: ``[B, Q, C]``; gate: ``[B, Q]`` masked (and clipped) λ;
-    p_cache: ``[B, Q, V]`` or None when full distributions were not requested;
-    router_probs: ``[B, T, S]`` or None (context route);
-    topk_dense: ``[B, Q]`` bool, which queries the ``topk_score`` context route scored densely
-    (None for the other policies and routes).
-    """
+    """The fields of :class:`backends.torch.model_io.TorchMemoryTrace` as a pytree (``addresses`` int32)."""
 
     addresses: jax.Array
     cand: Candidates
@@ -40,21 +32,10 @@ class JaxMemoryTrace:
 
 @flax.struct.dataclass
 class JaxForwardOutput:
-    """Model outputs at the Q query positions (Q = 1 in NT mode, T in AR mode); a pytree.
-
-    hidden: ``[B, T, d]`` final states;
-    param_log_probs: ``[B, Q, V]`` parametric head; None when neither log-probs nor predictions were
-        requested (a training step reads the head at the targets only);
-    log_probs: ``[B, Q, V]`` the predictive distribution in log space (unnormalised under the NT floor),
-        None when not computed;
-    target_log_prob: ``[B, Q]`` log p(target) as the loss uses it (None without targets);
-    prediction: ``[B, Q]`` int32 argmax under the profile's accuracy definition;
-    prediction_mixture: ``[B, Q]`` int32 argmax of the predictive distribution (the mixture for cache
-        models, the head otherwise); prediction_param: ``[B, Q]`` int32 argmax of the parametric head
-        (the three are None when predictions were not requested);
-    memory: the memory trace (None without a cache);
-    loss: mean NLL, a 0-d array (None without targets).
-    """
+    """The fields of :class:`backends.torch.model_io.TorchForwardOutput` as a pytree (``loss`` a 0-d array), plus
+    ``prediction_mixture``: ``[B, Q]`` int32 argmax of the predictive distribution (the mixture for cache models,
+    the head otherwise) and ``prediction_param``: ``[B, Q]`` int32 argmax of the parametric head; the three
+    predictions are None when not requested."""
 
     hidden: jax.Array
     param_log_probs: jax.Array | None

@@ -13,15 +13,9 @@ from backends.torch.routing import Candidates
 
 @dataclass
 class TorchMemoryTrace:
-    """Intermediates of the associative memory path (Q queries, C slots).
-
-    addresses: ``[B, T]`` int64 bucket of every position; cand: the selected :class:`Candidates`;
-    scores / cache_weights: ``[B, Q, C]``; gate: ``[B, Q]`` masked (and clipped) λ;
-    p_cache: ``[B, Q, V]`` or None when full distributions were not requested;
-    router_probs: ``[B, T, S]`` or None (context route);
-    topk_dense: ``[B, Q]`` bool, which queries the ``topk_score`` context route scored densely
-    (None for the other policies and routes).
-    """
+    """The fields of :class:`pcaf_core.reference.MemoryTrace` as tensors (``addresses`` int64), with ``p_cache``
+    None when full distributions were not requested, plus ``topk_dense``: ``[B, Q]`` bool, which queries the
+    ``topk_score`` context route scored densely (None for the other policies and routes)."""
 
     addresses: torch.Tensor
     cand: Candidates
@@ -35,19 +29,11 @@ class TorchMemoryTrace:
 
 @dataclass
 class TorchForwardOutput:
-    """Model outputs at the Q query positions (Q = 1 in NT mode, T in AR mode).
-
-    hidden: ``[B, T, d]`` final states (next-token with ``nt_receptive_field``: ``[B, 1 + C, d]``, the
-        query's state and its C candidate slots' states, :meth:`PCAFModel.nt_receptive_read`);
-    param_log_probs: ``[B, Q, V]`` parametric head; None when neither log-probs nor predictions were
-        requested (a training step reads the head at the targets only);
-    log_probs: ``[B, Q, V]`` the predictive distribution in log space (unnormalised under the NT floor),
-        None when neither requested nor needed for the predictions;
-    target_log_prob: ``[B, Q]`` log p(target) as the loss uses it (None without targets);
-    prediction: ``[B, Q]`` int64 argmax under the profile's accuracy definition (None when not requested);
-    memory: the memory trace (None without a cache);
-    loss: mean NLL, a 0-d tensor with grad (None without targets).
-    """
+    """The fields of :class:`pcaf_core.reference.ForwardOutput` as tensors, plus ``loss`` (mean NLL, a 0-d
+    tensor with grad; None without targets). Differences: ``hidden`` is ``[B, 1 + C, d]`` for next-token with
+    ``nt_receptive_field`` (the query's state and its C candidate slots', :meth:`PCAFModel.nt_receptive_read`);
+    ``param_log_probs``, ``log_probs`` and ``prediction`` are None when not requested (a training step reads
+    the head at the targets only)."""
 
     hidden: torch.Tensor
     param_log_probs: torch.Tensor | None
