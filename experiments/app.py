@@ -310,13 +310,34 @@ def labels(resolved: ResolvedRun) -> dict[str, Any]:
     }
 
 
+def config_yaml(data: dict[str, Any]) -> str:
+    """``data`` (plain, resolved) as the YAML text ``config.yaml`` holds: what ``OmegaConf.to_yaml`` writes
+    (its string representer quotes strings that would read back as a bool or a number), emitted by libyaml
+    when PyYAML has it, 4-5x faster than the pure-Python emitter and the same text (every committed resolved
+    config is compared, ``experiments.resolved_configs``)."""
+    import yaml
+    from omegaconf._utils import get_omega_conf_dumper
+
+    return yaml.dump(data, Dumper=_yaml_dumper(getattr(yaml, "CDumper", None) or get_omega_conf_dumper()),
+                     default_flow_style=False, allow_unicode=True, sort_keys=False)
+
+
+@functools.cache
+def _yaml_dumper(base: type) -> type:
+    from omegaconf._utils import get_omega_conf_dumper
+
+    dumper = type("ConfigDumper", (base,), {})
+    dumper.add_representer(str, get_omega_conf_dumper().str_representer)
+    return dumper
+
+
 def write_run_files(run_dir: Path, resolved: ResolvedRun) -> None:
     """``config.yaml`` (the resolved Hydra config) and ``environment.json`` (labels, argv, host and process id of
     the process that created the run), atomically: once, when the run is created (nothing rewrites them
     afterwards)."""
     cfg = config_dict(resolved)
     cfg["run_dir"] = str(run_dir)
-    atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(cfg)))
+    atomic_write_text(run_dir / CONFIG_FILE, config_yaml(cfg))
     env = {**labels(resolved), "argv": sys.argv, "platform": platform.platform(), "host": platform.node(),
            "pid": os.getpid(), "malloc": allocator.describe()}
     atomic_write_text(run_dir / "environment.json", json.dumps(env, indent=2, default=str))

@@ -24,8 +24,6 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from experiments import app
 
 SCALES = ("paper", "cpu", "smoke")
@@ -42,9 +40,9 @@ def all_rows() -> list[tuple[str, str]]:
 
 def config_text(resolved: app.ResolvedRun) -> str:
     """The resolved config as ``config.yaml`` holds it, less ``run_dir``."""
-    cfg = OmegaConf.to_container(resolved.cfg, resolve=True)
+    cfg = app.config_dict(resolved)
     cfg.pop("run_dir", None)
-    return OmegaConf.to_yaml(OmegaConf.create(cfg))
+    return app.config_yaml(cfg)
 
 
 def resolve_all(rows: Iterable[tuple[str, str]] | None = None, scales: Iterable[str] = SCALES,
