@@ -39,12 +39,17 @@ def published_counts(table: str) -> dict[str, int]:
     return {str(r): int(v) for r, v in zip(pub["row"], pub["params_exact"]) if pd.notna(v)}
 
 
-def report() -> pd.DataFrame:
+def report(compose=None) -> pd.DataFrame:
+    """One line per paper-scale row. ``compose(table, row)`` returns the row's resolved runs at paper scale
+    (default: :func:`experiments.reproduce.compose_row` on the torch backend)."""
+    if compose is None:
+        def compose(table: str, row: str):
+            return compose_row(table, row, "paper", "torch", [])
     rows = []
     for table in available_tables():
         paper = published_counts(table)
         for row in table_rows(table):
-            resolved = compose_row(table, row, "paper", "torch", [])[0]
+            resolved = compose(table, row)[0]
             rows.append({
                 "table": table,
                 "row": row,

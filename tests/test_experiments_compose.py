@@ -110,6 +110,19 @@ def test_row_files_state_only_what_differs_from_their_base(table):
 
 
 @pytest.mark.slow
+def test_params_report_matches_the_paper_for_every_paper_scale_row():
+    """``make params``: every paper-scale row's instantiated model has the spec's count and the paper's (the rows
+    composed as the committed-config test above composes them; the precision pin changes no parameter)."""
+    from experiments.params_report import report
+
+    df = report(compose=lambda table, row: composed(table, row, "paper"))
+    assert df["match"].all(), df[~df["match"]].to_string()
+    with_paper = df[df["paper"].notna()]
+    assert len(with_paper) >= 70
+    assert (with_paper["instantiated"] == with_paper["paper"].astype(int)).all()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("table", TABLE_NAMES)
 def test_table_specs_agree_with_the_paper_scale_configs(table):
     """What ``paper_tables/specs.py`` says of each row (the paper's T, mode, steps, profile; the published batch)
