@@ -62,10 +62,11 @@ setup: $(VENV)/.installed $(foreach e,$(subst $(comma), ,$(EXTRAS)),$(VENV)/.ins
 
 # Two tiers (pytest markers, tests/conftest.py): `make test-fast` leaves out the `slow` and `gpu` tests (the
 # edit-test loop), `make test` runs everything. One pytest worker per core (pytest-xdist), each test file on one
-# worker so its module fixtures are built once; tests/conftest.py gives each worker one intra-op thread. Both print
-# their wall time last; the measured times are in docs/results/README.md ("Test suite").
+# worker so its module fixtures are built once, handed out longest file first (tests/conftest.py, which also gives
+# each worker one intra-op thread). Both print their wall time last; the measured times are in
+# docs/results/README.md ("Test suite").
 PYTEST_WORKERS ?= auto
-PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 .PHONY: test-fast test-hermetic
 test: $(VENV)/.installed $(VENV)/.installed-cluster
 	@start=$$SECONDS; $(PYTEST) --durations=25 $(PYTEST_ARGS); code=$$?; \

@@ -80,3 +80,51 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- the order in which xdist hands out test files
+#
+# `make test` gives each worker whole files (--dist loadfile) in collection order (--no-loadscope-reorder), handing a
+# worker the next file when its current one is nearly done. Longest first keeps both workers busy to the end: the
+# other order leaves one worker alone with a two-minute file after everything else has finished. The durations are
+# those of a measured run (FILE_COSTS, seconds per file, summed over its tests' setup, call and teardown); a file
+# missing from it counts as FILE_COST_UNKNOWN. Regenerate after tests move:
+#     make test PYTEST_ARGS=--write-file-costs
+FILE_COSTS = Path(__file__).with_name("file_costs.json")
+FILE_COST_UNKNOWN = 5.0
+
+
+def pytest_addoption(parser):
+    parser.addoption("--write-file-costs", action="store_true",
+                     help=f"write each test file's summed duration to {FILE_COSTS.name} at the end of the run")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not FILE_COSTS.is_file():
+        return  # one process: the files' own order
+    import json
+
+    costs = json.loads(FILE_COSTS.read_text(encoding="utf-8"))
+    position = {}
+    for item in items:
+        position.setdefault(item.nodeid.split("::")[0], len(position))
+    # Stable: a file's tests keep their order; files of equal cost keep theirs.
+    items.sort(key=lambda item: (-costs.get(item.nodeid.split("::")[0], FILE_COST_UNKNOWN),
+                                 position[item.nodeid.split("::")[0]]))
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a run without workers) sums the reports
+        path = report.nodeid.split("::")[0]
+        _durations[path] = _durations.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.getoption("--write-file-costs") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        import json
+
+        costs = {path: round(seconds, 1) for path, seconds in sorted(_durations.items())}
+        FILE_COSTS.write_text(json.dumps(costs, indent=1) + "\n", encoding="utf-8")
