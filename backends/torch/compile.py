@@ -14,7 +14,7 @@ the eager bf16 full-AR step was busy 9.2 of 20.4 ms, and replayed as graphs it t
 (docs/results/bench_cuda.md); ``auto`` replays what it compiles this way on one CUDA device
 (:func:`use_cuda_graphs`). The conv-backbone steps qualify:
 they read nothing back from the device before the loss and compile to one graph that inductor can capture
-(tests/test_torch_compile.py checks that on the CUDA code paths). :func:`check_compile_device` refuses what
+(tests/test_torch_cuda_graphs.py checks that on the CUDA code paths). :func:`check_compile_device` refuses what
 does not (a CPU device, DDP, the Transformers, the routes that rank with ρ read back), and a graph inductor
 still cannot capture stops the run (``triton.cudagraph_or_error``, :func:`cuda_graph_errors`) rather than
 running uncaptured under a CUDA-graph label.

@@ -1,0 +1,362 @@
+"""CUDA graphs (``train.compile=cudagraphs``, and ``auto`` on one GPU): what a step must be to be captured, checked
+on CPU tensors with the code paths a CUDA tensor takes (no device reads, one graph inductor can capture, inductor's
+code equal to eager's), the refusals, and on a GPU the replayed step itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backends.torch.backend import TorchBackend, TrainingLoss
+from backends.torch.compile import (
+    COMPILE_MIN_STEPS,
+    COMPILED_LABEL,
+    CUDA_GRAPHS_LABEL,
+    check_compile_device,
+    compile_training,
+    compiled_label,
+    cuda_graph_errors,
+    prepare_for_compile,
+    ranks_with_host_rho,
+    use_compile,
+    use_cuda_graphs,
+)
+from tests.compiled_steps import CASES, COMPILED_CASES, B, T, compare_steps, step_config
+
+CUDA = torch.cuda.is_available()
+SYNCING_OPS = frozenset({"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive",
+                         "unique_dim", "masked_select", "equal", "is_nonzero", "allclose", "bincount"})
+"""ATen ops that wait for the device to read a value back (``.item()``/``int()``/``bool()`` reach
+``_local_scalar_dense``; the rest have data-dependent output shapes or a host result)."""
+
+
+def _syncs(name: str, args, kwargs) -> bool:
+    """Whether an op waits on the device: one of :data:`SYNCING_OPS`, ``repeat_interleave`` without its output
+    size, or indexing (``x[mask]``, ``x[mask] = v``) with a boolean mask, which runs ``nonzero`` inside the op."""
+    if name in SYNCING_OPS:
+        return True
+    if name == "repeat_interleave":
+        return kwargs.get("output_size") is None
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+    return False
+
+
+class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op that waits on the device (:func:`_syncs`), and any copy of a device tensor to the CPU.
+    A ``torch.library`` custom op dispatches as one op, so what runs inside one is checked separately
+    (:func:`test_cuda_custom_ops_read_nothing_back`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        if _syncs(name, args, kwargs):
+            self.reads.append(name)
+        out = func(*args, **kwargs)
+        if name in ("_to_copy", "copy_") and isinstance(out, torch.Tensor) and out.device.type == "cpu" and any(
+                isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args):
+            self.reads.append(f"{name} to cpu")
+        return out
+
+
+def test_device_read_check_sees_reads() -> None:
+    """The check finds what it looks for (on any device: the ops are the same)."""
+    x = torch.arange(6.0)
+    reads = _DeviceReads()
+    with reads:
+        float(x.sum())
+        _ = x[x > 2]
+        x[x > 4] = 0.0
+        torch.bincount(torch.tensor([1, 2]))
+        torch.repeat_interleave(torch.tensor([1, 2]))
+        torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)  # told its size: no read
+        _ = x[torch.tensor([0, 1])]  # integer indices: no read
+    assert reads.reads == ["_local_scalar_dense", "index", "index_put_", "bincount", "repeat_interleave"]
+
+
+@pytest.fixture
+def cuda_code_paths(monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    """The device whose code paths the step takes: CUDA where present; on a CPU, CPU tensors with the choices
+    a CUDA tensor gets (the Triton candidate kernels, run by the interpreter; gathered scores instead of the CPU's
+    sparse products; the segmented key-gradient op)."""
+    if CUDA:
+        return torch.device("cuda")
+    from backends.torch import ops, routing
+
+    monkeypatch.setattr(routing, "kernels_by_default", lambda addresses: True)
+    monkeypatch.setattr(ops, "_sparse_path", lambda x, y, index: False)
+    monkeypatch.setattr(ops, "_segment_kernel_for", lambda grad, y: True)
+    return torch.device("cpu")
+
+
+def _device_reads(case, mode: str, precision: str, device: torch.device) -> list[str]:
+    cfg = step_config(case, mode)
+    cfg.train.precision = precision
+    backend = TorchBackend(device)
+    state = backend.init(cfg)
+    rng = np.random.default_rng(0)
+    x = torch.as_tensor(rng.integers(3, 64, (B, T)), device=device)
+    y = torch.as_tensor(rng.integers(3, 64, (B,) if mode == "nt" else (B, T)), device=device)
+    loss_module = TrainingLoss(state.module)
+    state.module.train()
+    reads = _DeviceReads()
+    # On a CUDA device the driver-level check runs too: a synchronising call raises (the host-ρ routes, which
+    # read ρ back on purpose, are left to the op check).
+    strict = device.type == "cuda" and not ranks_with_host_rho(cfg)
+    if strict:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with reads:
+            with backend._autocast(cfg):
+                loss = loss_module(x, y, mode)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(state.module.parameters(), 1.0, foreach=CUDA)
+            if device.type == "cuda":
+                state.optimizer.step()  # fused AdamW: no read on a GPU (its CPU form reads the step count)
+    finally:
+        if strict:
+            torch.cuda.set_sync_debug_mode("default")
+    return reads.reads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["nt", "ar"])
+def test_cuda_step_reads_nothing_back_from_the_device(cuda_code_paths: torch.device, mode: str,
+                                                      precision: str) -> None:
+    """What CUDA graphs need of a step: its forward, backward and clipping (and on a GPU the optimiser step,
+    under CUDA's own synchronisation check as well) wait on the device nowhere, for every case that
+    ``cudagraphs`` accepts; the two ρ-ranking routes it refuses do read ρ back (which also shows that the check
+    sees a read)."""
+    for case in CASES:
+        reads = _device_reads(case, mode, precision, cuda_code_paths)
+        if ranks_with_host_rho(step_config(case, mode)):
+            assert "_local_scalar_dense" in reads, case
+        else:
+            assert reads == [], (case, reads)
+
+
+def test_cuda_custom_ops_read_nothing_back(cuda_code_paths: torch.device) -> None:
+    """Inside the step's custom ops (``pcaf::ar_candidates``, ``pcaf::bucket_lookup_nt``,
+    ``pcaf::gather_dot_grad_y``: the Triton wrappers, interpreted on a CPU) nothing waits on the device either."""
+    from backends.torch.kernels import gather_grad, triton_impl
+
+    g = torch.Generator().manual_seed(0)
+    addresses = torch.randint(0, 5, (2, 40), generator=g).to(cuda_code_paths)
+    x = torch.randn(2, 40, 8, generator=g).to(cuda_code_paths)
+    grad = torch.randn(2, 40, 4, generator=g).to(cuda_code_paths)
+    index = torch.randint(0, 40, (2, 40, 4), generator=g).to(cuda_code_paths)
+    reads = _DeviceReads()
+    with reads:
+        for policy in ("recent", "first"):
+            triton_impl.candidates_ar_triton(addresses, 4, policy)
+            triton_impl.candidates_nt_triton(addresses, 4, policy)
+        gather_grad.gather_dot_grad_y_triton(x, grad, index, 40)
+    assert reads.reads == []
+
+
+def _aot_graphs(fn, *args) -> tuple[list[torch.fx.GraphModule], list[int]]:
+    """The forward and backward graphs AOT autograd makes of ``fn(*args).backward()`` under bf16 autocast (what
+    inductor compiles, before its own passes), and the indices of the graph inputs the step mutates (AOT's
+    metadata: functionalised, a mutation is an extra output copied back after the graph)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.GraphModule] = []
+    mutated: list[int] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs):
+        meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+        if not graphs and meta is not None:
+            mutated.extend(i for i, info in enumerate(meta.input_info) if info.mutates_data or info.mutates_metadata)
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=aot_autograd(fw_compiler=record, bw_compiler=record), dynamic=False)
+    with torch.autocast(args[0].device.type, dtype=torch.bfloat16):
+        loss = compiled(*args)
+    loss.backward()
+    return graphs, mutated
+
+
+def _cudagraph_unsafe(graphs: list[torch.fx.GraphModule], mutated: list[int]) -> list[str]:
+    """Nodes inductor would not capture in a CUDA graph (its own test, ``is_cudagraph_unsafe_fx_node``: host
+    syncs, boolean-mask ``index_put``, sparse outputs...), and the mutated inputs (CUDA graph trees accept
+    mutated parameters and buffers, not mutated step inputs; the training step should mutate nothing)."""
+    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+
+    found = [str(node.target) for gm in graphs for node in gm.graph.nodes
+             if node.op == "call_function" and is_cudagraph_unsafe_fx_node(node)]
+    return found + [f"mutated input {i}" for i in mutated]
+
+
+@pytest.mark.parametrize("mode", ["ar", "nt"])
+@pytest.mark.parametrize("case", [c for c in COMPILED_CASES if not ranks_with_host_rho(step_config(c, "ar"))],
+                         ids=lambda c: "-".join(c))
+@pytest.mark.slow
+def test_cuda_step_is_one_cudagraph_safe_graph(cuda_code_paths: torch.device, case, mode: str) -> None:
+    """CUDA graph trees capture what Dynamo and AOT autograd compile: the step must be one graph (a graph break
+    would leave eager launches between graphs), and its forward and backward graphs must hold nothing inductor
+    refuses to capture and mutate none of their inputs (either makes inductor skip CUDA graphs, silently)."""
+    cfg = step_config(case, mode)
+    state = TorchBackend(cuda_code_paths).init(cfg)
+    prepare_for_compile(state.module)
+    rng = np.random.default_rng(0)
+    x = torch.as_tensor(rng.integers(3, 64, (B, T)), device=cuda_code_paths)
+    y = torch.as_tensor(rng.integers(3, 64, (B,) if mode == "nt" else (B, T)), device=cuda_code_paths)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(TrainingLoss(state.module))(x, y, mode)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    graphs, mutated = _aot_graphs(TrainingLoss(state.module), x, y, mode)
+    assert len(graphs) == 2 and _cudagraph_unsafe(graphs, mutated) == []
+
+
+def test_cudagraph_safety_check_sees_unsafe_nodes() -> None:
+    """The check above finds what it looks for: a boolean-mask assignment (a host sync inside ``index_put``)
+    and an in-place update of a buffer."""
+
+    class Unsafe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+            self.register_buffer("count", torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.count.add_(1.0)
+            y = x * self.w
+            y[y > 1] = 0.0
+            return y.sum()
+
+    found = _cudagraph_unsafe(*_aot_graphs(Unsafe(), torch.arange(4.0)))
+    assert any("index_put" in f for f in found) and any("mutated input" in f for f in found), found
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_cuda_full_ar_step_like_eager(cuda_code_paths: torch.device) -> None:
+    """What ``cudagraphs`` replays is inductor's code for the step: full-AR PCAF-context with the GPU's candidate
+    kernel and key-gradient op inside the graph (custom ops, run by the Triton interpreter on a CPU) gives the
+    eager step's losses and gradients. The benchmarked GPU case; about 25 s here. (Where a CUDA device is present
+    the step runs on the CPU's own paths here, and test_cudagraph_step_trains_like_eager_on_cuda runs it there.)"""
+    compare_steps(step_config(("pcaf", "context", "dense", "first"), "ar"), "inductor")
+
+
+def test_cudagraphs_refuses_what_it_cannot_replay() -> None:
+    case = ("pcaf", "context", "dense", "first")
+    cfg = step_config(case, "ar", "cudagraphs")
+    assert use_compile(cfg) and use_cuda_graphs(cfg) and compiled_label(True) == CUDA_GRAPHS_LABEL
+    on = step_config(case, "ar", "on")
+    assert compiled_label(False) == COMPILED_LABEL and not use_cuda_graphs(on, torch.device("cuda"))
+    with pytest.raises(ValueError, match="needs a CUDA device, and this run trains on cpu: use train.compile=on"):
+        TorchBackend("cpu").init(cfg)
+    with pytest.raises(ValueError, match="runs in one process, and this run has 2"):
+        check_compile_device(cfg, torch.device("cuda"), 2)
+    check_compile_device(cfg, torch.device("cuda"), 1)
+    for other in (("pcaf", "context", "dense", "topk_score"), ("pcaf", "semantic", "dense", "topk_score")):
+        with pytest.raises(ValueError, match="ranks with rho read back from the device every step"):
+            check_compile_device(step_config(other, "ar", "cudagraphs"), torch.device("cuda"), 1)
+    # No cache ranks nothing, whatever its policy says.
+    check_compile_device(step_config(("pcaf_no_cache", "context", "dense", "topk_score"), "ar", "cudagraphs"),
+                         torch.device("cuda"), 1)
+    with pytest.raises(ValueError, match="covers the PCAF variants and local conv, not 'transformer_dense'"):
+        check_compile_device(step_config(("transformer_dense", "context", "dense", "first"), "ar", "cudagraphs"),
+                             torch.device("cuda"), 1)
+    with pytest.raises(ValueError, match="compile with backend='inductor'"):
+        compile_training(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), backend="aot_eager", cuda_graphs=True)
+
+
+def test_auto_replays_compiled_steps_as_cuda_graphs_on_one_gpu() -> None:
+    """``auto`` compiles what pays off (:func:`use_compile`) and, on one CUDA device in one process, replays it as
+    CUDA graphs (faster than inductor alone in every ``make bench-cuda`` case); not on a CPU, not under DDP, and
+    never a step it does not compile. A CPU backend builds the inductor step and labels it so."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    long_ = step_config(("pcaf", "context", "dense", "first"), "ar", "auto")
+    long_.train.steps = COMPILE_MIN_STEPS
+    assert use_cuda_graphs(long_, cuda, 1)
+    assert not use_cuda_graphs(long_, cpu, 1) and not use_cuda_graphs(long_, cuda, 2) and not use_cuda_graphs(long_)
+    short = step_config(("pcaf", "context", "dense", "first"), "ar", "auto")
+    short.train.steps = COMPILE_MIN_STEPS - 1
+    assert not use_cuda_graphs(short, cuda, 1)
+    for case in (("transformer_dense", "context", "dense", "first"), ("pcaf", "context", "dense", "topk_score")):
+        cfg = step_config(case, "nt", "auto")
+        cfg.train.steps = COMPILE_MIN_STEPS
+        assert not use_cuda_graphs(cfg, cuda, 1), case
+    assert not use_cuda_graphs(step_config(("pcaf", "context", "dense", "first"), "ar", "off"), cuda, 1)
+    backend = TorchBackend("cpu")
+    state = backend.init(long_)
+    assert not state.cuda_graphs and backend.device.endswith(f"; {COMPILED_LABEL}")
+
+
+def test_a_step_that_cannot_be_captured_says_so_in_one_line() -> None:
+    """Inductor's refusal (``triton.cudagraph_or_error``) becomes one line naming its reason and the alternative;
+    other errors, and the same error outside a ``cudagraphs`` run, pass unchanged."""
+    case = ("pcaf", "context", "dense", "first")
+    refusal = RuntimeError("skipping cudagraphs due to cpu device (primals_1)\nFound from:\n  File ...")
+    with pytest.raises(RuntimeError, match=r"^train.compile=cudagraphs could not capture this step as a CUDA graph "
+                                           r"\(cpu device \(primals_1\)\): use train.compile=on$") as caught:
+        with cuda_graph_errors(step_config(case, "ar", "cudagraphs"), True):
+            raise refusal
+    assert caught.value.__cause__ is refusal
+    with pytest.raises(RuntimeError, match=r"^train.compile=auto \(auto replays compiled steps as CUDA graphs on a "
+                                           r"GPU\) could not capture this step as a CUDA graph \(cpu device"):
+        with cuda_graph_errors(step_config(case, "ar", "auto"), True):
+            raise refusal
+    wrapped = RuntimeError("backend='inductor' raised:\nRuntimeError: skipping cudagraphs due to mutated inputs (1 "
+                           "instances)")  # as Dynamo wraps the forward's compile error
+    with pytest.raises(RuntimeError, match=r"CUDA graph \(mutated inputs \(1 instances\)\): use train.compile=on$"):
+        with cuda_graph_errors(step_config(case, "ar", "cudagraphs"), True):
+            raise wrapped
+    with pytest.raises(RuntimeError, match="^skipping cudagraphs due to"):
+        with cuda_graph_errors(step_config(case, "ar", "on"), False):
+            raise refusal
+    with pytest.raises(RuntimeError, match="^out of memory$"):
+        with cuda_graph_errors(step_config(case, "ar", "cudagraphs"), True):
+            raise RuntimeError("out of memory")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device; the step's CPU-side conditions (no device "
+                    "reads, one safe graph) are tested above on CPU tensors with the CUDA code paths chosen")
+def test_cudagraph_step_trains_like_eager_on_cuda() -> None:
+    """``cudagraphs``, and ``auto`` for a long run, replay the step as CUDA graphs: six steps (the first compiles,
+    the second captures, four replay) give the eager steps' losses (dropout 0: the same arithmetic up to
+    inductor's fusions) with every graph captured (a skip would raise; the counter and the graph tree say so
+    too), and with dropout on, replays at learning rate 0 draw fresh masks (different losses)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    torch._dynamo.reset()
+    counters.clear()
+    case = ("pcaf", "context", "dense", "first")
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(3, 64, (B, T)).astype(np.int32), rng.integers(3, 64, (B, T)).astype(np.int32))
+               for _ in range(6)]
+    losses = {}
+    for compile_mode in ("off", "cudagraphs", "auto"):  # fp32 all: the backend turns cuDNN's TF32 off
+        cfg = step_config(case, "ar", compile_mode)
+        cfg.profile.dropout = 0.0
+        cfg.train.steps = COMPILE_MIN_STEPS  # long enough for auto to compile, so on one GPU to replay graphs
+        backend = TorchBackend("cuda")
+        state = backend.init(cfg)
+        assert not torch.backends.cudnn.allow_tf32
+        assert state.cuda_graphs == (compile_mode != "off"), compile_mode
+        assert backend.device.endswith(f"; {CUDA_GRAPHS_LABEL}") == (compile_mode != "off"), backend.device
+        losses[compile_mode] = [backend.train_step(state, x, y, 1e-3)[1] for x, y in batches]
+    np.testing.assert_allclose(losses["cudagraphs"], losses["off"], rtol=2e-4)
+    np.testing.assert_allclose(losses["auto"], losses["off"], rtol=2e-4)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None and manager.roots, "no CUDA graph was recorded"
+    torch._dynamo.reset()
+    cfg = step_config(case, "ar", "cudagraphs")
+    backend = TorchBackend("cuda")
+    state = backend.init(cfg)
+    x, y = batches[0]
+    replays = [backend.train_step(state, x, y, 0.0)[1] for _ in range(5)]
+    assert np.all(np.isfinite(replays)) and len(set(replays[2:])) == 3, replays
