@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import environment_labels, median_seconds, text_tokens, write_csv
+from benchmarks.common import TEXT_VOCAB, environment_labels, median_seconds, text_tokens, write_csv
 from pcaf_core.config import CACHE_VARIANTS, TRANSFORMER_VARIANTS, WINDOWED_VARIANTS
 from pcaf_core.flops import train_step_flops
 from pcaf_core.sysinfo import cpu_has_bf16_matmul
@@ -198,9 +198,10 @@ def matmul_peaks(quick: bool, bf16_unit: bool) -> list[dict]:
 
 
 def _batch(cfg) -> tuple[np.ndarray, np.ndarray, str]:
-    """Inputs ``[B, T]`` and targets (``[B, T]`` full AR, ``[B]`` next-token) from WikiText-2 train text."""
+    """Inputs ``[B, T]`` and targets (``[B, T]`` full AR, ``[B]`` next-token) from WikiText-2 train text (a model
+    narrower than its cache's vocabulary, the smoke scale's, draws from a cache of its own width)."""
     B, T = cfg.train.batch_size, cfg.train.seq_len
-    tokens, source = text_tokens(T + 1, B)
+    tokens, source = text_tokens(T + 1, B, min(cfg.model.vocab_size, TEXT_VOCAB))
     targets = tokens[:, 1:] if cfg.train.mode == "ar" else tokens[:, T]
     return tokens[:, :T].astype(np.int32), np.ascontiguousarray(targets).astype(np.int32), source
 

@@ -135,16 +135,21 @@ def loglog_slope(xs: list[float], ys: list[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / den
 
 
-def text_tokens(n: int, batch: int) -> tuple[np.ndarray, str]:
-    """``[batch, n]`` consecutive stretches of WikiText-2 train (random ids when the corpus is missing)."""
+TEXT_VOCAB = 20000
+"""The vocabulary of the WikiText-2 token cache the benchmarks draw their text from (the cpu scale's)."""
+
+
+def text_tokens(n: int, batch: int, max_vocab: int = TEXT_VOCAB) -> tuple[np.ndarray, str]:
+    """``[batch, n]`` consecutive stretches of WikiText-2 train with a ``max_vocab``-token vocabulary (random ids
+    when the corpus is missing)."""
     try:
         from pcaf_core.config import DataConfig
         from pcaf_core.data import load_corpus
 
-        train = np.asarray(load_corpus(DataConfig(name="wikitext2", layout="tokens", max_vocab=20000)).train)
+        train = np.asarray(load_corpus(DataConfig(name="wikitext2", layout="tokens", max_vocab=max_vocab)).train)
         starts = (np.arange(batch) * (len(train) // batch)) % max(len(train) - n, 1)
         if len(train) >= n:
             return np.stack([train[s:s + n] for s in starts]).astype(np.int64), "WikiText-2 train text"
     except Exception as exc:  # noqa: BLE001 - the benchmark still measures cost on random ids, and says so
         print(f"note: WikiText-2 unavailable ({exc}); using random ids", file=sys.stderr)
-    return np.random.default_rng(0).integers(3, 20000, (batch, n)), "random ids"
+    return np.random.default_rng(0).integers(3, max_vocab, (batch, n)), "random ids"

@@ -54,7 +54,7 @@ def test_generate_command_errors_are_one_line(smoke_run, tmp_path, capsys):
     other = tmp_path / "other.safetensors"
     assert generate_cli.main([f"run_dir={smoke_run}", "prompt=The game", f"checkpoint={other}"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "was trained with a vocabulary of 20005 ids" in err
+    assert err.count("\n") == 1 and "was trained with a vocabulary of 2005 ids" in err
     assert generate_cli.main([f"run_dir={smoke_run}", "prompt=The", "data.max_vocab=100"]) == 2
     assert "data.max_vocab cannot be changed" in capsys.readouterr().err
     assert generate_cli.main([f"run_dir={smoke_run}", "prompt=The", "top_k=many"]) == 2

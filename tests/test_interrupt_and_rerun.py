@@ -154,7 +154,7 @@ def test_sweeps_started_together_get_their_own_directories_and_a_failing_job_doe
     assert sorted(r.error.split("model.vocab_size=")[1][:3] for r in records) == ["100", "200", "300"]
     assert all(r.status == "failed" for r in records)
     (summary,) = [p for p in (tmp_path / "multirun").glob("*/sweep_model.vocab_size.md")]
-    assert summary.read_text().count("1 failed: ValueError: the corpus vocabulary has 20000 ids") == 2
+    assert summary.read_text().count("1 failed: ValueError: the corpus vocabulary has 2000 ids") == 2
 
 
 # --------------------------------------------------------------------------- item 3
