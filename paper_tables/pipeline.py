@@ -25,7 +25,8 @@ from paper_tables.figures import (
     save_figure,
 )
 from paper_tables.published import load_published
-from paper_tables.render import Report, render_claims_csv, render_csv, render_latex, render_markdown
+from paper_tables.render import Report, render_markdown
+from paper_tables.render_latex_csv import render_claims_csv, render_csv, render_latex
 from paper_tables.spec_types import select_rows
 from paper_tables.specs import get_table
 from pcaf_core.fsutil import atomic_write_text, file_lock

@@ -13,7 +13,8 @@ from paper_tables.claims import FAILS, HOLDS, NOT_MEASURED, _judge, compare
 from paper_tables.collect import aggregate, learning_bar, load_runs
 from paper_tables.pipeline import build_report, render_table
 from paper_tables.published import load_published
-from paper_tables.render import render_csv, render_latex, render_markdown, tex_escape
+from paper_tables.render import render_markdown
+from paper_tables.render_latex_csv import render_csv, render_latex, tex_escape
 from paper_tables.spec_types import Claim
 from paper_tables.specs import get_table
 from pcaf_core.results import RunMetrics, write_metrics
