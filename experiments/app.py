@@ -316,18 +316,19 @@ def config_yaml(data: dict[str, Any]) -> str:
     when PyYAML has it, 4-5x faster than the pure-Python emitter and the same text (every committed resolved
     config is compared, ``experiments.resolved_configs``)."""
     import yaml
-    from omegaconf._utils import get_omega_conf_dumper
 
-    return yaml.dump(data, Dumper=_yaml_dumper(getattr(yaml, "CDumper", None) or get_omega_conf_dumper()),
-                     default_flow_style=False, allow_unicode=True, sort_keys=False)
+    return yaml.dump(data, Dumper=_yaml_dumper(), default_flow_style=False, allow_unicode=True, sort_keys=False)
 
 
 @functools.cache
-def _yaml_dumper(base: type) -> type:
+def _yaml_dumper() -> type:
+    """PyYAML's C dumper (its pure-Python one without libyaml) with OmegaConf's string representer."""
+    import yaml
     from omegaconf._utils import get_omega_conf_dumper
 
-    dumper = type("ConfigDumper", (base,), {})
-    dumper.add_representer(str, get_omega_conf_dumper().str_representer)
+    omegaconf_dumper = get_omega_conf_dumper()
+    dumper = type("ConfigDumper", (getattr(yaml, "CDumper", omegaconf_dumper),), {})
+    dumper.add_representer(str, omegaconf_dumper.str_representer)
     return dumper
 
 
