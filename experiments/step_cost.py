@@ -7,7 +7,8 @@ Each row is composed exactly as ``experiments.reproduce`` composes it (scale, ro
 overrides), its backend built as a run builds it, and fed windows of the row's own training text (the row's
 batch and T; the windows' real token statistics matter, since they fill the hash buckets the routes read).
 After ``--warmup`` untimed steps (compilation, allocator) the median of ``--steps`` timed
-``Backend.train_step`` calls is the step cost. Printed per row: the step, the cost per target (next-token:
+``Backend.train_step`` calls, each timed until its loss is on the host (so an accelerator's queued work is
+included, as in a run's tokens/s), is the step cost. Printed per row: the step, the cost per target (next-token:
 one target per window) or per token (full AR), and the training time the row's configured steps take at that
 cost; evaluation and start-up are not included. Run it alone on the machine, as any timing.
 """
@@ -57,7 +58,8 @@ def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: 
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        state, _ = backend.train_step(state, inputs, targets, cfg.train.lr)
+        state, loss = backend.train_step(state, inputs, targets, cfg.train.lr)
+        float(loss)  # the step ends when its loss is on the host: an accelerator's queued work is in the time
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)

@@ -444,8 +444,10 @@ class TrainingLoop:
                 self.state, loss = self.backend.train_step(self.state, inputs, targets, lr)
                 if self.world > 1:
                     loss = self.backend.all_reduce_sum([loss])[0] / self.world
-                dt = time.perf_counter() - t0
+                # The loss on the host ends the step: an accelerator runs the step after train_step returns
+                # (asynchronous launches, a replayed CUDA graph), and reading its loss waits for that work.
                 loss = float(loss)
+                dt = time.perf_counter() - t0
                 if not math.isfinite(loss):
                     raise TrainingDiverged(
                         divergence_message(loss, step, lr, self.cfg, self.last_good_checkpoint, self.run_dir,

@@ -38,9 +38,15 @@ THROUGHPUT_WARMUP_STEPS = 3
 """Optimiser steps at the start of every process segment left out of the throughput measurement
 (allocator warm-up, kernel autotuning, JIT compilation)."""
 
+THROUGHPUT_TIMED_TO_LOSS = "timed until its loss is on the host"
+"""The words of :data:`THROUGHPUT_DEFINITION` that say a step's time includes an accelerator's work: records
+without them timed a step to the return of its launches (``paper_tables.collect`` sets their accelerator tokens/s
+aside)."""
+
 THROUGHPUT_DEFINITION = (
     "tokens/s = global_batch*T / mean train-step seconds; a train step covers host-side window "
-    "sampling, forward, backward and the optimiser update; evaluation and checkpoint time are excluded; "
+    "sampling, forward, backward and the optimiser update, " + THROUGHPUT_TIMED_TO_LOSS + " (so an "
+    "accelerator's queued work is included); evaluation and checkpoint time are excluded; "
     "the first {warmup} steps of each process are excluded as warm-up; NT counts all T input tokens "
     "of a window (docs/REFERENCE_CODE.md §5.6)"
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -35,6 +36,7 @@ from pcaf_core.loop import (
     run_training,
 )
 from pcaf_core.results import CURVE_COLUMNS, read_curve, read_metrics
+from pcaf_core.run_record import THROUGHPUT_TIMED_TO_LOSS
 from pcaf_core.schedule import lr_at_step
 
 V = 24
@@ -296,6 +298,31 @@ def test_train_loss_in_curve_is_the_mean_since_the_previous_row(tmp_path):
     assert rows[0]["train_loss"] == losses[0]
     assert rows[1]["train_loss"] == pytest.approx(np.mean(losses[1:3]))
     assert rows[2]["train_loss"] == pytest.approx(np.mean(losses[3:6]))
+
+
+def test_a_step_is_timed_until_its_loss_is_on_the_host(tmp_path):
+    """An accelerator runs a step after train_step returns; its loss arrives when that work is done. The loss
+    stands in here for such a device value: reading it takes 20 ms, and the step's time includes them."""
+
+    class DeviceLoss:
+        def __init__(self, value: float) -> None:
+            self.value = value
+
+        def __float__(self) -> float:
+            time.sleep(0.02)
+            return self.value
+
+    class Async(BigramBackend):
+        def train_step(self, state, inputs, targets, lr):
+            state, loss = super().train_step(state, inputs, targets, lr)
+            return state, DeviceLoss(loss)
+
+    steps = loop.THROUGHPUT_WARMUP_STEPS + 4
+    rec = run_training(small_cfg(steps=steps, eval={"every": 100, "batches": 1, "protocol": "reference"}), Async(),
+                       tmp_path, corpus=markov_corpus(), progress=False)
+    assert rec.train_time_s >= 0.02 * steps
+    assert rec.tokens_per_sec <= rec.batch_size * rec.seq_len / 0.02
+    assert THROUGHPUT_TIMED_TO_LOSS in rec.throughput_definition
 
 
 def test_metrics_json_content(tmp_path):
