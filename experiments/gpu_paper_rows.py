@@ -1,6 +1,7 @@
 """Paper-scale rows on a GPU machine: step costs, the rows themselves, and their run records to take home.
 
     python3 -m experiments.gpu_paper_rows --make-site          # here, once: .gpu_site/ from this environment
+    python3 -m experiments.gpu_paper_rows --unpack records.tar.gz [--into docs/results/runs]   # here, after
     python3 -m experiments.gpu_paper_rows [--step-cost wt2-nt-1024,wt2-nt-2048] [--out DIR] [--budget-s S]
                                           [--scale paper] [--device cuda] TABLE/ROW ...
 
@@ -13,8 +14,14 @@ On the GPU machine (docs/EXPERIMENTS.md, "Paper rows on a GPU"), in order:
    offline; the tokenized one stands in, which every record lists as a deviation), its runs under
    ``--output-root``;
 3. after each row, its completed runs' records (``config.yaml``, ``environment.json``, ``metrics.json``,
-   ``curve.csv``; no checkpoints) to ``<out>/runs/<t>/<scale>/torch/<row>/<run>/``, so a row finished before the
-   machine goes away is already out.
+   ``curve.csv``; no checkpoints) to ``<out>/runs/<t>/<scale>/torch/<row>/<run>/``, and every record under
+   ``<out>/runs`` packed again into the one archive ``<out>/records.tar.gz``, so a row finished before the
+   machine goes away is already out, as one small file to copy back (a remote machine may hand back only a
+   few files, or only shallow paths).
+
+Back here, ``--unpack <out>/records.tar.gz --into docs/results/runs`` puts the records where the tables read
+them: only record files at ``<table>/<scale>/torch/<row>/<run>/`` are accepted, and a record that already
+exists with other contents is refused, not overwritten.
 
 ``--budget-s``: a row whose training time predicted by step 1 (``train_s``, evaluation not included) exceeds the
 seconds left is skipped, with a line saying so. The tables render here, from the records alone:
@@ -35,6 +42,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -94,7 +103,11 @@ def reproduce_command(table: str, row: str, scale: str, device: str, output_root
 
 def copy_records(output_root: Path, table: str, scale: str, row: str, dest_root: Path) -> list[Path]:
     """The :data:`RECORD_FILES` of every completed run of ``row`` under ``output_root`` copied to
-    ``dest_root/<table>/<scale>/torch/<row>/<run>/``; returns the destination folders."""
+    ``dest_root/<table>/<scale>/torch/<row>/<run>/``, the copies' paths under this checkout made relative to it
+    (:func:`pcaf_core.record_relocate.relocate_record`: a record committed elsewhere names no folder of this
+    machine); returns the destination folders."""
+    from pcaf_core.record_relocate import relocate_record  # numpy: after the standard-library start
+
     copied = []
     for metrics in sorted((output_root / table / scale / "torch" / row).glob("*/metrics.json")):
         try:
@@ -108,8 +121,53 @@ def copy_records(output_root: Path, table: str, scale: str, row: str, dest_root:
         for name in RECORD_FILES:
             if (metrics.parent / name).exists():
                 shutil.copy2(metrics.parent / name, dest / name)
+        relocate_record(dest, REPO)
         copied.append(dest)
     return copied
+
+
+ARCHIVE_NAME = "records.tar.gz"
+
+
+def pack_records(runs_root: Path, archive: Path) -> int:
+    """Every :data:`RECORD_FILES` file under ``runs_root`` (paths relative to it) into the gzipped tar
+    ``archive``, written atomically (a temporary file renamed over it); returns the number of files."""
+    files = sorted(p for p in runs_root.rglob("*") if p.is_file() and p.name in RECORD_FILES)
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{archive.name}.", dir=archive.parent)
+    os.close(fd)
+    try:
+        with tarfile.open(tmp, "w:gz") as tar:
+            for f in files:
+                tar.add(f, arcname=f.relative_to(runs_root).as_posix())
+        os.replace(tmp, archive)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return len(files)
+
+
+def unpack_records(archive: Path, into: Path) -> list[Path]:
+    """The run records of ``archive`` (from :func:`pack_records`) extracted under ``into``; returns the run
+    folders. Raises ``SystemExit`` with one line, before anything is written, for a member that is not a record
+    file at ``<table>/<scale>/torch/<row>/<run>/<file>`` and for a record that exists under ``into`` with other
+    contents."""
+    if not archive.is_file():
+        raise SystemExit(f"no archive at {archive}: give the records.tar.gz a GPU run wrote to its --out folder")
+    with tarfile.open(archive, "r:gz") as tar:
+        members = tar.getmembers()
+        for m in members:
+            parts = Path(m.name).parts
+            if (not m.isfile() or len(parts) != 6 or parts[2] != "torch" or parts[5] not in RECORD_FILES
+                    or any(p in ("", ".", "..") for p in parts) or Path(m.name).is_absolute()):
+                raise SystemExit(f"{archive}: {m.name!r} is not a run record file "
+                                 f"(<table>/<scale>/torch/<row>/<run>/<{'|'.join(RECORD_FILES)}>): nothing unpacked")
+            dest = into / m.name
+            if dest.exists() and dest.read_bytes() != tar.extractfile(m).read():
+                raise SystemExit(f"{dest} exists with other contents: move it away to unpack {archive} "
+                                 "(nothing unpacked)")
+        tar.extractall(into, members=members, filter="data")
+    return sorted({(into / m.name).parent for m in members})
 
 
 def predicted_seconds(out: Path) -> dict[tuple[str, str], float]:
@@ -136,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rows", nargs="*", help="TABLE/ROW to train, in this order")
     parser.add_argument("--make-site", action="store_true", help=f"write {SITE.name}/ from this environment and stop")
+    parser.add_argument("--unpack", metavar="ARCHIVE", help=f"extract the run records of a {ARCHIVE_NAME} into "
+                        "--into and stop")
+    parser.add_argument("--into", default="docs/results/runs", help="where --unpack puts the records")
     parser.add_argument("--step-cost", default=",".join(PAPER_TABLES), help="tables to time first ('' for none)")
     parser.add_argument("--scale", default="paper", choices=["paper", "cpu", "smoke"])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run, with --scale smoke)")
@@ -147,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.make_site:
         print(f"{SITE}: {', '.join(make_site())}")
+        return 0
+    if args.unpack:
+        for run in unpack_records(Path(args.unpack), Path(args.into)):
+            print(f"[gpu_paper_rows] unpacked {run}")
         return 0
     rows = parse_rows(args.rows)
     start = time.monotonic()
@@ -172,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu_paper_rows] {' '.join(cmd)}", flush=True)
         rc = subprocess.call(cmd, cwd=REPO, env=env)
         copied = copy_records(output_root, table, args.scale, row, out / "runs")
+        packed = pack_records(out / "runs", out / ARCHIVE_NAME) if (out / "runs").is_dir() else 0
         print(f"[gpu_paper_rows] {table}/{row}: exit {rc}, {len(copied)} completed run record(s) -> "
-              f"{', '.join(str(p) for p in copied) or 'none'}", flush=True)
+              f"{', '.join(str(p) for p in copied) or 'none'}; {out / ARCHIVE_NAME}: {packed} file(s)", flush=True)
         code = code or rc or (0 if copied else 1)
     print(f"[gpu_paper_rows] done in {time.monotonic() - start:.0f} s (exit {code})", flush=True)
     return code

@@ -4,11 +4,15 @@ subprocess here; ``tests/test_render_from_records.py`` uses its record copy on r
 from __future__ import annotations
 
 import csv
+import json
+import tarfile
 from pathlib import Path
 
 import pytest
 
 from experiments import gpu_paper_rows as gpr
+from pcaf_core.record_check import check_run
+from pcaf_core.results import RunMetrics, write_metrics
 
 
 def test_commands_name_the_device_scale_and_tokens_layout(tmp_path: Path) -> None:
@@ -51,3 +55,72 @@ def test_a_row_predicted_past_the_budget_is_skipped(tmp_path: Path, monkeypatch,
     assert gpr.main(args) == 0
     assert launched == []
     assert "skipped wt2-nt-2048/transformer_local: predicted 536 s of training" in capsys.readouterr().out
+
+
+def _completed_run(root: Path, table: str, row: str, run: str, status: str = "completed") -> Path:
+    """A run folder as a run leaves it, its paths absolute under this checkout."""
+    folder = root / table / "paper" / "torch" / row / run
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(f"row: {row}\nrun_dir: {gpr.REPO / 'outputs' / run}\n")
+    (folder / "environment.json").write_text(json.dumps({"argv": [str(gpr.REPO / "experiments/reproduce.py")]}))
+    (folder / "curve.csv").write_text("step,eval_ppl_reference\n1,100.0\n")
+    write_metrics(folder, RunMetrics(table=table, row=row, status=status, best_ppl=100.0,
+                                     extra={"data": {"source": str(gpr.REPO / "data" / "wikitext-2-v1.tar.xz")},
+                                            "elsewhere": "/srv/data/other.tar.xz"}))
+    (folder / "checkpoint_000100.pt").write_bytes(b"weights")  # never travels
+    return folder
+
+
+def test_each_finished_row_is_packed_into_one_archive(tmp_path: Path, monkeypatch) -> None:
+    """After every row the archive holds every completed record so far, and nothing but record files."""
+    output_root, out = tmp_path / "outputs", tmp_path / "out"
+    rows = {"pcaf_context": "completed", "local_conv": "running"}  # local_conv: cut off
+
+    def fake_reproduce(cmd, **kwargs):
+        row = cmd[cmd.index("--rows") + 1]
+        _completed_run(output_root, "wt2-nt-1024", row, "seed1234-x", rows[row])
+        return 0
+
+    monkeypatch.setattr(gpr.subprocess, "call", fake_reproduce)
+    args = ["--step-cost", "", "--out", str(out), "--output-root", str(output_root),
+            "wt2-nt-1024/pcaf_context", "wt2-nt-1024/local_conv"]
+    assert gpr.main(args) == 1  # the stopped row has no completed record
+    with tarfile.open(out / gpr.ARCHIVE_NAME) as tar:
+        names = sorted(tar.getnames())
+    assert names == sorted(f"wt2-nt-1024/paper/torch/pcaf_context/seed1234-x/{n}" for n in gpr.RECORD_FILES)
+
+    into = tmp_path / "docs_runs"
+    (run,) = gpr.unpack_records(out / gpr.ARCHIVE_NAME, into)
+    assert run == into / "wt2-nt-1024/paper/torch/pcaf_context/seed1234-x"
+    record = json.loads((run / "metrics.json").read_text())
+    assert record["status"] == "completed" and check_run(run).state == "verified"
+    # The copies name paths relative to the checkout, and nothing outside it is touched.
+    assert record["extra"]["data"]["source"] == "data/wikitext-2-v1.tar.xz"
+    assert record["extra"]["elsewhere"] == "/srv/data/other.tar.xz"
+    assert "run_dir: outputs/seed1234-x" in (run / "config.yaml").read_text()
+    assert json.loads((run / "environment.json").read_text())["argv"] == ["experiments/reproduce.py"]
+    assert str(gpr.REPO) in (output_root / "wt2-nt-1024/paper/torch/pcaf_context/seed1234-x/config.yaml").read_text()
+    assert gpr.unpack_records(out / gpr.ARCHIVE_NAME, into) == [run]  # the same records again: nothing changes
+
+
+def test_unpack_refuses_what_is_not_a_record_and_what_would_be_overwritten(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    _completed_run(runs, "wt2-nt-2048", "local_conv", "seed1234-y")
+    archive = tmp_path / "records.tar.gz"
+    assert gpr.pack_records(runs, archive) == len(gpr.RECORD_FILES)
+    into = tmp_path / "docs_runs"
+    clash = into / "wt2-nt-2048/paper/torch/local_conv/seed1234-y/curve.csv"
+    clash.parent.mkdir(parents=True)
+    clash.write_text("another run's curve\n")
+    with pytest.raises(SystemExit, match="exists with other contents: move it away"):
+        gpr.unpack_records(archive, into)
+    assert sorted(p.name for p in clash.parent.iterdir()) == ["curve.csv"]  # nothing else was written
+
+    bad = tmp_path / "bad.tar.gz"
+    with tarfile.open(bad, "w:gz") as tar:
+        tar.add(runs / "wt2-nt-2048/paper/torch/local_conv/seed1234-y/metrics.json", arcname="../metrics.json")
+    with pytest.raises(SystemExit, match="is not a run record file"):
+        gpr.unpack_records(bad, tmp_path / "elsewhere")
+    assert not (tmp_path / "elsewhere").exists()
+    with pytest.raises(SystemExit, match="no archive at"):
+        gpr.unpack_records(tmp_path / "missing.tar.gz", into)
