@@ -120,6 +120,34 @@ def row_identities(table: str, row: str, scale: str, backend: str) -> list[str]:
     return list(_row_identities(table, row, scale, backend))
 
 
+Plan = list[tuple[str, list[app.ResolvedRun]]]
+"""``[(row id, its composed runs)]``: what a table command trains, in order."""
+
+
+def plan_identities(table: str, plan: Plan) -> dict[tuple[str, str], list[str]]:
+    """``(table, row) -> identity digests`` of each planned row's composed runs (``paper_tables.collect.Expected``):
+    what a table counts as its rows' runs when they were trained with the plan's command-line overrides."""
+    return {(table, row): [identity_digest(app.config_dict(r)) for r in runs] for row, runs in plan}
+
+
+def expected_identities(table: str, scale: str, backend: str, rows: str, overrides: list[str],
+                        plan: Plan | None = None) -> dict[tuple[str, str], list[str]]:
+    """:func:`plan_identities` of the rows matching ``rows`` composed at ``scale`` on ``backend`` with
+    ``overrides`` (``plan``: those rows already composed), and of every row of the tables ``table``'s claims
+    compare with, composed the same way: the runs a table renders when they were all trained with ``overrides``.
+    A one-line ConfigError for a bad override or row glob."""
+    from paper_tables.claims import referenced_tables
+    from paper_tables.specs import get_table
+
+    if plan is None:
+        plan = [(row, compose_row(table, row, scale, backend, overrides)) for row in select_rows(table, rows)]
+    expected = plan_identities(table, plan)
+    for other in referenced_tables(get_table(table)):
+        expected.update(plan_identities(other, [(row, compose_row(other, row, scale, backend, overrides))
+                                                for row in table_rows(other)]))
+    return expected
+
+
 def existing_runs(resolved: app.ResolvedRun, root: Path) -> list[Path]:
     """Run dirs of this row and seed under ``root`` with ``resolved``'s identity, newest first."""
     parent = root / resolved.table / resolved.scale / resolved.backend / resolved.row
@@ -376,9 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_render:
         from paper_tables.__main__ import render_and_print
 
-        expected = {(args.table, row): [identity_digest(app.config_dict(r)) for r in runs] for row, runs in plan}
         code = render_and_print(args.table, args.scale, args.backend, root, root / "tables", rows=args.rows,
-                                expected=expected)
+                                expected=expected_identities(args.table, args.scale, args.backend, args.rows,
+                                                             row_overrides, plan))
     refused = [tag for tag, o in outcomes if o.status == "refused"]
     failed = [tag for tag, o in outcomes if o.status in ("failed", "interrupted", "lost")]
     for tag, outcome in outcomes:

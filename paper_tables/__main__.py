@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--profile", default=None, help="only runs of this compat profile (default: all)")
     r.add_argument("--no-figures", action="store_true", help="skip the figures")
     r.add_argument("--rows", default=None, help="comma-separated globs over row ids (default: every row)")
+    r.add_argument("overrides", nargs="*", help="Hydra overrides the rows' runs were trained with (key=value, as "
+                   "given to experiments.reproduce): their runs count as the rows' runs, each override listed as "
+                   "a deviation (default: the rows as the table defines them)")
 
     s = sub.add_parser("sweep", help="table + plot of a metric over a Hydra multirun's swept values")
     s.add_argument("--runs", required=True, help="multirun directory")
@@ -105,8 +108,19 @@ def main(argv: list[str] | None = None) -> int:
               "to (python -m experiments.reproduce --output-root, default outputs)", file=sys.stderr)
         return 1
     if args.command == "render":
+        expected = None
+        if args.overrides:
+            from experiments.reproduce import expected_identities  # Hydra composition, only when asked for
+            from pcaf_core.config import ConfigError
+
+            try:
+                expected = expected_identities(args.table, args.scale, args.backend, args.rows or "*",
+                                               args.overrides)
+            except ConfigError as exc:
+                print(f"config error: {exc}", file=sys.stderr)
+                return 2
         return render_and_print(args.table, args.scale, args.backend, args.runs, args.out, profile=args.profile,
-                                figures=not args.no_figures, rows=args.rows)
+                                figures=not args.no_figures, rows=args.rows, expected=expected)
     if args.command == "backends":
         from paper_tables.backend_diff import render_backend_comparison
 

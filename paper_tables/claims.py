@@ -141,14 +141,16 @@ def _judge(claim: Claim, spec: TableSpec, lookup) -> tuple[str, str]:
 
 def below_bar_rows(claim: Claim, spec: TableSpec, aggs: dict[str, pd.DataFrame]) -> list[str]:
     """References of ``claim`` whose measured row is below the learning bar, when the claim compares
-    quality (:data:`QUALITY_METRICS`); empty for throughput and memory claims."""
+    quality (:data:`QUALITY_METRICS`); empty for throughput and memory claims. A row trained at the paper's own
+    budget (``paper_budget``: scale=paper) is judged whatever its bar."""
     out = []
     for ref in (*claim.left, *claim.right):
         table, row = resolve_ref(ref, spec.name)
         agg = aggs.get(table)
         if TABLES[table].column(claim.metric).metric not in QUALITY_METRICS or agg is None:
             continue
-        if row in agg.index and "learning_bar" in agg.columns and agg.at[row, "learning_bar"] == "below bar":
+        if (row in agg.index and "learning_bar" in agg.columns and agg.at[row, "learning_bar"] == "below bar"
+                and not ("paper_budget" in agg.columns and bool(agg.at[row, "paper_budget"]))):
             out.append(ref)
     return out
 

@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from paper_tables.claims import paper_value
+from paper_tables.collect import measured_devices
 from paper_tables.spec_types import TableSpec
 from pcaf_core.results import read_curve
 
@@ -188,22 +189,6 @@ def _measured(agg: pd.DataFrame, row_id: str, field: str) -> float | None:
         return None
     value = agg.at[row_id, field]
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
-
-
-def measured_devices(agg: pd.DataFrame) -> str:
-    """The devices the measured rows ran on, shortened for a legend: each recorded device text up to its
-    first ';' ("cpu (torch 2.13.0+cpu, 2 threads)"), distinct ones joined with ' / '; "" when none."""
-    if "devices" not in agg.columns:
-        return ""
-    short: list[str] = []
-    for devices in agg["devices"]:
-        for text in devices or []:
-            head = str(text).split(";")[0].strip()
-            if head.count("(") > head.count(")"):
-                head += ")"
-            if head and head not in short:
-                short.append(head)
-    return " / ".join(short)
 
 
 def plot_throughput(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataFrame], title: str = "") -> Figure:

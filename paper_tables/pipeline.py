@@ -13,11 +13,17 @@ import re
 from pathlib import Path
 
 from paper_tables.claims import evaluate_claims, referenced_tables
-from paper_tables.collect import Expected, collect_tables, extra_runs, shown_root, unattributed_runs
+from paper_tables.collect import (
+    Expected,
+    collect_tables,
+    extra_runs,
+    measured_devices,
+    shown_root,
+    unattributed_runs,
+)
 from paper_tables.figures import (
     curve_axis,
     load_curves,
-    measured_devices,
     measured_settings,
     plot_learning_curves,
     plot_speed_quality,

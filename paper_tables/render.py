@@ -23,7 +23,7 @@ from typing import Any
 import pandas as pd
 
 from paper_tables.claims import NOT_MEASURED, Verdict, claim_is_on_suite_rows
-from paper_tables.collect import LEARNING_BAR_DIVISOR
+from paper_tables.collect import LEARNING_BAR_DIVISOR, measured_devices
 from paper_tables.headline import headline_lines
 from paper_tables.published import published_value
 from paper_tables.record_notes import SHARED_MARK, claim_detail, record_lines
@@ -193,6 +193,8 @@ def _learning_cell(report: Report, row: RowSpec) -> str:
     if line["status"] != "ok":
         return DASH
     bar = line["learning_bar"]
+    if bar == "below bar" and bool(line.get("paper_budget", False)):
+        return f"{bar} (unigram {float(line['unigram_ppl']):.1f}; not applied at the paper's budget)"
     if bar in ("meets", "below bar"):
         return f"{bar} (unigram {float(line['unigram_ppl']):.1f})"
     return bar
@@ -276,7 +278,8 @@ def definition_lines(report: Report) -> list[str]:
         f"Learning bar: 'meets' when the measured best PPL <= validation unigram PPL / {LEARNING_BAR_DIVISOR:g}; "
         "'below bar' means the model did not learn enough at this budget for its numbers to say anything about "
         "the paper's claims, so a perplexity or accuracy claim on such a row reads 'not measured' (its values "
-        "are still shown); throughput and memory claims do not depend on it.",
+        "are still shown); throughput and memory claims do not depend on it. Runs at scale=paper train the "
+        "paper's own budget, from which the paper made its claims, so there the bar is shown and not applied.",
     ]
 
 
@@ -350,8 +353,15 @@ def deviation_lines(report: Report) -> list[str]:
 
 
 def note_lines(report: Report) -> list[str]:
-    """Row notes from the spec and the published CSV."""
+    """Two machines, when the measured rows ran elsewhere than the paper's; then row notes from the spec and
+    the published CSV."""
     out = []
+    here = measured_devices(report.agg)
+    if report.spec.paper_device and here and report.spec.paper_device not in here:
+        out.append(f"Two machines: the paper's Tok/s and Peak MB come from {report.spec.paper_device}, ours from "
+                   f"{here}. Compare ratios within a column, as the throughput claims do (one row against another "
+                   "on the same machine), not numbers across the two machines. Peak MB (ours) is the training "
+                   "process's peak: CUDA max_memory_allocated on a GPU, the process's peak RSS on a CPU.")
     for r in report.spec.rows:
         notes = [r.note] if r.note else []
         pub = report.published

@@ -8,12 +8,11 @@ import pandas as pd
 import pytest
 
 from paper_tables.__main__ import main
-from paper_tables.collect import collect_tables
+from paper_tables.collect import collect_tables, measured_devices
 from paper_tables.figures import (
     best_so_far_curve,
     curve_axis,
     load_curves,
-    measured_devices,
     measured_settings,
     plot_learning_curves,
     plot_sweep,

@@ -310,3 +310,23 @@ def test_backend_comparison_puts_both_backends_side_by_side_with_the_difference(
     frame = pd.read_csv(tmp_path / "out" / f"{TABLE}_smoke_torch_vs_jax.csv").set_index("row")
     assert frame.at["pcaf_context", "best_ppl_diff"] == pytest.approx(6.0)
     assert "## Claims on each backend" in md
+
+
+def test_accelerator_throughput_timed_to_the_launches_is_set_aside():
+    """Records whose accelerator steps were timed only until their launches returned keep every other number; their
+    tokens/s is not used, and the row's deviations say why. CPU records and records timed to the loss stand."""
+    from paper_tables.collect import LAUNCH_TIMED_NOTE, _set_aside_launch_timed_throughput
+    from pcaf_core.run_record import THROUGHPUT_DEFINITION
+
+    old = THROUGHPUT_DEFINITION.replace(", timed until its loss is on the host (so an accelerator's queued work is "
+                                        "included)", "")
+    assert old != THROUGHPUT_DEFINITION
+    cases = [("NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130)", old, None),
+             ("NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130)", THROUGHPUT_DEFINITION, 5e6),
+             ("cpu (torch 2.13.0+cpu, 2 threads)", old, 5e6)]
+    for device, definition, want in cases:
+        rec = {"device": device, "throughput_definition": definition, "tokens_per_sec": 5e6, "best_ppl": 200.0,
+               "deviations": ["data.layout=tokens (command line)"]}
+        _set_aside_launch_timed_throughput(rec)
+        assert rec["tokens_per_sec"] == want and rec["best_ppl"] == 200.0
+        assert (LAUNCH_TIMED_NOTE in rec["deviations"]) == (want is None)

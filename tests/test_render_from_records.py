@@ -1,6 +1,7 @@
 """A table renders from committed run records alone: ``config.yaml``, ``environment.json``, ``metrics.json`` and
-``curve.csv`` per run, no checkpoints, rows finished at different times on different GPUs (what
-``experiments.gpu_paper_rows`` brings back from a GPU machine and ``docs/results/runs`` holds)."""
+``curve.csv`` per run, no checkpoints, rows finished at different times on different GPUs, trained with a
+command-line override that the render command names too (what ``experiments.gpu_paper_rows`` brings back from a
+GPU machine and ``docs/results/runs`` holds)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from paper_tables.__main__ import main as render_main
 from pcaf_core.results import read_metrics, write_metrics
 
 TABLE, ROWS = "wt2-nt-2048", ("local_conv", "transformer_global_local")
+OVERRIDE = "eval.eval_sample_seed=20002"
 GPUS = {"local_conv": ("NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130)", "gpu-a"),
         "transformer_global_local": ("NVIDIA H200 (torch 2.11.0+cu130)", "gpu-b")}
 
@@ -23,8 +25,9 @@ GPUS = {"local_conv": ("NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130)", "gpu-a"),
 @pytest.mark.slow
 def test_table_renders_from_records_of_two_gpus(tmp_path: Path) -> None:
     outputs, records = tmp_path / "outputs", tmp_path / "docs_runs"
+    # As the GPU rows run, with a command-line override (there: data.layout=tokens, which smoke scale already sets).
     assert reproduce_main(["--table", TABLE, "--scale", "smoke", "--rows", ",".join(ROWS), "--output-root",
-                           str(outputs), "--no-render"]) == 0
+                           str(outputs), "--no-render", OVERRIDE]) == 0
     for row in ROWS:
         (run,) = gpu_paper_rows.copy_records(outputs, TABLE, "smoke", row, records)
         assert sorted(p.name for p in run.iterdir()) == sorted(gpu_paper_rows.RECORD_FILES)
@@ -40,9 +43,16 @@ def test_table_renders_from_records_of_two_gpus(tmp_path: Path) -> None:
     shutil.rmtree(outputs)  # nothing but the records is left to read
 
     out = tmp_path / "tables"
-    assert render_main(["render", "--table", TABLE, "--scale", "smoke", "--backend", "torch", "--runs", str(records),
-                        "--out", str(out)]) == 0
+    render = ["render", "--table", TABLE, "--scale", "smoke", "--backend", "torch", "--runs", str(records), "--out"]
+    # Without the override the runs are not the rows as the table defines them: listed, never rendered as rows.
+    assert render_main([*render, str(tmp_path / "as_defined"), "--no-figures"]) == 0
+    text = (tmp_path / "as_defined" / f"{TABLE}_smoke_torch.md").read_text()
+    assert sum(line.endswith("| missing |") for line in text.splitlines()) == 7
+    assert text.count(f"differs from the row: {OVERRIDE}") == 2
+    assert render_main([*render, str(out), OVERRIDE]) == 0
     text = (out / f"{TABLE}_smoke_torch.md").read_text()
+    shared = next(line for line in text.splitlines() if line.startswith("- All measured rows: "))
+    assert f"; {OVERRIDE} (command line);" in shared
     table_rows = [line for line in text.splitlines() if line.startswith("| ") and "ok (n=1)" in line]
     assert [line.split(" | ")[0] for line in table_rows] == ["| Local conv only", "| Global-local attn"]
     assert sum(line.endswith("| missing |") for line in text.splitlines()) == 5  # the table's other rows

@@ -376,3 +376,25 @@ def test_bf16_autocast_training_step_is_finite() -> None:
     out.loss.backward()
     assert torch.isfinite(out.loss)
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in net.parameters())
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_no_cache_trains_exactly_as_local_conv(profile: str) -> None:
+    """PCAF no cache is local conv's network with the memory and gate built and unused: from one seed the shared
+    weights, the training loss and its gradients are the same bits (the table's note on the two rows)."""
+    tokens, targets = _window(10, "nt")
+    out = {}
+    for variant in ("pcaf_no_cache", "local_conv"):
+        model, memory, prof = _configs(variant, profile=profile)
+        net = build_model(model, memory, prof, seed=3).train()
+        torch.manual_seed(11)  # dropout's masks
+        loss = net(tokens, targets, "nt").loss
+        loss.backward()
+        out[variant] = (loss, {n: (p.detach().clone(), p.grad) for n, p in net.named_parameters()})
+    (loss_nc, nc), (loss_lc, lc) = out["pcaf_no_cache"], out["local_conv"]
+    assert torch.equal(loss_nc, loss_lc)
+    assert set(lc) <= set(nc)  # reference_jax builds the router params into local conv too
+    for name, (value, grad) in lc.items():
+        assert torch.equal(nc[name][0], value), name
+        assert (grad is None and nc[name][1] is None) or torch.equal(nc[name][1], grad), name  # None: unused
+    assert all(nc[name][1] is None for name in set(nc) - set(lc))  # the memory and gate get no signal
