@@ -26,13 +26,15 @@ A next-token window predicts once. Two counts are defined for it:
 - ``receptive_field``: what a receptive-field step executes (``PCAFModel.nt_receptive_read``): the backbone
   over (1 + C)·R positions with R = L·(k − 1) + 1, C keys, one head; routes that rank by states
   (``topk_score`` context, semantic, hybrid) add one forward (no backward) over the window of the backbone
-  and of what ranks (the router ``2dS``, the key and query projections ``4d²``).
-  Transformers always compute the full window.
+  and of what ranks (the router ``2dS``, the key and query projections ``4d²``). Windowed attention
+  computes the sub-window of :func:`pcaf_core.reference.nt_attention_crop` (the g global positions and the last
+  R = L·(w − 1) + 1) as a window of its own; dense and linear attention the full window.
 """
 
 from __future__ import annotations
 
 from pcaf_core.config import CACHE_VARIANTS, TRANSFORMER_VARIANTS, MemoryConfig, ModelConfig
+from pcaf_core.reference import nt_attention_crop
 
 NT_COUNTS = ("full_window", "receptive_field")
 
@@ -82,6 +84,9 @@ def forward_flops(model: ModelConfig, memory: MemoryConfig, mode: str, seq_len: 
     ar = mode == "ar"
     heads = T if ar else 1
     if model.variant in TRANSFORMER_VARIANTS:
+        crop = None if ar or nt_count == "full_window" else nt_attention_crop(model, T)
+        if crop is not None:
+            T = crop[0] + T - crop[1]
         per_pos = model.n_layers * (8 * d * d + 4 * d * model.d_hidden)
         attn = model.n_layers * 4 * d * attention_key_count(model, T, attention_keys)
         return T * per_pos + attn + heads * head_flops(model)

@@ -104,6 +104,40 @@ def attention_allowed(t: Any, s: Any, variant: str, window: int, n_global: int) 
     return local | (causal & (s < n_global))
 
 
+def nt_attention_crop(model: ModelConfig, seq_len: int) -> tuple[int, int] | None:
+    """The sub-window a next-token prediction of windowed attention reads: ``(g, start)``, the positions
+    ``[0, g) ∪ [start, T)`` of the g global keys (global-local; g = 0 for local) and the last
+    ``R = n_layers·(w - 1) + 1`` positions (``start = T - R``). None when that is the whole window: dense and
+    linear attention read every earlier position, and a window with ``g + R >= T`` has nothing to cut.
+
+    The last position's final state depends on nothing else: each layer widens what it reads by w - 1
+    positions back, and a global key's state depends on the global prefix alone. On the sub-window, with each
+    position's own positional encoding, the mask rule (:func:`attention_allowed`) in sub-window coordinates
+    gives the same pairs (the global keys stay the first g, every other pair keeps its distance), so the
+    sub-window's last state equals the full window's (:func:`hidden_states` with ``positions``); the positions
+    whose windows the cut truncates feed nothing the prediction reads. Next-token training and evaluation
+    compute this sub-window only (``nt_receptive_field`` in the backends): the same loss and gradients, at
+    ``(g + R) / T`` of the work.
+    """
+    if model.variant not in ("transformer_local", "transformer_global_local"):
+        return None
+    g = model.n_global if model.variant == "transformer_global_local" else 0
+    R = model.n_layers * (model.window - 1) + 1
+    if g + R >= seq_len:
+        return None
+    return g, seq_len - R
+
+
+def nt_attention_positions(model: ModelConfig, seq_len: int) -> np.ndarray:
+    """The window positions of :func:`nt_attention_crop`'s sub-window, ``[g + R]`` int64 ascending (every
+    position ``0..T-1`` when there is nothing to cut)."""
+    crop = nt_attention_crop(model, seq_len)
+    if crop is None:
+        return np.arange(seq_len)
+    g, start = crop
+    return np.concatenate([np.arange(g), np.arange(start, seq_len)])
+
+
 def attention_mask(seq_len: int, variant: str, window: int, n_global: int) -> np.ndarray:
     """``[T, T]`` bool, True where query t may attend key s (:func:`attention_allowed`)."""
     return attention_allowed(np.arange(seq_len)[:, None], np.arange(seq_len)[None, :], variant, window, n_global)
@@ -257,19 +291,26 @@ def memory_read(
 
 
 def hidden_states(
-    p: dict[str, np.ndarray], tokens: np.ndarray, model: ModelConfig, profile: ProfileConfig
+    p: dict[str, np.ndarray], tokens: np.ndarray, model: ModelConfig, profile: ProfileConfig,
+    positions: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Final hidden states ``[B, T, d]`` of the backbone (conv stack or Transformer)."""
+    """Final hidden states ``[B, T, d]`` of the backbone (conv stack or Transformer).
+
+    ``positions`` (Transformers): ``[T]`` the window positions of ``tokens``' columns when they are a
+    sub-window (:func:`nt_attention_positions`), which their positional encodings follow; default ``0..T-1``.
+    """
     T = tokens.shape[1]
     x = p["embed.weight"][tokens]
     if model.variant in TRANSFORMER_VARIANTS:
+        pos = np.arange(T) if positions is None else np.asarray(positions)
+        span = int(pos.max()) + 1
         if has_positional_table(model, profile):
-            if T > model.max_seq_len:
-                raise ValueError(f"T={T} exceeds the positional table's {model.max_seq_len} rows")
-            x = x + p["pos.table"][:T]
+            if span > model.max_seq_len:
+                raise ValueError(f"T={span} exceeds the positional table's {model.max_seq_len} rows")
+            x = x + p["pos.table"][pos]
         else:
-            pe = sinusoidal_table(T, model.d_model, profile.positional) * profile.positional_scale
-            x = x + pe.astype(x.dtype)
+            pe = sinusoidal_table(span, model.d_model, profile.positional) * profile.positional_scale
+            x = x + pe[pos].astype(x.dtype)
         return transformer_stack(p, x, model, profile.gelu)
     return conv_stack(p, x, model, profile.gelu)
 

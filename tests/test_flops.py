@@ -63,3 +63,19 @@ def test_next_token_receptive_field_counts_only_the_positions_it_reads() -> None
             == 3 * executed + T * (conv + 4 * d * d))
     local = ModelConfig(variant="local_conv", vocab_size=500, d_model=32, d_hidden=64, n_layers=2, kernel_size=5)
     assert forward_flops(local, memory, "nt", T, nt_count="receptive_field") == R * conv + head
+
+
+@pytest.mark.parametrize("variant", ["transformer_local", "transformer_global_local", "transformer_dense"])
+def test_next_token_receptive_field_of_attention_is_its_sub_window(variant: str) -> None:
+    """Windowed attention executes the global prefix and the last L·(w-1)+1 positions as a window of their own;
+    dense attention reads every position, so both counts agree."""
+    model = ModelConfig(variant=variant, vocab_size=500, d_model=32, d_hidden=64, n_layers=2, n_heads=2, window=8,
+                        n_global=4)
+    memory = MemoryConfig()
+    executed = forward_flops(model, memory, "nt", T, nt_count="receptive_field")
+    if variant == "transformer_dense":
+        assert executed == forward_flops(model, memory, "nt", T)
+        return
+    g = 4 if variant == "transformer_global_local" else 0
+    assert executed == forward_flops(model, memory, "nt", g + 2 * 7 + 1)
+    assert executed < forward_flops(model, memory, "nt", T) / 2

@@ -84,3 +84,31 @@ def test_receptive_forward_under_jit_with_dropout_draws_finite_losses() -> None:
 
     a, b = step(jax.random.PRNGKey(0)), step(jax.random.PRNGKey(1))
     assert np.isfinite(a) and np.isfinite(b) and a != b
+
+
+@pytest.mark.parametrize("variant", ["transformer_local", "transformer_global_local"])
+def test_attention_next_token_forward_from_its_sub_window_equals_the_full_window(x64, variant) -> None:
+    """Windowed attention from the global prefix and the last n_layers·(w-1)+1 positions (mirrors
+    tests/test_torch_nt_receptive.py, which also covers the profiles and dense and linear attention)."""
+    model = ModelConfig(variant=variant, vocab_size=40, d_model=12, d_hidden=16, n_layers=2, n_heads=2, window=4,
+                        n_global=2, max_seq_len=40)
+    memory, prof = MemoryConfig(), get_profile("reference_jax")  # the trainable positional table
+    rng = np.random.default_rng(2)
+    params = {k: v + 0.1 * rng.standard_normal(v.shape) for k, v in init_params(model, memory, prof, seed=0).items()}
+    variables = to_variables(params, np.float64)
+    tokens, targets = jnp.asarray(rng.integers(0, 40, (3, 37))), jnp.asarray(rng.integers(0, 40, 3))
+
+    def run(net):
+        def loss(v):
+            out = net.apply(v, tokens, targets, "nt", need_log_probs=False, need_predictions=False)
+            return out.loss, net.apply(v, tokens, targets, "nt")
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(variables)
+
+    (_, full), g_full = run(build_model(model, memory, prof, dtype=jnp.float64))
+    (_, part), g_part = run(build_model(model, memory, prof, dtype=jnp.float64, nt_receptive_field=True))
+    assert part.hidden.shape == (3, 1, 12)
+    for name in ("param_log_probs", "log_probs", "target_log_prob", "loss"):
+        np.testing.assert_allclose(getattr(part, name), getattr(full, name), rtol=1e-10, atol=1e-12, err_msg=name)
+    np.testing.assert_allclose(part.hidden[:, 0], full.hidden[:, -1], rtol=1e-10, atol=1e-12)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_full), jax.tree_util.tree_leaves(g_part)):
+        np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-12, err_msg=jax.tree_util.keystr(path))

@@ -78,3 +78,30 @@ def test_reference_leak_reads_the_target_for_early_queries_and_changes_nothing_e
     changed[0, 2] = 3 + (changed[0, 2] - 3 + 1) % 6
     new = reference.forward(params, changed, model, memory, leak_on, "ar", targets)
     assert not np.allclose(on.target_log_prob[0, 1], new.target_log_prob[0, 1])
+
+
+@pytest.mark.parametrize("profile", ["reference_jax", "reference_torch"])  # trainable table / fixed sinusoids
+@pytest.mark.parametrize("variant", ["transformer_local", "transformer_global_local"])
+def test_next_token_state_of_windowed_attention_is_its_sub_window_s(variant, profile):
+    """The last position's final state depends on the global prefix and the last n_layers·(w-1)+1 positions
+    only (reference.nt_attention_crop): computed on that sub-window with its own positions, it is the full
+    window's; a token just before the sub-window changes nothing, the first one inside it does."""
+    model, prof = tiny_model(variant, max_seq_len=T), get_profile(profile)
+    params = init_params(model, tiny_memory(), prof, seed=4)
+    g, start = reference.nt_attention_crop(model, T)
+    assert (g, start) == ((2 if variant == "transformer_global_local" else 0), T - (2 * 3 + 1))
+    positions = reference.nt_attention_positions(model, T)
+    np.testing.assert_array_equal(positions, np.r_[0:g, start:T])
+    tokens = np.random.default_rng(1).integers(0, 40, (3, T))
+    full = reference.hidden_states(params, tokens, model, prof)[:, -1]
+    sub = reference.hidden_states(params, tokens[:, positions], model, prof, positions=positions)[:, -1]
+    np.testing.assert_allclose(sub, full, rtol=1e-12, atol=1e-12)
+    outside, inside = tokens.copy(), tokens.copy()
+    outside[:, start - 1] = (outside[:, start - 1] + 1) % 40
+    inside[:, start] = (inside[:, start] + 1) % 40
+    assert np.array_equal(reference.hidden_states(params, outside, model, prof)[:, -1], full)
+    assert not np.allclose(reference.hidden_states(params, inside, model, prof)[:, -1], full)
+    for other in ("transformer_dense", "linear_attention"):
+        assert reference.nt_attention_crop(tiny_model(other), T) is None
+    assert reference.nt_attention_crop(model, g + 2 * 3 + 1) is None  # nothing to cut
+    np.testing.assert_array_equal(reference.nt_attention_positions(model, 5), np.arange(5))

@@ -1,4 +1,4 @@
-"""Next-token forwards from receptive fields only (``PCAFModel.nt_receptive_field``) equal the full forward.
+"""Next-token forwards from receptive fields only (``nt_receptive_field``) equal the full forward.
 
 A next-token prediction of the conv-backbone models reads the query's final state and its candidates'
 keys; each depends on the last R = n_layers·(k-1)+1 tokens. Computed from those sub-windows, every output,
@@ -103,3 +103,42 @@ def test_dropout_runs_on_the_computed_positions_in_training() -> None:
     a = net(tokens, torch.full((4,), 5), "nt", need_log_probs=False, need_predictions=False).loss
     b = net(tokens, torch.full((4,), 5), "nt", need_log_probs=False, need_predictions=False).loss
     assert torch.isfinite(a) and not torch.equal(a, b)  # fresh masks each call
+
+
+ATTENTION = ["transformer_local", "transformer_global_local", "transformer_dense", "linear_attention"]
+
+
+def _attention_model(variant: str, profile: str, impl: str = "auto"):
+    model = ModelConfig(variant=variant, vocab_size=40, d_model=12, d_hidden=16, n_layers=2, n_heads=2, window=4,
+                        n_global=2, linear_chunk=4, max_seq_len=40, attention_impl=impl if variant in (
+                            "transformer_local", "transformer_global_local") else "auto")
+    net = build_model(model, MemoryConfig(), get_profile(profile), seed=0, dtype=torch.float64)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in net.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return net.eval()
+
+
+@pytest.mark.parametrize("profile", ["reference_jax", "reference_torch"])  # trainable table / fixed sinusoids
+@pytest.mark.parametrize("T", [5, 37])
+@pytest.mark.parametrize("variant", ATTENTION)
+def test_attention_next_token_forward_from_its_sub_window_equals_the_full_window(variant, T: int,
+                                                                                 profile: str) -> None:
+    """Windowed attention reads the global prefix and the last n_layers·(w-1)+1 positions (T=37 cuts, T=5 does
+    not); dense and linear attention read everything. Outputs and gradients equal the full window's. (The
+    masked path; FlexAttention's block mask applies the same rule, pcaf_core.reference.attention_allowed, in the
+    same sub-window coordinates.)"""
+    rng = np.random.default_rng(T)
+    tokens = torch.as_tensor(rng.integers(0, 40, (3, T)))
+    targets = torch.as_tensor(rng.integers(0, 40, 3))
+    net = _attention_model(variant, profile)
+    full, g_full = _run(net, tokens, targets, False)
+    part, g_part = _run(net, tokens, targets, True)
+    assert part.hidden.shape == (3, 1, 12)
+    for name in ("param_log_probs", "log_probs", "target_log_prob"):
+        torch.testing.assert_close(getattr(part, name), getattr(full, name), rtol=1e-10, atol=1e-12, msg=name)
+    torch.testing.assert_close(part.hidden[:, 0], full.hidden[:, -1], rtol=1e-10, atol=1e-12)
+    assert g_part.keys() == g_full.keys()
+    for name in g_full:
+        torch.testing.assert_close(g_part[name], g_full[name], rtol=1e-9, atol=1e-12, msg=name)

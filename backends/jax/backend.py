@@ -178,8 +178,8 @@ class JaxBackend:
             return self._compiled
         from backends.jax.models import build_model
 
-        # Next-token runs compute each prediction from the receptive fields it reads (PCAFModel.
-        # nt_receptive_read): the same loss and gradients at a fraction of the full window's work.
+        # Next-token runs compute each prediction from the receptive fields it reads (PCAFModel. and
+        # TransformerLM.nt_receptive_read): the same loss and gradients at a fraction of the window's work.
         chunks = head_loss_chunks(cfg, self.num_devices)
         module = build_model(cfg.model, cfg.memory, cfg.profile, dtype=compute_dtype(cfg),
                              nt_receptive_field=cfg.train.mode == "nt", head_chunks=chunks)

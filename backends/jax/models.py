@@ -52,6 +52,7 @@ from pcaf_core.config import (
 )
 from pcaf_core.mixture import mixture_rule
 from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
+from pcaf_core.reference import nt_attention_crop
 from pcaf_core.routing import ScoreBand, topk_sparse_window
 
 Dtype = Any
@@ -456,16 +457,36 @@ class TransformerLM(CanonicalLM):
 
     def hidden_states(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
         """Final hidden states ``[B, T, d]`` (``wide(dtype)``) of the Transformer."""
+        return self._blocks(self.embed(tokens), tokens.shape[1], None, deterministic)
+
+    def _blocks(self, x: jax.Array, seq_len: int, crop: tuple[int, int] | None, deterministic: bool) -> jax.Array:
+        """The blocks over embeddings ``x`` plus the positional encodings of a window of ``seq_len``, or of its
+        :func:`~pcaf_core.reference.nt_attention_crop` sub-window (``crop``, static)."""
         model, profile = self.model_config, self.profile
-        x = self.embed(tokens)
-        T = tokens.shape[1]
         if has_positional_table(model, profile):
-            x = x + self.pos(T).astype(x.dtype)
+            pe = self.pos(seq_len).astype(x.dtype)
         else:
-            x = x + fixed_positions(T, model.d_model, profile.positional, profile.positional_scale, x.dtype)
+            pe = fixed_positions(seq_len, model.d_model, profile.positional, profile.positional_scale, x.dtype)
+        if crop is not None:
+            g, start = crop
+            pe = jnp.concatenate([pe[:g], pe[start:]])
+        x = x + pe
         for block in self.blocks:
             x = block(x, deterministic)
         return x
+
+    def nt_receptive_read(
+        self, tokens: jax.Array, deterministic: bool = True, *, need_p_cache: bool = True
+    ) -> tuple[jax.Array, None]:
+        """The next-token forward's final state ``[B, 1, d]`` from the sub-window it reads (mirrors
+        :meth:`backends.torch.models.TransformerLM.nt_receptive_read`); no memory read."""
+        T = tokens.shape[1]
+        crop = nt_attention_crop(self.model_config, T)
+        if crop is None:
+            return self.hidden_states(tokens, deterministic)[:, -1:], None
+        g, start = crop
+        sub = jnp.concatenate([tokens[:, :g], tokens[:, start:]], axis=1)
+        return self._blocks(self.embed(sub), T, crop, deterministic)[:, -1:], None
 
 
 def _config_hash(self: CanonicalLM) -> int:
@@ -487,10 +508,11 @@ def build_model(
     """The Module of ``model.variant``; ``dtype`` is the compute dtype of matmuls (float32, bfloat16 for
     the bf16 precision, float64 under x64). Parameters come from :func:`backends.jax.params.init_params`
     through :func:`backends.jax.weights.to_variables` (they stay float32 under bf16 compute).
-    ``nt_receptive_field``: next-token forwards of the conv-backbone models from receptive fields only
-    (:meth:`PCAFModel.nt_receptive_read`; ignored by the Transformers). ``head_chunks``: the training loss
-    reads the head tile by tile (:attr:`backends.jax.layers.Head.chunks`)."""
+    ``nt_receptive_field``: next-token forwards from receptive fields only (:meth:`PCAFModel.nt_receptive_read`,
+    :meth:`TransformerLM.nt_receptive_read`). ``head_chunks``: the training loss reads the head tile by tile
+    (:attr:`backends.jax.layers.Head.chunks`)."""
     if model.variant in TRANSFORMER_VARIANTS:
-        return TransformerLM(model, memory, profile, dtype=dtype, head_chunks=head_chunks)
+        return TransformerLM(model, memory, profile, dtype=dtype, nt_receptive_field=nt_receptive_field,
+                             head_chunks=head_chunks)
     return PCAFModel(model, memory, profile, dtype=dtype, nt_receptive_field=nt_receptive_field,
                      head_chunks=head_chunks)

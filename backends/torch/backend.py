@@ -164,8 +164,8 @@ class TorchBackend:
                              head_chunks=chunks)
         self._label(head_loss_label(chunks))
         if hasattr(module, "nt_receptive_field"):
-            # Next-token runs compute each prediction from the receptive fields it reads (PCAFModel.
-            # nt_receptive_read): the same loss and gradients at a fraction of the full window's work.
+            # Next-token runs compute each prediction from the receptive fields it reads (PCAFModel. and
+            # TransformerLM.nt_receptive_read): the same loss and gradients at a fraction of the window's work.
             module.nt_receptive_field = cfg.train.mode == "nt"
         # The global generator drives dropout. Each rank gets its own stream, so the ranks' batch slices
         # do not share dropout masks; one process uses train.seed itself.

@@ -31,7 +31,8 @@ class TorchMemoryTrace:
 class TorchForwardOutput:
     """The fields of :class:`pcaf_core.reference.ForwardOutput` as tensors, plus ``loss`` (mean NLL, a 0-d
     tensor with grad; None without targets). Differences: ``hidden`` is ``[B, 1 + C, d]`` for next-token with
-    ``nt_receptive_field`` (the query's state and its C candidate slots', :meth:`PCAFModel.nt_receptive_read`);
+    ``nt_receptive_field`` (the query's state and its C candidate slots', :meth:`PCAFModel.nt_receptive_read`; C = 0
+    for the Transformers, :meth:`TransformerLM.nt_receptive_read`);
     ``param_log_probs``, ``log_probs`` and ``prediction`` are None when not requested (a training step reads
     the head at the targets only)."""
 

@@ -44,6 +44,7 @@ from pcaf_core.config import (
 )
 from pcaf_core.mixture import mixture_rule
 from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
+from pcaf_core.reference import nt_attention_crop
 from pcaf_core.routing import ScoreBand
 
 
@@ -405,17 +406,40 @@ class TransformerLM(CanonicalLM):
                              profile.gelu, p, model.attention_impl)
             for _ in range(model.n_layers))
         self.head = Head(d, h, V, profile.gelu, p)
+        # Next-token forwards of windowed attention from the sub-window they read (nt_receptive_read); the
+        # backends turn it on.
+        self.nt_receptive_field = False
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        T = tokens.shape[1]
-        if isinstance(self.pos, PositionalTable):
-            x = x + self.pos(T)
-        else:
-            x = x + self.pos(T, x.dtype, x.device)
+        return self._blocks(self.embed(tokens), self._positions(tokens.shape[1], None))
+
+    def _positions(self, seq_len: int, crop: tuple[int, int] | None) -> torch.Tensor:
+        """Positional encodings ``[T, d]`` of a window, or ``[g + R, d]`` of its :func:`nt_attention_crop`."""
+        dtype, device = self.embed.weight.dtype, self.embed.weight.device
+        pe = self.pos(seq_len) if isinstance(self.pos, PositionalTable) else self.pos(seq_len, dtype, device)
+        if crop is None:
+            return pe
+        g, start = crop
+        return torch.cat([pe[:g], pe[start:]])
+
+    def _blocks(self, x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+        x = x + pe
         for block in self.blocks:
             x = block(x)
         return x
+
+    def nt_receptive_read(self, tokens: torch.Tensor, *, need_p_cache: bool = True) -> tuple[torch.Tensor, None]:
+        """The next-token forward's final state ``[B, 1, d]`` from the sub-window it reads
+        (:func:`pcaf_core.reference.nt_attention_crop`: the global prefix and the last n_layers·(w-1)+1
+        positions; the whole window for dense and linear attention). Same outputs as the full forward up to
+        float rounding (dropout draws its masks for the computed positions only); no memory read."""
+        T = tokens.shape[1]
+        crop = nt_attention_crop(self.model_config, T)
+        if crop is None:
+            return self.hidden_states(tokens)[:, -1:], None
+        g, start = crop
+        sub = torch.cat([tokens[:, :g], tokens[:, start:]], dim=1)
+        return self._blocks(self.embed(sub), self._positions(T, crop))[:, -1:], None
 
 
 def _torch_default_fixups(module: CanonicalLM) -> None:
