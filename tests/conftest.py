@@ -20,22 +20,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
-# XLA's CPU code generation at LLVM -O0 in tests: JAX test time is mostly compilation, and this takes about 30% off
-# it. The arithmetic is the same up to float rounding (measured, see below): XLA's own passes (fusion, layouts, its
-# vectorised reductions and its approximations of exp/log/tanh) still run, and LLVM without fast-math may not reorder
-# floating-point operations at any level. A level the user set is kept. Set before JAX starts; subprocesses inherit it.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
-
-# And XLA:CPU's LLVM IR fusion emitters instead of its MLIR fusion emitters (both XLA's own code generators for the
-# same optimised HLO program): this halves what compilation is left (a JAX test file's CPU time: -35% to -50%).
-# Like -O0, it moves results by float rounding only: a float32 and a float64 forward and gradient of every variant
-# and three train steps differ from the default build's in the last bits, as -O0's do; every test compares within
-# tolerances, or bit for bit against a run under the same flags. A setting the user made is kept.
-if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip()
-
-
 def _has_cuda() -> bool:
     try:
         import torch
@@ -44,8 +28,30 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-if not _has_cuda():
+HAS_CUDA = _has_cuda()
+if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Both XLA settings below are for the project's pinned CPU stack, and only on a machine without CUDA: a GPU machine's
+# own jaxlib may not know a flag (XLA exits at start-up on an unknown XLA_FLAGS entry, and under pytest's output
+# capture it exits without a word), and there JAX compiles for the GPU anyway.
+#
+# XLA's CPU code generation at LLVM -O0 in tests: JAX test time is mostly compilation, and this takes about 30% off
+# it. The arithmetic is the same up to float rounding (measured, see below): XLA's own passes (fusion, layouts, its
+# vectorised reductions and its approximations of exp/log/tanh) still run, and LLVM without fast-math may not reorder
+# floating-point operations at any level. A level the user set is kept. Set before JAX starts; subprocesses inherit it.
+if not HAS_CUDA and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
+# And XLA:CPU's LLVM IR fusion emitters instead of its MLIR fusion emitters (both XLA's own code generators for the
+# same optimised HLO program): this halves what compilation is left (a JAX test file's CPU time: -35% to -50%).
+# Like -O0, it moves results by float rounding only: a float32 and a float64 forward and gradient of every variant
+# and three train steps differ from the default build's in the last bits, as -O0's do; every test compares within
+# tolerances, or bit for bit against a run under the same flags. A setting the user made is kept.
+if not HAS_CUDA and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip()
+
 
 # Several tests start subprocesses that must import the project from this checkout.
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
