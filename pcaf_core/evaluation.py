@@ -121,6 +121,13 @@ def evaluate_reference(
     )
 
 
+def evaluation_tokens(corpus: Any) -> np.ndarray:
+    """The split a run evaluates on: ``corpus.eval`` (the split ``data.eval_split`` names) when the corpus
+    has one, else ``corpus.valid``."""
+    tokens = getattr(corpus, "eval", None)
+    return corpus.valid if tokens is None else tokens
+
+
 def full_windows(tokens: np.ndarray, cfg: RunConfig, batch_size: int, capped: bool) -> Any:
     """The full protocol's deterministic windows over ``tokens`` (``pcaf_core.data.FullEvalWindows``);
     ``capped`` applies ``eval.full_max_windows``."""

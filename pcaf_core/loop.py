@@ -76,6 +76,7 @@ from pcaf_core.evaluation import (
     capped_ppl,
     evaluate_full,
     evaluate_reference,
+    evaluation_tokens,
     exact_ppl,
     unigram_ppl,
 )
@@ -116,28 +117,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("pcaf.loop")
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _load_corpus(cfg: RunConfig) -> Any:
-    from pcaf_core.data import load_corpus
-
-    return load_corpus(cfg.data)
-
-
-def _eval_tokens(corpus: Any) -> np.ndarray:
-    """The evaluation split: ``corpus.eval`` (the split ``data.eval_split`` names) when the corpus
-    has one, else ``corpus.valid``."""
-    tokens = getattr(corpus, "eval", None)
-    return corpus.valid if tokens is None else tokens
-
-
-def _make_sampler(tokens: np.ndarray, seq_len: int, batch_size: int, mode: str, seed: int, split: str) -> Any:
-    from pcaf_core.data import WindowSampler
-
-    return WindowSampler(tokens, seq_len, batch_size, mode, seed=seed, split=split)
-
 
 # --------------------------------------------------------------------------- the loop
 
@@ -196,7 +175,9 @@ class TrainingLoop:
     @property
     def corpus(self) -> Any:
         if self._corpus is None:
-            self._corpus = _load_corpus(self.cfg)
+            from pcaf_core.data import load_corpus  # the data layer loads on first use
+
+            self._corpus = load_corpus(self.cfg.data)
         return self._corpus
 
     def _local(self, arr: np.ndarray) -> np.ndarray:
@@ -224,7 +205,7 @@ class TrainingLoop:
             )
         # One scan of each split here; every batch is checked again before a backend sees it.
         check_token_ids(self.corpus.train, cfg.model.vocab_size, what="train split")
-        check_token_ids(_eval_tokens(self.corpus), cfg.model.vocab_size, what=f"{cfg.data.eval_split} split")
+        check_token_ids(evaluation_tokens(self.corpus), cfg.model.vocab_size, what=f"{cfg.data.eval_split} split")
 
     # ----------------------------------------------------------------- evaluation
 
@@ -236,7 +217,7 @@ class TrainingLoop:
     def evaluate_full(self, step: int) -> EvalResult:
         """See :func:`pcaf_core.evaluation.evaluate_full`."""
         result, self.full_total_windows = evaluate_full(self.backend, self.state, self.cfg,
-                                                        _eval_tokens(self.corpus), self.eval_batch_size, step)
+                                                        evaluation_tokens(self.corpus), self.eval_batch_size, step)
         return result
 
     # ----------------------------------------------------------------- checkpoints
@@ -402,11 +383,13 @@ class TrainingLoop:
         cfg = validate(self.cfg)
         self._check_setup()
         corpus = self.corpus
-        self._unigram = unigram_ppl(corpus.train, _eval_tokens(corpus), cfg.model.vocab_size)
-        self.train_sampler = _make_sampler(corpus.train, cfg.train.seq_len, self.global_batch, cfg.train.mode,
-                                           cfg.train.train_sample_seed, "train")
-        self.eval_sampler = _make_sampler(_eval_tokens(corpus), cfg.train.seq_len, self.eval_batch_size,
-                                          cfg.train.mode, cfg.eval.eval_sample_seed, cfg.data.eval_split)
+        self._unigram = unigram_ppl(corpus.train, evaluation_tokens(corpus), cfg.model.vocab_size)
+        from pcaf_core.data import WindowSampler
+
+        self.train_sampler = WindowSampler(corpus.train, cfg.train.seq_len, self.global_batch, cfg.train.mode,
+                                           seed=cfg.train.train_sample_seed, split="train")
+        self.eval_sampler = WindowSampler(evaluation_tokens(corpus), cfg.train.seq_len, self.eval_batch_size,
+                                          cfg.train.mode, seed=cfg.eval.eval_sample_seed, split=cfg.data.eval_split)
         if self.is_main:
             for partial in partial_checkpoints(self.run_dir):  # writes a killed process never finished
                 shutil.rmtree(partial, ignore_errors=True)

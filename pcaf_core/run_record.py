@@ -24,7 +24,7 @@ from pcaf_core import results
 from pcaf_core.checkpoints import LoopState, to_jsonable
 from pcaf_core.config import RunConfig
 from pcaf_core.config_io import config_hash
-from pcaf_core.evaluation import EvalResult
+from pcaf_core.evaluation import EvalResult, evaluation_tokens
 from pcaf_core.fsutil import file_lock
 from pcaf_core.profiles import matmul_precision
 from pcaf_core.results import RunMetrics
@@ -65,11 +65,6 @@ def identity(run_dir: Path, template: RunMetrics | None) -> RunMetrics:
         )
     except (FileNotFoundError, results.SchemaError):
         return RunMetrics(table="adhoc", row=Path(run_dir).name or "run")
-
-
-def _eval_tokens(corpus: Any) -> np.ndarray:
-    tokens = getattr(corpus, "eval", None)
-    return corpus.valid if tokens is None else tokens
 
 
 def _full_notes(cfg: RunConfig, full: EvalResult, total_windows: int | None) -> tuple[str, list[str]]:
@@ -175,7 +170,7 @@ def build_record(
         data_layout=cfg.data.layout,
         vocab_size=cfg.model.vocab_size,
         train_tokens=int(len(corpus.train)) if corpus is not None else None,
-        eval_tokens=int(len(_eval_tokens(corpus))) if corpus is not None else None,
+        eval_tokens=int(len(evaluation_tokens(corpus))) if corpus is not None else None,
         deviations=deviations,
         versions=versions,
         config_hash=config_hash(cfg),
