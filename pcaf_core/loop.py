@@ -24,8 +24,9 @@ identically for every backend:
 * contention: the other training processes seen on the machine during the timed steps
   (:mod:`pcaf_core.contention`), recorded with the throughput.
 
-NumPy/stdlib only: this module never imports torch or jax. The names other modules and tests import
-from here (``run_training``, ``latest_checkpoint``, ``config_to_dict``, ...) are re-exported.
+NumPy/stdlib only: this module never imports torch or jax. Besides its own names it re-exports what a
+caller of :func:`run_training` handles (``RunInterrupted``, ``TrainingDiverged``, ``RESTART_DAMAGED``, ...);
+everything else is imported from its own module.
 """
 
 from __future__ import annotations
@@ -43,19 +44,13 @@ from typing import Any
 import numpy as np
 
 from pcaf_core import results
-from pcaf_core.backend import Backend, EvalOutputs, SingleProcess, TrainEntry
+from pcaf_core.backend import Backend
 from pcaf_core.batches import check_batch
 from pcaf_core.checkpoints import (
-    CHECKPOINT_DIR,
-    LATEST_FILE,
-    LOOP_STATE_FILE,
-    LOOP_STATE_VERSION,
     CheckpointError,
     LoopState,
     RunRefused,
     checkpoint_root,
-    latest_checkpoint,
-    list_checkpoints,
     loop_state_payload,
     partial_checkpoints,
     read_loop_state,
@@ -64,20 +59,15 @@ from pcaf_core.checkpoints import (
 )
 from pcaf_core.config import RunConfig, validate
 from pcaf_core.config_io import (
-    RUN_SECTIONS,
-    config_from_dict,
     config_hash,
-    config_to_dict,
     hashable_config,
 )
 from pcaf_core.contention import ContentionSampler
 from pcaf_core.evaluation import (
     EvalResult,
-    capped_ppl,
     evaluate_full,
     evaluate_reference,
     evaluation_tokens,
-    exact_ppl,
     unigram_ppl,
 )
 from pcaf_core.fsutil import DiskFullError, is_disk_full
@@ -98,7 +88,6 @@ from pcaf_core.resume import (
     set_aside_unusable,
 )
 from pcaf_core.run_record import (
-    THROUGHPUT_DEFINITION,
     THROUGHPUT_WARMUP_STEPS,
     build_record,
     identity,
@@ -108,12 +97,9 @@ from pcaf_core.run_record import (
 from pcaf_core.schedule import lr_for
 
 __all__ = [
-    "CHECKPOINT_DIR", "LATEST_FILE", "LOOP_STATE_FILE", "LOOP_STATE_VERSION", "RUN_SECTIONS",
-    "THROUGHPUT_DEFINITION", "THROUGHPUT_WARMUP_STEPS", "Backend", "CheckpointError", "EvalOutputs",
-    "EvalResult", "LoopState", "RESTART_DAMAGED", "RunInterrupted", "RunRefused", "SingleProcess", "TrainEntry",
-    "TrainingDiverged",
-    "TrainingLoop", "capped_ppl", "checkpoint_root", "config_from_dict", "config_hash", "config_to_dict",
-    "exact_ppl", "latest_checkpoint", "list_checkpoints", "read_loop_state", "run_training", "unigram_ppl",
+    "RESTART_DAMAGED", "THROUGHPUT_WARMUP_STEPS", "Backend", "CheckpointError", "EvalResult", "LoopState",
+    "RunInterrupted", "RunRefused", "TrainingDiverged", "TrainingLoop", "checkpoint_root", "config_hash",
+    "read_loop_state", "run_training", "unigram_ppl",
 ]
 
 log = logging.getLogger("pcaf.loop")

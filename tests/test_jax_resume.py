@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import safetensors.numpy
 
+from pcaf_core.checkpoints import latest_checkpoint, read_loop_state
 from pcaf_core.config import DataConfig
-from pcaf_core.loop import config_to_dict, latest_checkpoint, read_loop_state
+from pcaf_core.config_io import config_to_dict
 from pcaf_core.results import read_curve, read_metrics
 from tests.env_helpers import xla_flags
 from tests.test_jax_train import tiny_cfg

@@ -17,7 +17,7 @@ import pytest
 import safetensors.numpy
 
 from backends.jax import sharding
-from pcaf_core.loop import latest_checkpoint
+from pcaf_core.checkpoints import latest_checkpoint
 from pcaf_core.results import read_curve, read_metrics
 from tests.env_helpers import xla_flags
 

@@ -22,6 +22,7 @@ from backends.jax import checkpoint as ckpt
 from backends.jax import optim, weights
 from backends.jax.backend import JaxBackend, JaxState
 from backends.jax.train import train
+from pcaf_core.checkpoints import latest_checkpoint
 from pcaf_core.config import (
     ConfigError,
     DataConfig,
@@ -32,7 +33,7 @@ from pcaf_core.config import (
     TrainConfig,
 )
 from pcaf_core.data import DataError
-from pcaf_core.loop import TrainingDiverged, latest_checkpoint, run_training
+from pcaf_core.loop import TrainingDiverged, run_training
 from pcaf_core.params import count_params, decayed, param_shapes
 from pcaf_core.profiles import get_profile
 from pcaf_core.results import read_curve, read_metrics

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from pcaf_core import loop
-from pcaf_core.backend import EvalOutputs
+from pcaf_core.backend import EvalOutputs, SingleProcess
+from pcaf_core.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, read_loop_state
 from pcaf_core.config import (
     ConfigError,
     DataConfig,
@@ -26,15 +27,9 @@ from pcaf_core.config import (
     RunConfig,
     TrainConfig,
 )
-from pcaf_core.loop import (
-    CheckpointError,
-    SingleProcess,
-    TrainingDiverged,
-    latest_checkpoint,
-    list_checkpoints,
-    read_loop_state,
-    run_training,
-)
+from pcaf_core.config_io import config_from_dict, config_to_dict
+from pcaf_core.evaluation import capped_ppl
+from pcaf_core.loop import TrainingDiverged, run_training
 from pcaf_core.results import CURVE_COLUMNS, read_curve, read_metrics
 from pcaf_core.run_record import THROUGHPUT_TIMED_TO_LOSS
 from pcaf_core.schedule import lr_at_step
@@ -263,7 +258,7 @@ def test_ppl_cap_reference_only(tmp_path):
     assert m.best_step == 1  # every evaluation hits the cap: the first stays best
     assert m.extra["final_loss"] == 30.0  # the raw loss is kept
     assert m.full_ppl == pytest.approx(math.exp(25.0))  # the full protocol reports the exact PPL
-    assert loop.capped_ppl(math.nan, 20.0) != loop.capped_ppl(math.nan, 20.0)  # NaN is not capped away
+    assert capped_ppl(math.nan, 20.0) != capped_ppl(math.nan, 20.0)  # NaN is not capped away
 
 
 def test_curve_csv_rows_and_columns(tmp_path):
@@ -488,9 +483,9 @@ def test_incomplete_or_corrupt_checkpoint_falls_back_to_the_previous(tmp_path):
 
 def test_config_round_trip_through_dict():
     cfg = small_cfg(lr=0.125)
-    assert loop.config_from_dict(json.loads(json.dumps(loop.config_to_dict(cfg)))) == cfg
+    assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg
     with pytest.raises(ValueError, match="unknown sections"):
-        loop.config_from_dict({"bogus": {}})
+        config_from_dict({"bogus": {}})
 
 
 # --------------------------------------------------------------------------- failures

@@ -17,7 +17,9 @@ import torch.distributed as dist
 
 from backends.torch.ddp import launch_ddp, leave_process_group
 from backends.torch.train import TorchBackend
-from pcaf_core.loop import config_to_dict, latest_checkpoint, run_training
+from pcaf_core.checkpoints import latest_checkpoint
+from pcaf_core.config_io import config_to_dict
+from pcaf_core.loop import run_training
 from pcaf_core.results import read_curve, read_metrics
 from tests.test_torch_train import tiny_cfg, wt2_cache  # noqa: F401 - wt2_cache is a fixture
 

@@ -19,8 +19,9 @@ import safetensors.numpy
 import torch
 
 from backends.torch.train import TorchBackend
-from pcaf_core.config_io import config_from_dict
-from pcaf_core.loop import config_to_dict, latest_checkpoint, read_loop_state, run_training
+from pcaf_core.checkpoints import latest_checkpoint, read_loop_state
+from pcaf_core.config_io import config_from_dict, config_to_dict
+from pcaf_core.loop import run_training
 from pcaf_core.results import read_curve, read_metrics
 from tests.test_torch_train import tiny_cfg, wt2_cache  # noqa: F401 - wt2_cache is a fixture
 
@@ -31,7 +32,8 @@ from pathlib import Path
 import torch
 
 from backends.torch.train import TorchBackend
-from pcaf_core.loop import config_from_dict, run_training
+from pcaf_core.config_io import config_from_dict
+from pcaf_core.loop import run_training
 
 torch.set_num_threads(1)
 cfg = config_from_dict(json.loads(Path(sys.argv[1]).read_text()))

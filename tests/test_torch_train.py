@@ -20,6 +20,7 @@ from backends.torch.optim import build_optimizer, param_groups
 from backends.torch.train import TorchBackend, train
 from backends.torch.weights import to_canonical
 from pcaf_core.batches import check_batch
+from pcaf_core.checkpoints import latest_checkpoint
 from pcaf_core.config import (
     ConfigError,
     DataConfig,
@@ -31,7 +32,7 @@ from pcaf_core.config import (
 )
 from pcaf_core.data import DataError, load_corpus
 from pcaf_core.evaluation import score_batch
-from pcaf_core.loop import TrainingDiverged, latest_checkpoint, run_training
+from pcaf_core.loop import TrainingDiverged, run_training
 from pcaf_core.params import count_params
 from pcaf_core.profiles import get_profile
 from pcaf_core.results import read_curve, read_metrics

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 -m backends.torch.train_ddp --config run_config.json --run-dir runs/x
 
 ``--config`` is a JSON file holding the resolved :class:`~pcaf_core.config.RunConfig` as a nested
-dict (``pcaf_core.loop.config_to_dict``), or a YAML file with the same sections (e.g. the
+dict (``pcaf_core.config_io.config_to_dict``), or a YAML file with the same sections (e.g. the
 ``config.yaml`` the Hydra app writes into a run directory; sections other than the run's are
 ignored). The process group uses NCCL when CUDA is available (one GPU per local rank) and gloo
 otherwise. Semantics as :mod:`backends.torch.ddp`.
