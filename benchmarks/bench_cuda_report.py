@@ -84,7 +84,9 @@ def windowed_section(models: list[dict]) -> list[str]:
            "Next-token training steps of the Transformers (the WikiText-2 paper rows' model: d, layers and V in the "
            "table below; dropout on the attention weights too), eager steps: the local (w=128) and global-local "
            "(w=128, g=16) models with FlexAttention over the window's block mask (`model.attention_impl=banded`, what "
-           "`auto` runs on CUDA; two FlexAttention calls a layer with dropout, docs/KERNELS.md), the local model "
+           "`auto` runs on CUDA; two FlexAttention calls a layer with dropout, docs/KERNELS.md; a next-token step of "
+           "either runs the sub-window its prediction reads, the global prefix and the last layers·(w-1)+1 "
+           "positions), the local model "
            "under the `[T, T]` mask (`masked`), and the dense causal SDPA Transformer. Per target, since the rows "
            "train different batches (the `wt2-nt-2048` rows' 32 for the windowed models); `x masked`: targets/s over "
            "the masked local model's in the same dtype, `x dense`: over the dense Transformer's.", "",

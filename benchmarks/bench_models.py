@@ -28,7 +28,8 @@ timed steps; a fp32 row's ``peak_gflops`` is the median of its group's readings 
 so the fraction compares the step with the GEMM on the machine as it was while the step ran (one reading at
 the start differed from the run's typical one by up to 20%). Next-token steps get two figures:
 ``model_pct`` counts the full-window formulation (the backbone over all B·T positions, as the paper's code
-computes it) and ``executed_pct`` the receptive-field step's actual work (``PCAFModel.nt_receptive_read``);
+computes it) and ``executed_pct`` the receptive-field step's actual work (``PCAFModel.nt_receptive_read``,
+``TransformerLM.nt_receptive_read`` for windowed attention);
 the first exceeds 100% when the step skips work the formulation counts.
 
 bf16: on a CPU without a bf16 matrix unit (AMX) bf16 products are slower than float32 (``pcaf_core.sysinfo``),
@@ -369,13 +370,14 @@ def finish(case: Case, cfg, row: dict, times: list[float]) -> dict:
     step_s = float(np.median(times))
     B, T = case.batch, case.T
     full = train_step_flops(cfg.model, cfg.memory, case.mode, T, B, nt_count="full_window")
-    executed = full
-    if case.mode == "nt" and cfg.model.variant not in TRANSFORMER_VARIANTS:
-        executed = train_step_flops(cfg.model, cfg.memory, case.mode, T, B, nt_count="receptive_field")
+    # What the step executes: next-token steps compute receptive fields (the conv models' and windowed attention's
+    # sub-windows; dense and linear attention the whole window, which the count gives them).
+    count = "receptive_field" if case.mode == "nt" else "full_window"
+    executed = train_step_flops(cfg.model, cfg.memory, case.mode, T, B, nt_count=count)
     if cfg.model.variant in WINDOWED_VARIANTS and cfg.model.attention_impl != "banded":
-        # Masked windowed attention computes every [T, T] score (auto is masked on a CPU). FlexAttention's are the
-        # model's count (its partial blocks compute a little more).
-        executed = train_step_flops(cfg.model, cfg.memory, case.mode, T, B, attention_keys="computed")
+        # Masked windowed attention computes every [T, T] score of what it runs (auto is masked on a CPU).
+        # FlexAttention's are the model's count (its partial blocks compute a little more).
+        executed = train_step_flops(cfg.model, cfg.memory, case.mode, T, B, nt_count=count, attention_keys="computed")
     row.update(step_ms=round(step_s * 1e3, 2), steps=len(times), tokens_per_s=round(B * T / step_s, 1),
                step_times_ms=";".join(f"{t * 1e3:.1f}" for t in times),
                targets_per_s=round((B * T if case.mode == "ar" else B) / step_s, 1),
