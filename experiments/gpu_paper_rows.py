@@ -9,23 +9,27 @@ On the GPU machine (docs/EXPERIMENTS.md, "Paper rows on a GPU"), in order:
 
 1. ``make step-cost TABLE=<t> SCALE=<scale>`` for each table of ``--step-cost`` (none: ``--step-cost ''``), with
    ``--device`` and ``data.layout=tokens``; the per-row costs go to ``<out>/step_cost/<t>.csv`` and the log;
-2. each ``TABLE/ROW`` in turn: ``python -m experiments.reproduce --table <t> --scale <scale> --backend torch
+2. each ``TABLE/ROW`` in turn: ``python -m experiments.reproduce --table <t> --scale <scale> --backend <b>
    --rows <row> --no-render backend.device=<device> data.layout=tokens`` (the raw WikiText-2 release is not
    offline; the tokenized one stands in, which every record lists as a deviation), its runs under
    ``--output-root``;
 3. after each row, its completed runs' records (``config.yaml``, ``environment.json``, ``metrics.json``,
-   ``curve.csv``; no checkpoints) to ``<out>/runs/<t>/<scale>/torch/<row>/<run>/``, and every record under
+   ``curve.csv``; no checkpoints) to ``<out>/runs/<t>/<scale>/<b>/<row>/<run>/``, and every record under
    ``<out>/runs`` packed again into the one archive ``<out>/records.tar.gz``, so a row finished before the
    machine goes away is already out, as one small file to copy back (a remote machine may hand back only a
    few files, or only shallow paths).
 
 Back here, ``--unpack <out>/records.tar.gz --into docs/results/runs`` puts the records where the tables read
-them: only record files at ``<table>/<scale>/torch/<row>/<run>/`` are accepted, and a record that already
+them: only record files at ``<table>/<scale>/<torch|jax>/<row>/<run>/`` are accepted, and a record that already
 exists with other contents is refused, not overwritten.
 
 ``--budget-s``: a row whose training time predicted by step 1 (``train_s``, evaluation not included) exceeds the
 seconds left is skipped, with a line saying so. The tables render here, from the records alone:
-``python -m paper_tables render --table <t> --scale paper --backend torch --runs <records> --out <dir>``.
+``python -m paper_tables render --table <t> --scale paper --backend <b> --runs <records> --out <dir>
+backend.device=<device> data.layout=tokens``; ``python -m paper_tables backends`` sets torch and JAX side by side.
+
+``--backend jax`` runs the rows on the JAX backend (``--device gpu``, JAX's name for a CUDA device, is then the
+default): the same settings, for the cross-backend comparison at the paper's scale.
 
 The GPU machine has torch but not Hydra: ``--make-site`` copies Hydra, OmegaConf and the antlr4 runtime (pure
 Python) from this environment into the ignored ``.gpu_site/``, which the steps put on ``PYTHONPATH`` when it
@@ -54,6 +58,9 @@ SITE_PACKAGES = (("hydra", "hydra_core"), ("omegaconf", "omegaconf"), ("antlr4",
 RECORD_FILES = ("config.yaml", "environment.json", "metrics.json", "curve.csv")
 """What a run record is made of: no checkpoints."""
 PAPER_TABLES = ("wt2-nt-1024", "wt2-nt-2048")
+BACKENDS = ("torch", "jax")
+ACCELERATOR = {"torch": "cuda", "jax": "gpu"}
+"""Each backend's name for the CUDA device (``backend.device``)."""
 
 
 def make_site(dest: Path = SITE) -> list[str]:
@@ -84,39 +91,42 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def step_cost_command(table: str, scale: str, device: str, csv_path: Path, python: str) -> list[str]:
+def step_cost_command(table: str, scale: str, device: str, csv_path: Path, python: str,
+                      backend: str = "torch") -> list[str]:
     """``make step-cost`` for ``table`` with this interpreter (no virtualenv or data target is remade: the GPU
     machine has no ``.venv`` and prepares data on first use); ``python -m experiments.step_cost`` without make."""
     overrides = f"--device {device} --csv {csv_path} data.layout=tokens"
     if shutil.which("make"):
         return ["make", "-o", ".venv/.installed", "-o", "data", "step-cost", f"PY={python}", f"TABLE={table}",
-                f"SCALE={scale}", "BACKEND=torch", f"OVERRIDES={overrides}"]
-    return [python, "-m", "experiments.step_cost", "--table", table, "--scale", scale, "--backend", "torch",
+                f"SCALE={scale}", f"BACKEND={backend}", f"OVERRIDES={overrides}"]
+    return [python, "-m", "experiments.step_cost", "--table", table, "--scale", scale, "--backend", backend,
             *overrides.split()]
 
 
-def reproduce_command(table: str, row: str, scale: str, device: str, output_root: Path, python: str) -> list[str]:
-    return [python, "-m", "experiments.reproduce", "--table", table, "--scale", scale, "--backend", "torch",
+def reproduce_command(table: str, row: str, scale: str, device: str, output_root: Path, python: str,
+                      backend: str = "torch") -> list[str]:
+    return [python, "-m", "experiments.reproduce", "--table", table, "--scale", scale, "--backend", backend,
             "--rows", row, "--output-root", str(output_root), "--no-render", f"backend.device={device}",
             "data.layout=tokens"]
 
 
-def copy_records(output_root: Path, table: str, scale: str, row: str, dest_root: Path) -> list[Path]:
+def copy_records(output_root: Path, table: str, scale: str, row: str, dest_root: Path,
+                 backend: str = "torch") -> list[Path]:
     """The :data:`RECORD_FILES` of every completed run of ``row`` under ``output_root`` copied to
-    ``dest_root/<table>/<scale>/torch/<row>/<run>/``, the copies' paths under this checkout made relative to it
+    ``dest_root/<table>/<scale>/<backend>/<row>/<run>/``, the copies' paths under this checkout made relative to it
     (:func:`pcaf_core.record_relocate.relocate_record`: a record committed elsewhere names no folder of this
     machine); returns the destination folders."""
     from pcaf_core.record_relocate import relocate_record  # numpy: after the standard-library start
 
     copied = []
-    for metrics in sorted((output_root / table / scale / "torch" / row).glob("*/metrics.json")):
+    for metrics in sorted((output_root / table / scale / backend / row).glob("*/metrics.json")):
         try:
             status = json.loads(metrics.read_text()).get("status")
         except (OSError, ValueError):
             continue
         if status != "completed":
             continue
-        dest = dest_root / table / scale / "torch" / row / metrics.parent.name
+        dest = dest_root / table / scale / backend / row / metrics.parent.name
         dest.mkdir(parents=True, exist_ok=True)
         for name in RECORD_FILES:
             if (metrics.parent / name).exists():
@@ -150,7 +160,7 @@ def pack_records(runs_root: Path, archive: Path) -> int:
 def unpack_records(archive: Path, into: Path) -> list[Path]:
     """The run records of ``archive`` (from :func:`pack_records`) extracted under ``into``; returns the run
     folders. Raises ``SystemExit`` with one line, before anything is written, for a member that is not a record
-    file at ``<table>/<scale>/torch/<row>/<run>/<file>`` and for a record that exists under ``into`` with other
+    file at ``<table>/<scale>/<torch|jax>/<row>/<run>/<file>`` and for a record that exists under ``into`` with other
     contents."""
     if not archive.is_file():
         raise SystemExit(f"no archive at {archive}: give the records.tar.gz a GPU run wrote to its --out folder")
@@ -158,10 +168,11 @@ def unpack_records(archive: Path, into: Path) -> list[Path]:
         members = tar.getmembers()
         for m in members:
             parts = Path(m.name).parts
-            if (not m.isfile() or len(parts) != 6 or parts[2] != "torch" or parts[5] not in RECORD_FILES
+            if (not m.isfile() or len(parts) != 6 or parts[2] not in BACKENDS or parts[5] not in RECORD_FILES
                     or any(p in ("", ".", "..") for p in parts) or Path(m.name).is_absolute()):
                 raise SystemExit(f"{archive}: {m.name!r} is not a run record file "
-                                 f"(<table>/<scale>/torch/<row>/<run>/<{'|'.join(RECORD_FILES)}>): nothing unpacked")
+                                 f"(<table>/<scale>/<{'|'.join(BACKENDS)}>/<row>/<run>/<{'|'.join(RECORD_FILES)}>): "
+                                 "nothing unpacked")
             dest = into / m.name
             if dest.exists() and dest.read_bytes() != tar.extractfile(m).read():
                 raise SystemExit(f"{dest} exists with other contents: move it away to unpack {archive} "
@@ -170,13 +181,14 @@ def unpack_records(archive: Path, into: Path) -> list[Path]:
     return sorted({(into / m.name).parent for m in members})
 
 
-def predicted_seconds(out: Path) -> dict[tuple[str, str], float]:
-    """``{(table, row): train_s}`` from the step-cost CSVs under ``out/step_cost``."""
+def predicted_seconds(out: Path, backend: str = "torch") -> dict[tuple[str, str], float]:
+    """``{(table, row): train_s}`` of ``backend`` from the step-cost CSVs under ``out/step_cost``."""
     costs = {}
     for path in sorted((out / "step_cost").glob("*.csv")):
         with open(path, newline="") as fh:
             for r in csv.DictReader(fh):
-                costs[(r["table"], r["row"])] = float(r["train_s"])
+                if r.get("backend", "torch") == backend:
+                    costs[(r["table"], r["row"])] = float(r["train_s"])
     return costs
 
 
@@ -199,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--into", default="docs/results/runs", help="where --unpack puts the records")
     parser.add_argument("--step-cost", default=",".join(PAPER_TABLES), help="tables to time first ('' for none)")
     parser.add_argument("--scale", default="paper", choices=["paper", "cpu", "smoke"])
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run, with --scale smoke)")
+    parser.add_argument("--backend", default="torch", choices=BACKENDS)
+    parser.add_argument("--device", default="", help="the backend's CUDA device (torch: cuda, JAX: gpu; the "
+                        "default) or cpu (a dry run, with --scale smoke)")
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_out"), help="where records and logs go "
                         "(default: $OUT, the folder the GPU machine sends back)")
     parser.add_argument("--output-root", default="outputs/gpu", help="the runs themselves, checkpoints included")
@@ -213,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in unpack_records(Path(args.unpack), Path(args.into)):
             print(f"[gpu_paper_rows] unpacked {run}")
         return 0
+    device = args.device or ACCELERATOR[args.backend]
     rows = parse_rows(args.rows)
     start = time.monotonic()
     python, env = sys.executable, child_env()
@@ -221,11 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[gpu_paper_rows] PYTHONPATH={env['PYTHONPATH']}", flush=True)
     code = 0
     for table in [t for t in args.step_cost.split(",") if t]:
-        cmd = step_cost_command(table, args.scale, args.device, out / "step_cost" / f"{table}.csv", python)
+        name = table if args.backend == "torch" else f"{table}_{args.backend}"
+        cmd = step_cost_command(table, args.scale, device, out / "step_cost" / f"{name}.csv", python, args.backend)
         print(f"[gpu_paper_rows] {' '.join(cmd)}", flush=True)
         rc = subprocess.call(cmd, cwd=REPO, env=env)
         code = code or rc
-    costs = predicted_seconds(out)
+    costs = predicted_seconds(out, args.backend)
     for table, row in rows:
         left = args.budget_s - (time.monotonic() - start)
         need = costs.get((table, row))
@@ -233,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gpu_paper_rows] skipped {table}/{row}: predicted {need:.0f} s of training, {left:.0f} s left",
                   flush=True)
             continue
-        cmd = reproduce_command(table, row, args.scale, args.device, output_root, python)
+        cmd = reproduce_command(table, row, args.scale, device, output_root, python, args.backend)
         print(f"[gpu_paper_rows] {' '.join(cmd)}", flush=True)
         rc = subprocess.call(cmd, cwd=REPO, env=env)
-        copied = copy_records(output_root, table, args.scale, row, out / "runs")
+        copied = copy_records(output_root, table, args.scale, row, out / "runs", args.backend)
         packed = pack_records(out / "runs", out / ARCHIVE_NAME) if (out / "runs").is_dir() else 0
         print(f"[gpu_paper_rows] {table}/{row}: exit {rc}, {len(copied)} completed run record(s) -> "
               f"{', '.join(str(p) for p in copied) or 'none'}; {out / ARCHIVE_NAME}: {packed} file(s)", flush=True)

@@ -124,3 +124,25 @@ def test_unpack_refuses_what_is_not_a_record_and_what_would_be_overwritten(tmp_p
     assert not (tmp_path / "elsewhere").exists()
     with pytest.raises(SystemExit, match="no archive at"):
         gpr.unpack_records(tmp_path / "missing.tar.gz", into)
+
+
+def test_jax_rows_name_jax_and_its_gpu_device(tmp_path: Path, monkeypatch) -> None:
+    """``--backend jax``: the commands, the step-cost file and the records all say jax; the device is JAX's ``gpu``."""
+    launched = []
+    monkeypatch.setattr(gpr.subprocess, "call", lambda cmd, **kw: launched.append(cmd) or 0)
+    assert gpr.main(["--backend", "jax", "--step-cost", "wt2-nt-1024", "--out", str(tmp_path),
+                     "--output-root", str(tmp_path / "outputs"), "wt2-nt-1024/pcaf_context"]) == 1  # no record
+    cost, run = (" ".join(c) for c in launched)
+    assert "BACKEND=jax" in cost or "--backend jax" in cost
+    assert f"--csv {tmp_path / 'step_cost' / 'wt2-nt-1024_jax.csv'} data.layout=tokens" in cost
+    assert "--backend jax" in run and run.endswith("backend.device=gpu data.layout=tokens")
+    _completed_run(tmp_path / "outputs2", "wt2-nt-1024", "pcaf_context", "seed1234-j")
+    jax_dir = tmp_path / "jax_outputs" / "wt2-nt-1024" / "paper" / "jax"
+    jax_dir.mkdir(parents=True)
+    (tmp_path / "outputs2" / "wt2-nt-1024" / "paper" / "torch" / "pcaf_context").rename(jax_dir / "pcaf_context")
+    (copied,) = gpr.copy_records(tmp_path / "jax_outputs", "wt2-nt-1024", "paper", "pcaf_context",
+                                 tmp_path / "runs", "jax")
+    assert copied == tmp_path / "runs" / "wt2-nt-1024" / "paper" / "jax" / "pcaf_context" / "seed1234-j"
+    gpr.pack_records(tmp_path / "runs", tmp_path / "r.tar.gz")
+    (unpacked,) = gpr.unpack_records(tmp_path / "r.tar.gz", tmp_path / "docs_runs")
+    assert unpacked.parts[-4:] == ("paper", "jax", "pcaf_context", "seed1234-j")
