@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--scale", required=True, choices=SCALES)
     b.add_argument("--runs", default="outputs", help="root searched for run directories (metrics.json)")
     b.add_argument("--out", default="outputs/tables", help="output directory")
+    b.add_argument("overrides", nargs="*", help="Hydra overrides the rows' runs were trained with, as for render; "
+                   "one prefixed with 'torch:' or 'jax:' applies to that backend's runs only (e.g. "
+                   "torch:backend.device=cuda jax:backend.device=gpu)")
     b.add_argument("--rows", default=None, help="comma-separated globs over row ids (default: every row)")
 
     ls = sub.add_parser("list", help="list tables, or the rows and experiment names of one table")
@@ -110,27 +113,53 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "render":
         expected = None
         if args.overrides:
-            from experiments.reproduce import expected_identities  # Hydra composition, only when asked for
-            from pcaf_core.config import ConfigError
-
-            try:
-                expected = expected_identities(args.table, args.scale, args.backend, args.rows or "*",
-                                               args.overrides)
-            except ConfigError as exc:
-                print(f"config error: {exc}", file=sys.stderr)
+            expected = _expected_per_backend(args.table, args.scale, args.rows, args.overrides, (args.backend,))
+            if expected is None:
                 return 2
+            expected = expected[args.backend]
         return render_and_print(args.table, args.scale, args.backend, args.runs, args.out, profile=args.profile,
                                 figures=not args.no_figures, rows=args.rows, expected=expected)
     if args.command == "backends":
         from paper_tables.backend_diff import render_backend_comparison
 
-        paths = render_backend_comparison(args.table, args.scale, args.runs, args.out, rows=args.rows)
+        expected = None
+        if args.overrides:
+            expected = _expected_per_backend(args.table, args.scale, args.rows, args.overrides)
+            if expected is None:
+                return 2
+        paths = render_backend_comparison(args.table, args.scale, args.runs, args.out, rows=args.rows,
+                                          expected=expected)
         print(paths["csv"])
         print(paths["md"])
         return 0
     for path in render_sweep(args.runs, args.param, args.out, y=args.y, name=args.name):
         print(path)
     return 0
+
+
+def _expected_per_backend(table: str, scale: str, rows: str | None, overrides: list[str],
+                          backends: tuple[str, ...] = ("torch", "jax")) -> dict | None:
+    """Per backend, the identities of the rows composed with ``overrides`` (those prefixed ``<backend>:`` for that
+    backend only; :func:`experiments.reproduce.expected_identities`); None after printing a config error."""
+    from experiments.reproduce import expected_identities  # Hydra composition, only when asked for
+    from pcaf_core.config import ConfigError
+
+    out = {}
+    for backend in backends:
+        mine = []
+        for o in overrides:
+            scope, sep, rest = o.partition(":")
+            if sep and scope in ("torch", "jax") and "=" not in scope:
+                if scope == backend:
+                    mine.append(rest)
+            else:
+                mine.append(o)
+        try:
+            out[backend] = expected_identities(table, scale, backend, rows or "*", mine)
+        except ConfigError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return None
+    return out
 
 
 def render_and_print(table: str, scale: str, backend: str, runs, out, *, profile: str | None = None,

@@ -96,10 +96,13 @@ def render_comparison_markdown(torch_report: Report, jax_report: Report, frame: 
 
 
 def render_backend_comparison(table: str, scale: str, runs: str | os.PathLike[str], out: str | os.PathLike[str],
-                              rows: str | None = None) -> dict[str, Path]:
-    """Write ``<table>_<scale>_torch_vs_jax.{md,csv}`` under ``out``; returns ``{"csv": …, "md": …}``."""
-    torch_report = build_report(table, scale, "torch", runs, rows=rows)
-    jax_report = build_report(table, scale, "jax", runs, rows=rows)
+                              rows: str | None = None, expected: dict | None = None) -> dict[str, Path]:
+    """Write ``<table>_<scale>_torch_vs_jax.{md,csv}`` under ``out``; returns ``{"csv": …, "md": …}``.
+    ``expected``: per backend, the identities its rows' runs must have (``paper_tables.collect.Expected``;
+    default: the ones the records carry)."""
+    expected = expected or {}
+    torch_report = build_report(table, scale, "torch", runs, rows=rows, expected=expected.get("torch"))
+    jax_report = build_report(table, scale, "jax", runs, rows=rows, expected=expected.get("jax"))
     frame = comparison_frame(torch_report, jax_report)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)

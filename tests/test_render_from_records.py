@@ -61,3 +61,16 @@ def test_table_renders_from_records_of_two_gpus(tmp_path: Path) -> None:
             f"(`transformer_global_local`)") in device_line
     assert "Runs read: 2 record(s)" in device_line
     assert (out / f"{TABLE}_smoke_torch_curves.png").stat().st_size > 0  # the learning curves from curve.csv
+
+
+def test_backend_scoped_overrides_compose_each_backend_s_rows() -> None:
+    """``python -m paper_tables backends ... torch:k=v jax:k=v``: an override prefixed with a backend applies to
+    that backend's rows only, the others to both."""
+    from experiments.reproduce import expected_identities
+    from paper_tables.__main__ import _expected_per_backend
+
+    common, scoped = "eval.eval_sample_seed=20002", "train.lr=0.001"
+    got = _expected_per_backend("wt2-nt-1024", "smoke", "local_conv", [common, f"torch:{scoped}"])
+    assert got["torch"] == expected_identities("wt2-nt-1024", "smoke", "torch", "local_conv", [common, scoped])
+    assert got["jax"] == expected_identities("wt2-nt-1024", "smoke", "jax", "local_conv", [common])
+    assert got["torch"] != expected_identities("wt2-nt-1024", "smoke", "torch", "local_conv", [common])
