@@ -56,11 +56,15 @@ sweep: $(VENV)/.installed $(LAUNCHER_STAMP) data
 	  $(if $(strip $(JOBS)),hydra.sweeper.max_batch_size=$(call q,$(JOBS))) $(SWEEP) $(OVERRIDES)
 
 # Re-render every table and figure from the run records already under $(OUTPUTS) (each row from its own runs,
-# chosen by identity; sweep jobs are listed, not rendered as rows).
+# chosen by identity; sweep jobs are listed, not rendered as rows) into $(FIGURES_OUT). OVERRIDES: the ones the
+# rows were trained with. The committed paper-scale GPU rows:
+#   make figures FIGURE_TABLES='wt2-nt-1024 wt2-nt-2048' SCALE=paper OUTPUTS=docs/results/runs \
+#     FIGURES_OUT=docs/results OVERRIDES='backend.device=cuda data.layout=tokens'
+FIGURES_OUT ?= $(OUTPUTS)/tables
 figures: $(VENV)/.installed
 	@for t in $(FIGURE_TABLES); do \
 	  $(PY) -m paper_tables render --table $$t --scale $(call q,$(SCALE)) --backend $(call q,$(BACKEND)) \
-	    --runs $(call q,$(OUTPUTS)) --out $(call q,$(OUTPUTS)/tables) || exit $$?; \
+	    --runs $(call q,$(OUTPUTS)) --out $(call q,$(FIGURES_OUT)) $(OVERRIDES) || exit $$?; \
 	done
 
 # Every paper-scale row's parameter count from the instantiated model (meta device), beside the paper's.
