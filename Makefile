@@ -33,7 +33,7 @@ help:
 	@echo "make lint    - ruff check"
 	@echo "make data    - verify the corpora and build the token caches (WikiText-2 vendored; pg19-mini when found)"
 	@echo "make data-summary - splits, documents, tokens, vocabulary, OOV rate, cache location"
-	@echo "make reproduce-table TABLE=<name> SCALE=<paper|cpu|smoke> BACKEND=<torch|jax> [ROWS=<globs>]"
+	@echo "make reproduce-table TABLE=<name> SCALE=<paper|gpu|cpu|smoke> BACKEND=<torch|jax> [ROWS=<globs>]"
 	@echo "make reproduce-all SCALE=...  - every table"
 	@echo "make step-cost TABLE=<name> SCALE=<scale> [ROWS=<globs>] - per-row step cost and the training time it implies"
 	@echo "make sweep SWEEP_ROW=<table>/<row> SWEEP='memory.top_k=4,8,16,32' SCALE=smoke - Hydra multirun"

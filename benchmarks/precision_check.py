@@ -22,7 +22,7 @@ from pathlib import Path
 from benchmarks.common import environment_labels, labels_line
 from experiments import app
 from experiments.reproduce import compose_row
-from pcaf_core.results import read_curve, read_metrics
+from pcaf_core.results import SCALES, read_curve, read_metrics
 
 
 def run(row: str, precision: str, steps: int, every: int, root: Path, scale: str = "cpu",
@@ -44,7 +44,7 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=30)
     parser.add_argument("--out", default="bench/bf16-vs-fp32.md")
     parser.add_argument("--csv", default="bench/bf16-vs-fp32.csv")
-    parser.add_argument("--scale", default="cpu", choices=["paper", "cpu", "smoke"])
+    parser.add_argument("--scale", default="cpu", choices=SCALES)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the row (key=value)")
     args = parser.parse_intermixed_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -56,6 +56,12 @@ RUN_SECTIONS = ("model", "memory", "profile", "data", "train", "eval")
 _TRACKED_PACKAGES = ("numpy", "torch", "triton", "jax", "flax", "optax", "hydra-core", "pandas")
 
 
+@functools.cache
+def scale_tables(scale: str) -> tuple[str, ...]:
+    """The tables ``conf/scale/<scale>.yaml`` is defined for (its ``only_tables``); ``()``: every table."""
+    return tuple(OmegaConf.load(CONF_DIR / "scale" / f"{scale}.yaml").get("only_tables") or ())
+
+
 @dataclass
 class ResolvedRun:
     """A run ready to start: the spec config, its labels and its deviations from the paper."""
@@ -101,6 +107,9 @@ def apply_scale(cfg: DictConfig, task_overrides: list[str] | None = None) -> lis
     deviation instead)."""
     user_keys = _overridden_keys(task_overrides or [])
     scale = cfg.scale
+    if scale.only_tables and cfg.table not in scale.only_tables:
+        raise ConfigError(f"scale={scale.name} is defined only for the tables {', '.join(scale.only_tables)}, "
+                          f"not {cfg.table}: run {cfg.table} at scale=paper (or cpu/smoke)")
     before = _section_values(cfg)
     overrides: dict[str, Any] = dict(OmegaConf.to_container(scale.common, resolve=False) or {})
     table_over = scale.tables.get(cfg.table) if cfg.table in scale.tables else None

@@ -7,7 +7,8 @@
 
 On the GPU machine (docs/EXPERIMENTS.md, "Paper rows on a GPU"), in order:
 
-1. ``make step-cost TABLE=<t> SCALE=<scale>`` for each table of ``--step-cost`` (none: ``--step-cost ''``), with
+1. ``make step-cost TABLE=<t> SCALE=<scale>`` for each table of ``--step-cost`` (default: the tables of the rows
+   given, else wt2-nt-1024 and wt2-nt-2048; none: ``--step-cost ''``), with
    ``--device`` and ``data.layout=tokens``; the per-row costs go to ``<out>/step_cost/<t>.csv`` and the log;
 2. each ``TABLE/ROW`` in turn: ``python -m experiments.reproduce --table <t> --scale <scale> --backend <b>
    --rows <row> --no-render backend.device=<device> data.layout=tokens`` (the raw WikiText-2 release is not
@@ -50,6 +51,8 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+from pcaf_core.results import SCALES  # the standard library only, as this module needs
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = REPO / ".gpu_site"
@@ -209,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unpack", metavar="ARCHIVE", help=f"extract the run records of a {ARCHIVE_NAME} into "
                         "--into and stop")
     parser.add_argument("--into", default="docs/results/runs", help="where --unpack puts the records")
-    parser.add_argument("--step-cost", default=",".join(PAPER_TABLES), help="tables to time first ('' for none)")
-    parser.add_argument("--scale", default="paper", choices=["paper", "cpu", "smoke"])
+    parser.add_argument("--step-cost", default=None, help="tables to time first, comma-separated ('' for none; "
+                        f"default: the tables of the rows given, or {','.join(PAPER_TABLES)} when none is)")
+    parser.add_argument("--scale", default="paper", choices=SCALES)
     parser.add_argument("--backend", default="torch", choices=BACKENDS)
     parser.add_argument("--device", default="", help="the backend's CUDA device (torch: cuda, JAX: gpu; the "
                         "default) or cpu (a dry run, with --scale smoke)")
@@ -235,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "step_cost").mkdir(parents=True, exist_ok=True)
     print(f"[gpu_paper_rows] PYTHONPATH={env['PYTHONPATH']}", flush=True)
     code = 0
+    if args.step_cost is None:
+        args.step_cost = ",".join(dict.fromkeys(t for t, _ in rows)) or ",".join(PAPER_TABLES)
     for table in [t for t in args.step_cost.split(",") if t]:
         name = table if args.backend == "torch" else f"{table}_{args.backend}"
         cmd = step_cost_command(table, args.scale, device, out / "step_cost" / f"{name}.csv", python, args.backend)

@@ -40,7 +40,7 @@ from pcaf_core.checkpoints import RunRefused
 from pcaf_core.config import ConfigError
 from pcaf_core.loop import RunInterrupted
 from pcaf_core.record_check import DAMAGED, check_run
-from pcaf_core.results import RunMetrics, read_metrics
+from pcaf_core.results import SCALES, RunMetrics, read_metrics
 from pcaf_core.run_identity import identity_digest, read_run_config, resume_diff, same_identity
 from pcaf_core.run_record import run_lock
 
@@ -323,7 +323,7 @@ def report(tag: str, done: int, n_runs: int, outcome: Outcome) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table", required=True, help=f"one of {available_tables()}")
-    parser.add_argument("--scale", default="cpu", choices=["paper", "cpu", "smoke"])
+    parser.add_argument("--scale", default="cpu", choices=SCALES)
     parser.add_argument("--backend", default="torch")
     parser.add_argument("--rows", default="*", help="glob over row ids, comma-separated (default: all rows)")
     parser.add_argument("--output-root", default="outputs")

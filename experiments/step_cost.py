@@ -28,6 +28,7 @@ import numpy as np
 from experiments.reproduce import compose_row, select_rows
 from pcaf_core.config import ConfigError
 from pcaf_core.data import load_corpus
+from pcaf_core.results import SCALES
 
 BACKEND_CLASSES = {"torch": ("backends.torch.backend", "TorchBackend"), "jax": ("backends.jax.backend", "JaxBackend")}
 
@@ -75,7 +76,7 @@ def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table", required=True)
-    parser.add_argument("--scale", default="cpu", choices=["paper", "cpu", "smoke"])
+    parser.add_argument("--scale", default="cpu", choices=SCALES)
     parser.add_argument("--backend", default="torch", choices=sorted(BACKEND_CLASSES))
     parser.add_argument("--rows", default="*", help="glob over row ids, comma-separated (default: all rows)")
     parser.add_argument("--warmup", type=int, default=2)

@@ -24,9 +24,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from paper_tables.spec_types import BACKENDS, SCALES
+from paper_tables.spec_types import BACKENDS
 from paper_tables.specs import TABLES, get_table
 from paper_tables.sweep import SWEEP_METRICS
+from pcaf_core.results import SCALES
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -142,7 +142,7 @@ def _judge(claim: Claim, spec: TableSpec, lookup) -> tuple[str, str]:
 def below_bar_rows(claim: Claim, spec: TableSpec, aggs: dict[str, pd.DataFrame]) -> list[str]:
     """References of ``claim`` whose measured row is below the learning bar, when the claim compares
     quality (:data:`QUALITY_METRICS`); empty for throughput and memory claims. A row trained at the paper's own
-    budget (``paper_budget``: scale=paper) is judged whatever its bar."""
+    budget (``paper_budget``: scale=paper or gpu) is judged whatever its bar."""
     out = []
     for ref in (*claim.left, *claim.right):
         table, row = resolve_ref(ref, spec.name)

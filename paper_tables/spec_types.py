@@ -18,7 +18,6 @@ OPS = ("<", "<=", ">", ">=", "~=")
 CLAIM_METRICS = ("best_ppl", "final_ppl", "full_ppl", "acc", "acc_param", "tok_s", "peak_mb")
 """Column keys a claim may compare."""
 
-SCALES = ("paper", "cpu", "smoke")
 BACKENDS = ("torch", "jax")
 
 

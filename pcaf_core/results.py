@@ -54,6 +54,10 @@ CONFIG_FILE = "config.yaml"
 
 STATUSES = ("completed", "failed", "running")
 MODES = ("nt", "ar")
+SCALES = ("paper", "gpu", "cpu", "smoke")
+"""The scales a row runs at: the files of ``experiments/conf/scale/`` (a test checks that they agree)."""
+PAPER_BUDGET_SCALES = ("paper", "gpu")
+"""Scales that train the paper's own models, batches and steps (``gpu`` changes only the dataset)."""
 
 CURVE_COLUMNS = (
     "step",
@@ -96,9 +100,9 @@ class RunMetrics:
 
     Identity
         ``table``: suite table name (e.g. ``"wt2-nt-1024"``); ``row``: row id within the table
-        (the experiment file is ``experiment=<table>/<row>``); ``scale``: ``"paper"``, ``"cpu"`` or
-        ``"smoke"``; ``backend``: ``"torch"`` or ``"jax"``; ``profile``: compat profile name
-        (``"reference_jax"``, ``"reference_torch"``, ``"corrected"``); ``seed``: model-init seed.
+        (the experiment file is ``experiment=<table>/<row>``); ``scale``: one of :data:`SCALES`;
+        ``backend``: ``"torch"`` or ``"jax"``; ``profile``: compat profile name (``"reference_jax"``,
+        ``"reference_torch"``, ``"corrected"``); ``seed``: model-init seed.
 
     State
         ``status``: ``"running"`` (written at start and on progress), ``"completed"`` or

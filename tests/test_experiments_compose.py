@@ -8,10 +8,12 @@ import functools
 import pytest
 import yaml
 
-from experiments import preflight, resolved_configs
+from experiments import app, preflight, resolved_configs
 from experiments.reproduce import EXPERIMENT_DIR, available_tables, compose_row, table_rows
 from paper_tables.published import load_published
 from paper_tables.specs import TABLES
+from pcaf_core.config import ConfigError
+from pcaf_core.results import SCALES
 
 TABLE_NAMES = ["wt2-nt-1024", "wt2-nt-2048", "wt103-nt-baselines", "wt103-nt-ablations", "sweeps-41m",
                "main-303m", "semantic-leak-audit"]
@@ -35,6 +37,7 @@ def _check_composed(rows: list[tuple[str, str]], scale: str) -> None:
     """Every run of ``rows`` at ``scale`` is labelled from its file's path, carries the scale's deviations, and
     resolves to the committed config text (``python -m experiments.resolved_configs --write`` after an intended
     change)."""
+    rows = [(t, r) for t, r in rows if not app.scale_tables(scale) or t in app.scale_tables(scale)]
     want = resolved_configs.read_snapshot()
     got = resolved_configs.resolve_all(rows, [scale], compose=composed)
     assert got, rows
@@ -183,6 +186,27 @@ def test_paper_scale_rows_carry_the_paper_budget(table, row, expected):
     for key, value in expected.items():
         section, name = key.split(".")
         assert getattr(getattr(run, section), name) == value, key
+
+
+def test_the_scales_are_the_scale_files():
+    assert sorted(SCALES) == sorted(p.stem for p in (app.CONF_DIR / "scale").glob("*.yaml"))
+    assert resolved_configs.SCALES == SCALES
+
+
+def test_the_gpu_scale_changes_only_the_dataset_and_refuses_other_tables():
+    """scale=gpu: the TPU tables' next-token rows at the paper's models and budgets, on WikiText-2."""
+    assert app.scale_tables("gpu") == ("wt103-nt-baselines", "wt103-nt-ablations")
+    for table in app.scale_tables("gpu"):
+        row = table_rows(table)[0]
+        paper, gpu = composed(table, row, "paper")[0], composed(table, row, "gpu")[0]
+        flat_paper, flat_gpu = _flat(app.config_dict(paper)), _flat(app.config_dict(gpu))
+        changed = {k for k in flat_paper if flat_paper[k] != flat_gpu.get(k)} - {"scale"}
+        assert changed == {"data.name", "data.layout", "data.max_train_tokens", "data.max_eval_tokens"}, changed
+        assert (gpu.run.data.name, gpu.run.data.layout, gpu.run.data.max_vocab) == ("wikitext2", "tokens", 32000)
+        assert (gpu.run.train.steps, gpu.run.model.d_model) == (paper.run.train.steps, paper.run.model.d_model)
+        assert any("(scale=gpu)" in d and "WikiText-2" in d for d in gpu.deviations)
+    with pytest.raises(ConfigError, match="scale=gpu is defined only for the tables"):
+        compose_row("wt2-nt-1024", "pcaf_context", "gpu", "torch", [])
 
 
 def test_command_line_overrides_are_recorded_as_deviations():

@@ -146,3 +146,19 @@ def test_jax_rows_name_jax_and_its_gpu_device(tmp_path: Path, monkeypatch) -> No
     gpr.pack_records(tmp_path / "runs", tmp_path / "r.tar.gz")
     (unpacked,) = gpr.unpack_records(tmp_path / "r.tar.gz", tmp_path / "docs_runs")
     assert unpacked.parts[-4:] == ("paper", "jax", "pcaf_context", "seed1234-j")
+
+
+def test_step_costs_default_to_the_tables_of_the_rows_given(tmp_path: Path, monkeypatch) -> None:
+    """``--scale gpu`` rows of the TPU tables: only their tables are timed (the gpu scale refuses the others)."""
+    launched = []
+    monkeypatch.setattr(gpr.subprocess, "call", lambda cmd, **kw: launched.append(" ".join(cmd)) or 0)
+    rows = ["wt103-nt-ablations/pcaf_context_t1024", "wt103-nt-baselines/local_conv_t2048",
+            "wt103-nt-ablations/pcaf_context_t2048"]
+    gpr.main(["--scale", "gpu", "--out", str(tmp_path), "--output-root", str(tmp_path / "outputs"), *rows])
+    costs = [c for c in launched if "step" in c and "experiments.reproduce" not in c]
+    assert len(costs) == 2 and "wt103-nt-ablations" in costs[0] and "wt103-nt-baselines" in costs[1]
+    assert all("SCALE=gpu" in c or "--scale gpu" in c for c in costs)
+    assert sum("experiments.reproduce" in c for c in launched) == 3
+    launched.clear()
+    gpr.main(["--out", str(tmp_path), "--output-root", str(tmp_path / "outputs")])
+    assert len(launched) == 2 and [t in c for t, c in zip(gpr.PAPER_TABLES, launched, strict=True)] == [True, True]
