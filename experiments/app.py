@@ -62,6 +62,11 @@ def scale_tables(scale: str) -> tuple[str, ...]:
     return tuple(OmegaConf.load(CONF_DIR / "scale" / f"{scale}.yaml").get("only_tables") or ())
 
 
+def scale_covers(scale: str, table: str) -> bool:
+    """Whether ``scale`` is defined for ``table`` (:func:`apply_scale` refuses the other tables)."""
+    return not scale_tables(scale) or table in scale_tables(scale)
+
+
 @dataclass
 class ResolvedRun:
     """A run ready to start: the spec config, its labels and its deviations from the paper."""

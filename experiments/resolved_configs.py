@@ -48,7 +48,7 @@ def config_text(resolved: app.ResolvedRun) -> str:
 def resolve_all(rows: Iterable[tuple[str, str]] | None = None, scales: Iterable[str] = SCALES,
                 compose=None) -> dict[str, str]:
     """``{"<table>/<row>@<scale>#<i>": text}`` for every seed entry ``i`` of every row at every scale that is
-    defined for its table (:func:`experiments.app.scale_tables`).
+    defined for its table (:func:`experiments.app.scale_covers`).
 
     ``compose(table, row, scale)`` returns the row's resolved runs (default: the table driver's
     :func:`experiments.reproduce.compose_row` on the torch backend with :data:`PIN`)."""
@@ -60,8 +60,8 @@ def resolve_all(rows: Iterable[tuple[str, str]] | None = None, scales: Iterable[
     out = {}
     for table, row in all_rows() if rows is None else rows:
         for scale in scales:
-            if app.scale_tables(scale) and table not in app.scale_tables(scale):
-                continue  # the scale refuses the table (experiments.app.apply_scale)
+            if not app.scale_covers(scale, table):
+                continue
             for i, resolved in enumerate(compose(table, row, scale)):
                 out[f"{table}/{row}@{scale}#{i}"] = config_text(resolved)
     return out

@@ -73,7 +73,7 @@ def _check_composed(rows: list[tuple[str, str]], scale: str, compose=composed) -
     """Every run of ``rows`` at ``scale`` is labelled from its file's path, carries the scale's deviations, and
     resolves to the committed config text (``python -m experiments.resolved_configs --write`` after an intended
     change)."""
-    rows = [(t, r) for t, r in rows if not app.scale_tables(scale) or t in app.scale_tables(scale)]
+    rows = [(t, r) for t, r in rows if app.scale_covers(scale, t)]
     want = resolved_configs.read_snapshot()
     got = resolved_configs.resolve_all(rows, [scale], compose=compose)
     assert got, rows
@@ -232,6 +232,7 @@ def test_the_scales_are_the_scale_files():
 def test_the_gpu_scale_changes_only_the_dataset_and_refuses_other_tables():
     """scale=gpu: the TPU tables' next-token rows at the paper's models and budgets, on WikiText-2."""
     assert app.scale_tables("gpu") == ("wt103-nt-baselines", "wt103-nt-ablations")
+    assert not app.scale_covers("gpu", "wt2-nt-1024") and app.scale_covers("cpu", "wt2-nt-1024")
     for table in app.scale_tables("gpu"):
         row = table_rows(table)[0]
         paper, gpu = composed(table, row, "paper")[0], composed(table, row, "gpu")[0]
