@@ -32,8 +32,12 @@ Sections (``--sections``, comma-separated):
   holds the op table by device time, and ``profile.csv`` the step's wall time beside the GPU's busy time (the
   sum of its kernels) and the kernel count,
   i.e. how much of the step the GPU waits for the host.
+- ``jax41m``: the JAX full-AR step at the paper's 41M shape (T=2048, batch 8), semantic and context routes, at JAX's
+  default matmul precision and at ``highest``, each against the GEMM peak of its own precision, and a
+  ``jax.profiler`` op table of the semantic step (``benchmarks/bench_cuda_jax.py``): ``jax41m.csv``,
+  ``jax_profile.csv``, ``jax_profile.txt``.
 
-    python -m benchmarks.bench_cuda [--out-dir bench/cuda] [--sections gemm,models,routing]
+    python -m benchmarks.bench_cuda [--out-dir bench/cuda] [--sections gemm,models,routing,profile,jax41m]
         [--compiles eager,inductor,cudagraphs] [--only-windowed]
     python -m benchmarks.bench_cuda --render docs/results/bench_cuda --doc docs/results/bench_cuda.md
 
@@ -62,7 +66,7 @@ from benchmarks.bench_cuda_report import COMPILES, render
 from benchmarks.common import package_version, read_csv, write_csv
 from pcaf_core.config import validate
 
-SECTIONS = ("gemm", "models", "routing", "profile")
+SECTIONS = ("gemm", "models", "routing", "profile", "jax41m")
 STEPS = (*COMPILES, "xla")
 """What ``--compiles`` selects: torch's steps (``COMPILES``) and ``xla``, the JAX backend's jitted step."""
 GEMM_TOKENS = 8192
@@ -176,7 +180,7 @@ def cuda_labels(device: str) -> dict[str, object]:
         props = torch.cuda.get_device_properties(device)
         name, sms = props.name, props.multi_processor_count
     return {"gpu": name, "gpu_sms": sms, "torch": torch.__version__,
-            "triton": package_version("triton"), "cuda": torch.version.cuda,
+            "triton": package_version("triton"), "jax": package_version("jax"), "cuda": torch.version.cuda,
             "matmul_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
             "float32_matmul_precision": torch.get_float32_matmul_precision()}
 
@@ -500,9 +504,10 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup, args.steps, args.repeats = 0, 1, 2  # a case's first step, its memory step and one timed
     if "gemm" in sections:
         write_csv(out / "gemm.csv", gemm_section(args.device, args.smoke))
+    if ("models" in sections or "jax41m" in sections) and not (out / "gemm.csv").exists():
+        raise SystemExit(f"the models and jax41m sections divide by the GEMM peaks: run them with gemm (no "
+                         f"{out}/gemm.csv)")
     if "models" in sections:
-        if not (out / "gemm.csv").exists():
-            raise SystemExit(f"the models section divides by the GEMM peaks: run it with gemm (no {out}/gemm.csv)")
         peaks = {d: max(float(r["gflops"]) for r in read_csv(out / "gemm.csv") if r["dtype"] == d)
                  for d in ("fp32", "bf16")}
         model_rows, failures = models_section(peaks, args.warmup, args.steps, args.device, args.smoke, compiles,
@@ -516,6 +521,14 @@ def main(argv: list[str] | None = None) -> int:
         profile_rows, failures = profile_section(out, args.device, args.smoke, compiles)
         write_csv(out / "profile.csv", profile_rows)
         write_failures(out, "profile", failures)
+    if "jax41m" in sections:
+        from benchmarks.bench_cuda_jax import jax41m_section
+
+        peaks = {d: max(float(r["gflops"]) for r in read_csv(out / "gemm.csv") if r["dtype"] == d)
+                 for d in ("fp32", "tf32")}
+        jax_rows, jax_profile = jax41m_section(peaks, out, args.warmup, args.steps, args.device, args.smoke)
+        write_csv(out / "jax41m.csv", jax_rows)
+        write_csv(out / "jax_profile.csv", jax_profile)
     write_csv(out / "labels.csv", [{**cuda_labels(args.device), "bench_set": "smoke" if args.smoke else "full",
                                     "wall_s": round(time.perf_counter() - start, 1)}])
     print(f"{out} ({time.perf_counter() - start:.0f} s)")

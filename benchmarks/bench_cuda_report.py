@@ -11,6 +11,8 @@ from pathlib import Path
 from benchmarks.common import late_curve_gap, read_csv
 
 BF16_TARGET, SDPA_TARGET = 2.5, 6.1
+JAX_PEAK_TARGET = 50.0
+"""%: the JAX full-AR step at the 41M shape against the GEMM peak of the matmul precision it ran at."""
 COMPILES = ("eager", "inductor", "cudagraphs")
 """The ``compile`` labels of ``benchmarks.bench_cuda`` rows: eager, ``torch.compile`` (inductor), and inductor
 replayed as CUDA graphs."""
@@ -28,6 +30,39 @@ def _f(x: str | float, nd: int = 2) -> str:
 
 def _verdict(ok: bool, by: float) -> str:
     return "**met**" if ok else f"**missed by {by:.2f}x**"
+
+
+def jax41m_lines(bench_dir: Path) -> tuple[list[str], list[str]]:
+    """The JAX 41M rows' target lines and their section (``benchmarks/bench_cuda_jax.py``); empty without them."""
+    if not (bench_dir / "jax41m.csv").exists():
+        return [], []
+    rows = read_csv(bench_dir / "jax41m.csv")
+    targets = [f"| JAX full-AR step at the 41M shape (T={r['T']}, batch {r['batch']}, {r['route']} route, matmul "
+               f"precision {r['matmul_precision']}) >= {JAX_PEAK_TARGET:.0f}% of the {r['peak_dtype']} GEMM peak | "
+               f"{r['model_pct']}% ({r['step_ms']} ms a step; {_f(r['model_gflops'], 0)} of "
+               f"{_f(r['peak_gflops'], 0)} GFLOP/s) | "
+               f"{_verdict(float(r['model_pct']) >= JAX_PEAK_TARGET, JAX_PEAK_TARGET / float(r['model_pct']))} |"
+               for r in rows]
+    out = ["", "## The JAX full-AR step at the 41M shape", "",
+           f"`{rows[0]['row']}` at the paper's scale (d={rows[0]['d']}, "
+           f"{rows[0]['layers']} blocks, V={rows[0]['V']}, K={rows[0]['K']}, profile {rows[0]['profile']}), the "
+           "context route the same row with `memory.route=context`; one `JaxBackend(\"gpu\").train_step` per step, "
+           "the cases' steps interleaved, median; % of peak: analytic model FLOPs / step time / the GEMM peak of "
+           "the precision the step ran at (JAX's `default` is TF32 passes on a GPU).", "",
+           "| model | matmul precision | T | batch | step (ms) | tokens/s | model GFLOP/s | peak | % of peak | "
+           "first step (s) | peak (MB) |", "|---" * 11 + "|"]
+    out += [f"| {r['model']} | {r['matmul_precision']} | {r['T']} | {r['batch']} | {r['step_ms']} | "
+            f"{_f(r['tokens_per_s'], 0)} | {_f(r['model_gflops'], 0)} | {r['peak_dtype']} {_f(r['peak_gflops'], 0)} | "
+            f"{r['model_pct']} | {r['first_step_s']} | {r['peak_mb']} |" for r in rows]
+    profile = bench_dir / "jax_profile.csv"
+    if profile.exists():
+        (p,) = read_csv(profile)
+        table = (bench_dir / "jax_profile.txt").read_text(encoding="utf-8").splitlines()
+        out += ["", f"Where the step's time goes ({p['case']}; `jax.profiler`, ops read from {p['source']}): a "
+                f"profiled step takes {p['step_wall_ms']} ms, its ops {p['ops_ms']} ms ({p['ops_pct']}%, "
+                f"{_f(p['ops_per_step'], 0)} op runs a step); the rest is the host's share. The 15 longest ops "
+                "(the first 40 in `jax_profile.txt`):", "", "```", *table[3:19], "```"]
+    return targets, out
 
 
 def bf16_summary(bench_dir: Path) -> dict[str, str] | None:
@@ -153,6 +188,8 @@ def render(bench_dir: Path, doc: Path) -> None:
                        f"dense Transformer per target ({dtype}) | {_f(p['targets_per_s'], 0)} / "
                        f"{_f(d['targets_per_s'], 0)} targets/s = {ratio:.1f}x | "
                        f"{_verdict(ratio >= SDPA_TARGET, SDPA_TARGET / ratio)} |")
+    jax_targets, jax_section = jax41m_lines(bench_dir)
+    out += jax_targets
     by = {(r["route"], int(r["T"])): float(r["fwd_bwd_ms"]) for r in routing}
     for step, worst in curve_gaps(bench_dir).items():
         out.append(f"| bf16 learning curves match fp32 within noise ({step} step; at most {CURVE_TOLERANCE} nats "
@@ -199,6 +236,7 @@ def render(bench_dir: Path, doc: Path) -> None:
                             f"{gfp['step_ms']} ms: "
                             f"{float(gbf['tokens_per_s']) / float(gfp['tokens_per_s']):.2f}x.")
     out += windowed_section(models)
+    out += jax_section
     out += ["", "## GEMM peaks", "", "| GEMM | dtype | shape | ms | GFLOP/s |", "|---|---|---|---|---|"]
     out += [f"| {r['gemm']} | {r['dtype']} | [{r['m']}, {r['k']}] @ [{r['k']}, {r['n']}] | {r['ms']} | "
             f"{_f(r['gflops'], 0)} |" for r in gemm]

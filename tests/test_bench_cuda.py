@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_cuda, bench_cuda_report
+from benchmarks import bench_cuda, bench_cuda_jax, bench_cuda_report
 from benchmarks.bench_report import CUDA_DIR
 from benchmarks.common import read_csv, write_csv
 
@@ -46,6 +46,25 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     assert routes == set(bench_cuda.ROUTING_ROUTES)
     assert read_csv(smoke_run / "labels.csv")[0]["bench_set"] == "smoke"
     assert (smoke_run / "profile_fp32.txt").read_text().strip()
+    # The JAX 41M section: both routes, both precisions, each against the peak of what it ran at (a CPU's
+    # float32), and an op table read back from jax.profiler's trace.
+    jax_rows = read_csv(smoke_run / "jax41m.csv")
+    assert {(r["route"], r["matmul_precision"]) for r in jax_rows} == set(bench_cuda_jax.SMOKE_CASES)
+    assert all(r["peak_dtype"] == "fp32" and float(r["model_pct"]) > 0 and r["profile"] == "reference_jax"
+               and (r["T"], r["batch"], r["K"]) == ("64", "2", "32") for r in jax_rows)
+    (prof,) = read_csv(smoke_run / "jax_profile.csv")
+    assert float(prof["ops_ms"]) > 0 and float(prof["ops_per_step"]) > 0 and "XLA CPU" in prof["source"]
+    table = (smoke_run / "jax_profile.txt").read_text().splitlines()
+    assert len(table) > 10 and all(float(line.split()[0]) >= 0 for line in table[4:])
+
+
+def test_the_jax_41m_cases_are_the_papers_shape_and_their_peaks_their_precisions() -> None:
+    cfg = bench_cuda_jax.case_config("context", "default", smoke=False)
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.vocab_size, cfg.memory.top_k) == (224, 14, 32000, 32)
+    assert (cfg.memory.route, cfg.train.mode, cfg.train.seq_len, cfg.train.batch_size) == ("context", "ar", 2048, 8)
+    assert cfg.train.matmul_precision == "default" and cfg.train.precision == "fp32"
+    assert [bench_cuda_jax.peak_dtype(p, "cuda") for p in ("default", "high", "highest")] == ["tf32", "tf32", "fp32"]
+    assert bench_cuda_jax.peak_dtype("default", "cpu") == "fp32"
 
 
 @pytest.mark.slow  # its fixture is the smoke run
@@ -63,8 +82,12 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     write_csv(run / "models.csv", rows)
-    for name in ("gemm", "routing", "profile", "labels"):
+    for name in ("gemm", "routing", "profile", "labels", "jax_profile"):
         write_csv(run / f"{name}.csv", read_csv(smoke_run / f"{name}.csv"))
+    (run / "jax_profile.txt").write_text((smoke_run / "jax_profile.txt").read_text())
+    jax_rows = read_csv(smoke_run / "jax41m.csv")
+    jax_rows[0].update(model_pct=55.0)
+    write_csv(run / "jax41m.csv", jax_rows)
     write_csv(run / "precision.csv", [{"step": s, "fp32_eval_loss": 5.0, "bf16_eval_loss": 5.0 + d, "abs_diff": d}
                                       for s, d in ((1, 0.0), (20, 0.2), (100, 0.002))])
     (run / "precision.md").write_text("# title\n\nCommand: eager curves\n\n| step |\n")
@@ -87,6 +110,11 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert "| fp32 | eager |" in text  # the profile table's compile column
     assert "| PCAF-context (JAX) | ar |" in text and "| 1024x8192 tiles | highest |" in text
     assert "A `cudagraphs` row's step peak is what one replay allocates" in text
+    assert "semantic route, matmul precision default) >= 50% of the fp32 GEMM peak | 55.0% (" in text
+    assert f"| {jax_rows[1]['model_pct']}% (" in text and "**missed by" in text
+    jax_section = text[text.index("## The JAX full-AR step at the 41M shape"):text.index("## GEMM peaks")]
+    assert "| PCAF-context 41M (JAX) | highest | 64 | 2 |" in jax_section and "```" in jax_section
+    assert "ops read from the XLA CPU thunks" in jax_section
     assert "(eager step; at most 0.01 nats" in text and "largest difference 0.0020 nats | **met** |" in text
     assert "(cudagraphs step; at most 0.01 nats" in text and "largest difference 0.0040 nats | **met** |" in text
     curves = text[text.index("## bf16 learning curves on the same GPU"):]
