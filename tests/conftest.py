@@ -76,6 +76,23 @@ def smoke_pcaf_run(tmp_path_factory) -> Path:
     return runs[0]
 
 
+@pytest.fixture
+def cuda_code_paths(monkeypatch: pytest.MonkeyPatch):
+    """The torch device whose code paths a step takes: CUDA where present; on a CPU, CPU tensors with the choices
+    a CUDA tensor gets (the Triton candidate kernels, run by the interpreter; gathered scores instead of the CPU's
+    sparse products; the segmented key-gradient op)."""
+    import torch
+
+    if HAS_CUDA:
+        return torch.device("cuda")
+    from backends.torch import ops, routing
+
+    monkeypatch.setattr(routing, "kernels_by_default", lambda addresses: True)
+    monkeypatch.setattr(ops, "_sparse_path", lambda x, y, index: False)
+    monkeypatch.setattr(ops, "_segment_kernel_for", lambda grad, y: True)
+    return torch.device("cpu")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch intra-op thread for a module of tiny-tensor tests: more threads only add synchronisation

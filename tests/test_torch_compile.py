@@ -3,8 +3,9 @@
 Every PCAF variant and route × {nt, ar} runs through ``torch.compile`` with ``aot_eager`` (Dynamo's graph
 capture and AOT autograd, the compiled path's own layer forms and dropout, without C++ code generation);
 one case runs through inductor itself, next-token PCAF-context with dropout on, the configuration the
-speed targets are about. A cold inductor compile costs about a minute on this CPU, hence one case (and one
-more, on the CUDA code paths, in tests/test_torch_cuda_graphs.py).
+speed targets are about, and one more on the CUDA code paths, full AR: what ``cudagraphs`` replays. A cold
+inductor compile costs half a minute on this CPU, hence two cases, in one file so that the second reuses most of
+the first's compiled kernels (inductor caches them by their code; two workers compiling both at once would not).
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ def test_inductor_compiled_step_trains_like_eager_with_dropout() -> None:
     module = compare_steps(step_config(("pcaf", "context", "dense", "first"), "nt"), "inductor")
     blocks = [m for m in module.modules() if isinstance(m, ConvBlock)]
     assert blocks and all(b.conv_form == "shifted" for b in blocks)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_cuda_full_ar_step_like_eager(cuda_code_paths: torch.device) -> None:
+    """What ``cudagraphs`` replays is inductor's code for the step: full-AR PCAF-context with the GPU's candidate
+    kernel and key-gradient op inside the graph (custom ops, run by the Triton interpreter on a CPU) gives the
+    eager step's losses and gradients. The benchmarked GPU case; about 15 s here after the test above. (Where a
+    CUDA device is present the step runs on the CPU's own paths here, and
+    tests/test_torch_cuda_graphs.py::test_cudagraph_step_trains_like_eager_on_cuda runs it there.)"""
+    compare_steps(step_config(("pcaf", "context", "dense", "first"), "ar"), "inductor")
 
 
 def test_shifted_conv_equals_the_convolution() -> None:

@@ -1,6 +1,6 @@
 """CUDA graphs (``train.compile=cudagraphs``, and ``auto`` on one GPU): what a step must be to be captured, checked
-on CPU tensors with the code paths a CUDA tensor takes (no device reads, one graph inductor can capture, inductor's
-code equal to eager's), the refusals, and on a GPU the replayed step itself."""
+on CPU tensors with the code paths a CUDA tensor takes (no device reads, one graph inductor can capture; that
+inductor's code equals eager's is tests/test_torch_compile.py's), the refusals, and on a GPU the replayed step."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from backends.torch.compile import (
     use_compile,
     use_cuda_graphs,
 )
-from tests.compiled_steps import CASES, COMPILED_CASES, B, T, compare_steps, step_config
+from tests.compiled_steps import CASES, COMPILED_CASES, B, T, step_config
 
 CUDA = torch.cuda.is_available()
 SYNCING_OPS = frozenset({"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive",
@@ -78,21 +78,6 @@ def test_device_read_check_sees_reads() -> None:
         torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)  # told its size: no read
         _ = x[torch.tensor([0, 1])]  # integer indices: no read
     assert reads.reads == ["_local_scalar_dense", "index", "index_put_", "bincount", "repeat_interleave"]
-
-
-@pytest.fixture
-def cuda_code_paths(monkeypatch: pytest.MonkeyPatch) -> torch.device:
-    """The device whose code paths the step takes: CUDA where present; on a CPU, CPU tensors with the choices
-    a CUDA tensor gets (the Triton candidate kernels, run by the interpreter; gathered scores instead of the CPU's
-    sparse products; the segmented key-gradient op)."""
-    if CUDA:
-        return torch.device("cuda")
-    from backends.torch import ops, routing
-
-    monkeypatch.setattr(routing, "kernels_by_default", lambda addresses: True)
-    monkeypatch.setattr(ops, "_sparse_path", lambda x, y, index: False)
-    monkeypatch.setattr(ops, "_segment_kernel_for", lambda grad, y: True)
-    return torch.device("cpu")
 
 
 def _device_reads(case, mode: str, precision: str, device: torch.device) -> list[str]:
@@ -236,15 +221,6 @@ def test_cudagraph_safety_check_sees_unsafe_nodes() -> None:
 
     found = _cudagraph_unsafe(*_aot_graphs(Unsafe(), torch.arange(4.0)))
     assert any("index_put" in f for f in found) and any("mutated input" in f for f in found), found
-
-
-@pytest.mark.slow
-def test_inductor_compiles_the_cuda_full_ar_step_like_eager(cuda_code_paths: torch.device) -> None:
-    """What ``cudagraphs`` replays is inductor's code for the step: full-AR PCAF-context with the GPU's candidate
-    kernel and key-gradient op inside the graph (custom ops, run by the Triton interpreter on a CPU) gives the
-    eager step's losses and gradients. The benchmarked GPU case; about 25 s here. (Where a CUDA device is present
-    the step runs on the CPU's own paths here, and test_cudagraph_step_trains_like_eager_on_cuda runs it there.)"""
-    compare_steps(step_config(("pcaf", "context", "dense", "first"), "ar"), "inductor")
 
 
 def test_cudagraphs_refuses_what_it_cannot_replay() -> None:
