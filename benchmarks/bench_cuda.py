@@ -63,7 +63,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.bench_cuda_report import COMPILES, render
-from benchmarks.common import package_version, read_csv, write_csv
+from benchmarks.common import first_and_warm_steps, package_version, read_csv, write_csv
 from pcaf_core.config import validate
 
 SECTIONS = ("gemm", "models", "routing", "profile", "jax41m")
@@ -317,11 +317,7 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
             try:
                 cfg, note, backend, state = _build(case, cpu_case, device, smoke)
                 x, y, source = _batch(cfg)
-                t0 = time.perf_counter()
-                state, loss = backend.train_step(state, x, y, 1e-4)
-                first = time.perf_counter() - t0
-                for _ in range(warmup):
-                    state, _ = backend.train_step(state, x, y, 1e-4)
+                state, loss, first = first_and_warm_steps(backend, state, x, y, warmup)
             except (RuntimeError, ValueError, torch._dynamo.exc.TorchDynamoException) as err:
                 if case.compile == "eager":
                     raise

@@ -126,6 +126,7 @@ def jax41m_section(peaks: dict[str, float], out: Path, warmup: int, steps: int, 
     """The timed rows (``jax41m.csv``) and the profile row (``jax_profile.csv``; op table ``jax_profile.txt``)."""
     from backends.jax.backend import JaxBackend
     from benchmarks.bench_models import _batch
+    from benchmarks.common import first_and_warm_steps
     from pcaf_core.flops import train_step_flops
     from pcaf_core.profiles import matmul_precision
 
@@ -135,11 +136,7 @@ def jax41m_section(peaks: dict[str, float], out: Path, warmup: int, steps: int, 
         cfg = case_config(route, precision, smoke)
         state = backend.init(cfg)
         x, y, source = _batch(cfg)
-        t0 = time.perf_counter()
-        state, loss = backend.train_step(state, x, y, 1e-4)
-        first = time.perf_counter() - t0
-        for _ in range(warmup):
-            state, _ = backend.train_step(state, x, y, 1e-4)
+        state, loss, first = first_and_warm_steps(backend, state, x, y, warmup)
         entries.append([cfg, state, x, y, {"first_step_s": round(first, 2), "first_loss": round(float(loss), 4),
                                            "tokens_source": source}, []])
         print(f"[bench_cuda jax41m {route} {precision}] ready (first step {first:.1f} s)", file=sys.stderr,

@@ -105,6 +105,17 @@ def median_seconds(fn: Callable[[], object], warmup: int, repeats: int) -> tuple
     return statistics.median(times), times
 
 
+def first_and_warm_steps(backend, state, x, y, warmup: int, lr: float = 1e-4):
+    """A backend's first training step (compilation included) and ``warmup`` more, untimed:
+    ``(state, first step's loss, first step's seconds)``."""
+    t0 = time.perf_counter()
+    state, loss = backend.train_step(state, x, y, lr)
+    first = time.perf_counter() - t0
+    for _ in range(warmup):
+        state, _ = backend.train_step(state, x, y, lr)
+    return state, loss, first
+
+
 def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float, float] | None:
     """Distribution-free interval for the median of ``values`` (binomial order statistics: the k-th smallest
     and k-th largest, with k the largest rank whose two-sided miss probability stays within
