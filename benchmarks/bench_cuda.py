@@ -27,8 +27,9 @@ Sections (``--sections``, comma-separated):
   backward, synchronised) on the GPU at T = 4K, 8K, 16K, plus ``recent_kernel`` (the ``recent`` route's
   candidate kernels, Triton, with gathered scores) beside ``recent`` (the bucket layout's band and GEMMs,
   what the models run in full AR).
-- ``profile``: three steps of the full-AR PCAF-context case (T=1024, batch 8), eager and replayed as CUDA
-  graphs, in fp32 and in bf16 under ``torch.profiler`` (CPU and CUDA): ``profile_<dtype>[_cudagraphs].txt``
+- ``profile``: three steps of the full-AR PCAF-context case (T=1024, batch 8), eager, compiled (inductor) and
+  replayed as CUDA graphs, in fp32 and in bf16 under ``torch.profiler`` (CPU and CUDA):
+  ``profile_<dtype>[_<compile>].txt``
   holds the op table by device time, and ``profile.csv`` the step's wall time beside the GPU's busy time (the
   sum of its kernels) and the kernel count,
   i.e. how much of the step the GPU waits for the host.
@@ -90,13 +91,21 @@ class GpuCase:
     dropout: float = 0.1
     head_loss: str = "auto"  # train.head_loss
     backend: str = "torch"
+    head_kernels: bool = True  # False: the one-tile head loss passes over 16-bit logits in ATen (Head.kernels)
 
     @property
     def label(self) -> str:
         """The row's model name: the model, and what sets the case apart from the model's main rows."""
         if self.backend == "jax":
             return f"{self.model} (JAX)"
+        if not self.head_kernels:
+            return f"{self.model}, {ATEN_HEAD}"
         return f"{self.model}, {self.head_loss} head" if self.head_loss != "auto" else self.model
+
+
+ATEN_HEAD = "ATen head passes"
+"""The label of a case whose 16-bit head-loss passes run as ATen's float32 kernels instead of
+``backends.torch.kernels.head_softmax``: the eager step as it was before those kernels, timed beside it."""
 
 
 WINDOWED_MODELS = ("local Transformer (FlexAttention)", "global-local Transformer (FlexAttention)",
@@ -113,15 +122,19 @@ def gpu_cases(smoke: bool = False) -> list[GpuCase]:
     launches), some compiled without them (``inductor``); the T=1024 full-AR PCAF-context step also with a chunked
     head loss and on the JAX backend. ``smoke``: T=64 stand-ins of the eager full-AR and next-token cases, the
     chunked head and the JAX step (fp32 only: the JAX bf16 step is tests/test_jax_train.py's; here it would add
-    a second XLA compile to every smoke run)."""
+    a second XLA compile to every smoke run). The eager T=1024 full-AR PCAF-context step also runs in bf16 with
+    the head loss's 16-bit passes in ATen (:data:`ATEN_HEAD`; bf16 only: fp32 logits take no kernel), the step
+    the kernels replace, so the two are timed side by side."""
     P, S, D = "PCAF-context", "PCAF-semantic (bucketed)", "dense Transformer (SDPA)"
     if smoke:
-        base = [GpuCase(P, "ar", 64, 2), GpuCase(P, "ar", 64, 2, head_loss="chunked"),
+        base = [GpuCase(P, "ar", 64, 2), GpuCase(P, "ar", 64, 2, head_kernels=False),
+                GpuCase(P, "ar", 64, 2, head_loss="chunked"),
                 GpuCase(P, "ar", 64, 2, compile="xla", backend="jax"), GpuCase(P, "nt", 64, 4),
                 GpuCase(D, "nt", 64, 2)]
         base += [GpuCase(m, "nt", 64, 2) for m in WINDOWED_MODELS]
     else:
-        base = [GpuCase(P, "ar", 1024, 8), GpuCase(P, "ar", 1024, 8, compile="inductor"),
+        base = [GpuCase(P, "ar", 1024, 8), GpuCase(P, "ar", 1024, 8, head_kernels=False),
+                GpuCase(P, "ar", 1024, 8, compile="inductor"),
                 GpuCase(P, "ar", 1024, 8, compile="cudagraphs"),
                 GpuCase(P, "ar", 1024, 8, head_loss="chunked"),
                 GpuCase(P, "ar", 1024, 8, compile="cudagraphs", head_loss="chunked"),
@@ -133,7 +146,7 @@ def gpu_cases(smoke: bool = False) -> list[GpuCase]:
                 GpuCase(D, "nt", 2048, 8)]
         base += [GpuCase(m, "nt", 2048, 32) for m in WINDOWED_MODELS]
     return [replace(c, precision=p) for c in base for p in ("fp32", "bf16")
-            if not (smoke and c.backend == "jax" and p == "bf16")]
+            if not (smoke and c.backend == "jax" and p == "bf16") and (c.head_kernels or p == "bf16")]
 
 
 @functools.cache
@@ -166,7 +179,10 @@ def _build(case: GpuCase, cpu_case, device: str, smoke: bool = False):
         from backends.torch.backend import TorchBackend
 
         backend = TorchBackend(device)
-    return cfg, note, backend, backend.init(cfg)
+    state = backend.init(cfg)
+    if case.backend == "torch" and not case.head_kernels:
+        state.module.head.kernels = False
+    return cfg, note, backend, state
 
 
 def cuda_labels(device: str) -> dict[str, object]:
@@ -393,8 +409,8 @@ def routing_section(repeats: int, device: str = "cuda", smoke: bool = False) -> 
 
 def profile_section(out: Path, device: str = "cuda", smoke: bool = False,
                     compiles: tuple[str, ...] = COMPILES) -> tuple[list[dict], list[dict]]:
-    """The profiled rows (and op tables under ``out``) of the eager and CUDA-graph steps in ``compiles``, and the
-    compiled cases that failed (as in :func:`models_section`)."""
+    """The profiled rows (and op tables under ``out``) of the eager, compiled and CUDA-graph steps in ``compiles``,
+    and the compiled cases that failed (as in :func:`models_section`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -404,7 +420,7 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False,
     rows, failures = [], []
     T, batch = (64, 2) if smoke else (1024, 8)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
-    profiled = [c for c in (("eager",) if device == "cpu" else ("eager", "cudagraphs")) if c in compiles]
+    profiled = [c for c in (("eager",) if device == "cpu" else COMPILES) if c in compiles]
     for compile_, precision in ((c, p) for c in profiled for p in ("fp32", "bf16")):
         case = Case("PCAF-context", "ar", T, batch, 0.1, compile_, precision)
         cfg = case_config(GpuCase(case.model, "ar", T, batch, precision, compile_), case,
@@ -413,7 +429,7 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False,
             backend = TorchBackend(device)
             state = backend.init(cfg)
             x, y, _ = _batch(cfg)
-            for _ in range(3 if compile_ == "eager" else 5):  # compiled: the compile, the capture, replays
+            for _ in range(3 if compile_ == "eager" else 5):  # compiled: the compile (and capture), then replays
                 state, _ = backend.train_step(state, x, y, 1e-4)
         except (RuntimeError, ValueError, torch._dynamo.exc.TorchDynamoException) as err:
             if compile_ == "eager":

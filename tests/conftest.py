@@ -80,14 +80,15 @@ def smoke_pcaf_run(tmp_path_factory) -> Path:
 def cuda_code_paths(monkeypatch: pytest.MonkeyPatch):
     """The torch device whose code paths a step takes: CUDA where present; on a CPU, CPU tensors with the choices
     a CUDA tensor gets (the Triton candidate kernels, run by the interpreter; gathered scores instead of the CPU's
-    sparse products; the segmented key-gradient op)."""
+    sparse products; the segmented key-gradient op; the head loss's kernels over 16-bit logits)."""
     import torch
 
     if HAS_CUDA:
         return torch.device("cuda")
-    from backends.torch import ops, routing
+    from backends.torch import head_loss, ops, routing
 
     monkeypatch.setattr(routing, "kernels_by_default", lambda addresses: True)
+    monkeypatch.setattr(head_loss, "kernels_by_default", lambda z: True)
     monkeypatch.setattr(ops, "_sparse_path", lambda x, y, index: False)
     monkeypatch.setattr(ops, "_segment_kernel_for", lambda grad, y: True)
     return torch.device("cpu")

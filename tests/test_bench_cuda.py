@@ -38,6 +38,8 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     assert {r["matmul_precision"] for r in models} == {"highest"}  # reference_torch's
     assert by[("PCAF-context", "fp32")]["head_loss"] == "head loss in one tile"
     assert by[("PCAF-context, chunked head", "bf16")]["head_loss"] == "head loss in 1024x8192 tiles"
+    # The eager step with the head loss's 16-bit passes in ATen, beside the kernels' step: bf16 only.
+    assert ("PCAF-context, ATen head passes", "bf16") in by and ("PCAF-context, ATen head passes", "fp32") not in by
     jax_row = by[("PCAF-context (JAX)", "fp32")]
     assert (jax_row["backend"], jax_row["compile"], jax_row["mode"]) == ("jax", "xla", "ar")
     assert float(jax_row["peak_mb"]) > 0 and ("PCAF-context (JAX)", "bf16") not in by  # smoke: fp32 only
@@ -73,7 +75,10 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     rows = read_csv(smoke_run / "models.csv")
     for r in rows:
         if r["model"] == "PCAF-context" and r["mode"] == "ar":
-            r.update(T=1024, batch=8, tokens_per_s=300.0 if r["dtype"] == "bf16" else 100.0, model_pct=81.0)
+            r.update(T=1024, batch=8, tokens_per_s=300.0 if r["dtype"] == "bf16" else 100.0, model_pct=81.0,
+                     step_ms=8.0)
+        if r["model"] == bench_cuda_report.ATEN_HEAD_MODEL:
+            r.update(T=1024, batch=8, model_pct=32.4, step_ms=20.0)
         if r["mode"] == "nt":
             r.update(T=2048, targets_per_s=70.0 if r["model"] == "PCAF-context" else 10.0)
     # The CUDA-graph rows a GPU run adds (a CPU smoke run cannot make them).
@@ -107,6 +112,11 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
            "3.00x | **met** |" in text
     assert "(T=1024, batch 8, cudagraphs) | 330 / 150 = 2.20x | **missed by 1.14x** |" in text
     assert "81.0% eager, 81.0% cudagraphs" in text and "7.0x | **met** |" in text
+    assert ("| Full-AR PCAF-context bf16 >= 50% of the bf16 GEMM peak (T=1024, batch 8; model FLOPs) | 81.0% eager, "
+            "32.4% eager, ATen head passes, 81.0% cudagraphs (best 8.0 ms a step; ") in text
+    # The step without CUDA graphs against the ATen head passes' eager step: the CUDA-graph rows do not count.
+    assert ("the eager step with the head loss's ATen passes (T=1024, batch 8; timed in the same run) | 20.0 / 8.0 "
+            "ms = 2.50x (eager) | **met** |") in text
     assert "| fp32 | eager |" in text  # the profile table's compile column
     assert "| PCAF-context (JAX) | ar |" in text and "| 1024x8192 tiles | highest |" in text
     assert "A `cudagraphs` row's step peak is what one replay allocates" in text

@@ -12,7 +12,9 @@ normaliser:
   backward pass reads ``U`` three times (two products and one matrix-vector product for the bias) and writes
   nothing of size ``[N, V]`` (the ``onehot`` terms are ``[N, H]`` row gathers and adds);
 - 16-bit logits (autocast): the logits themselves (2 bytes each) and the log-normaliser; the backward pass
-  forms the float32 gradient from them.
+  forms the float32 gradient from them. On CUDA both passes over the logits are one Triton kernel each
+  (:mod:`backends.torch.kernels.head_softmax`), which reads the 16-bit logits once and writes no float32
+  ``[N, V]`` temporary.
 
 On this project's 2-core CPU the three output products are about 80% of a full-AR step; of the rest, the
 backward pass's ``[N, V]`` traffic drops from five passes (a multiply that reads and writes, the bias sum, the
@@ -32,6 +34,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from backends.torch.kernels import head_softmax
+
 
 def widen(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32 when it is a 16-bit float (a new tensor), else ``x`` itself."""
@@ -45,8 +49,16 @@ class _TargetLogSoftmax(torch.autograd.Function):
     y ``[N]`` int64 -> ``[N]`` float32."""
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, y: torch.Tensor,
+                kernels: bool) -> torch.Tensor:
         logits = torch.addmm(bias, z, weight.t())  # [N, V], the matmul dtype
+        ctx.kernels = kernels and logits.dtype in (torch.float16, torch.bfloat16)
+        if ctx.kernels:  # one pass over the 16-bit logits (backends.torch.kernels.head_softmax)
+            y = y.contiguous()
+            lse, target_logit = head_softmax.log_normaliser(logits, y)
+            ctx.saved_numerators = False
+            ctx.save_for_backward(z, weight, y, logits, lse)
+            return target_logit - lse
         wide = widen(logits)
         target_logit = wide.gather(1, y[:, None])[:, 0]
         ctx.saved_numerators = wide is logits
@@ -78,15 +90,18 @@ class _TargetLogSoftmax(torch.autograd.Function):
             if need_weight:
                 dweight = torch.mm(saved.t(), z * row[:, None]).index_add_(0, y, z * g[:, None])
             dbias = torch.mv(saved.t(), row).index_add_(0, y, g)
-            return dz, dweight, dbias, None
-        # float32 from the 16-bit logits in one pass (type promotion), then in place.
-        dlogits = torch.sub(saved, norm[:, None]).exp_().mul_(-g[:, None])
-        dlogits.scatter_add_(1, y[:, None], g[:, None])
-        dbias = dlogits.sum(0)
-        dl = dlogits.to(z.dtype)
+            return dz, dweight, dbias, None, None
+        if ctx.kernels:
+            dl, dbias = head_softmax.logit_grad(saved, norm, g.contiguous(), y)
+        else:
+            # float32 from the 16-bit logits in one pass (type promotion), then in place.
+            dlogits = torch.sub(saved, norm[:, None]).exp_().mul_(-g[:, None])
+            dlogits.scatter_add_(1, y[:, None], g[:, None])
+            dbias = dlogits.sum(0)
+            dl = dlogits.to(z.dtype)
         dz = dl @ weight if need_z else None
         dweight = dl.t() @ z if need_weight else None
-        return dz, dweight, dbias.to(weight.dtype), None
+        return dz, dweight, dbias.to(weight.dtype), None, None
 
 
 def _apply_flat(fn, z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor, *args):
@@ -103,16 +118,25 @@ def _apply_flat(fn, z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, t
     return out.reshape(lead)
 
 
-def target_log_softmax(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor
-                       ) -> torch.Tensor:
+def kernels_by_default(z: torch.Tensor) -> bool:
+    """Whether :func:`target_log_softmax` passes over 16-bit logits with the Triton kernels when its caller does
+    not say: on CUDA tensors."""
+    return z.is_cuda
+
+
+def target_log_softmax(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor,
+                       *, kernels: bool | None = None) -> torch.Tensor:
     """Head log-probability of ``targets``: z ``[..., H]``, targets ``[...]`` (ids in ``[0, V)``) ->
     ``[...]`` float32 (float64 when z is float64).
 
     Under autocast the output matmul runs in the autocast dtype, as ``nn.Linear`` would; the casts of
     ``weight`` and ``bias`` sit outside the autograd function, so their gradients reach the float32
-    parameters through autograd's own cast backward.
+    parameters through autograd's own cast backward. ``kernels``: 16-bit logits pass through
+    :mod:`backends.torch.kernels.head_softmax` (one kernel each way) instead of ATen's float32 passes; None:
+    :func:`kernels_by_default`. The two agree to float rounding (tests/test_torch_head_softmax.py).
     """
-    return _apply_flat(_TargetLogSoftmax.apply, z, weight, bias, targets)
+    use = kernels_by_default(z) if kernels is None else kernels
+    return _apply_flat(_TargetLogSoftmax.apply, z, weight, bias, targets, use)
 
 
 # --------------------------------------------------------------------------- chunked (never [N, V])

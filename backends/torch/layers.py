@@ -184,6 +184,9 @@ class Head(nn.Module):
         # (position chunk, vocabulary chunk) of the training loss's logit tiles, or None for the one-tile
         # form (backends.torch.head_loss); the backend sets it from train.head_loss.
         self.chunks: tuple[int, int] | None = None
+        # Whether the one-tile form passes over 16-bit logits with the Triton kernels (None: on CUDA;
+        # backends.torch.head_loss.target_log_softmax).
+        self.kernels: bool | None = None
 
     def features(self, h: torch.Tensor) -> torch.Tensor:
         """``[..., d] -> [..., d_hidden]``: the output layer's input ``drop(GELU(W_h·LN h))``."""
@@ -201,7 +204,7 @@ class Head(nn.Module):
         if self.chunks is not None:
             return chunked_target_log_softmax(self.features(h), self.out.weight, self.out.bias, targets,
                                               position_chunk=self.chunks[0], vocab_chunk=self.chunks[1])
-        return target_log_softmax(self.features(h), self.out.weight, self.out.bias, targets)
+        return target_log_softmax(self.features(h), self.out.weight, self.out.bias, targets, kernels=self.kernels)
 
 
 class Gate(nn.Module):
