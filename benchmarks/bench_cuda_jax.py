@@ -9,7 +9,10 @@ the host at the end of each step, the cases' timed steps interleaved one per rou
 FLOPs a step (``pcaf_core.flops.train_step_flops``) over the median step time, against the GEMM peak of the
 precision that ran, from the same run's ``gemm.csv`` (:func:`peak_dtype`).
 
-Then three steps of the semantic route at the default precision under ``jax.profiler.trace``, read back with
+Each route also runs at the default precision with the head's logits in one tile (``train.head_loss=full``; the
+row's ``auto`` tiles them at this shape): :data:`CASES`.
+
+Then three steps of the semantic route at the default precision (the row's head loss) under ``jax.profiler.trace``, read back with
 ``jax.profiler.ProfileData`` and summed by op name (:func:`op_times`): on a GPU the device plane's ``XLA Ops``
 line (each HLO op's time on the device), on a CPU (``--smoke``) the XLA CPU thunks.
 ``jax_profile.txt`` holds the op table by time; ``jax_profile.csv`` the profiled step's wall time beside the
@@ -28,8 +31,14 @@ from pathlib import Path
 TABLE, ROW = "sweeps-41m", "pcaf_semantic_ar_s256"
 ROUTES = ("semantic", "context")
 PRECISIONS = ("default", "highest")
-SMOKE_CASES = (("semantic", "default"), ("context", "highest"))
-"""``--smoke``: both routes and both precisions, each once (every case is an XLA compilation of its own)."""
+CASES = (*((r, p, "auto") for r in ROUTES for p in PRECISIONS), *((r, "default", "full") for r in ROUTES))
+"""(route, matmul precision, ``train.head_loss``): every route at both precisions with the row's own head loss
+(``auto``, which tiles this shape's 524M logits: 2 GB in float32, past ``pcaf_core.config.HEAD_LOSS_AUTO_LOGITS``),
+and each route at the default precision with the logits in one tile (``full``): three of the head's products
+instead of four, for 2 GB that a GPU can hold."""
+SMOKE_CASES = (("semantic", "default", "auto"), ("context", "highest", "full"))
+"""``--smoke``: both routes, both precisions and both head losses, each once (every case is an XLA compilation
+of its own; at the smoke shape ``auto`` is one tile too)."""
 T, BATCH = 2048, 8
 SMOKE_T, SMOKE_BATCH = 64, 2
 PROFILED_STEPS = 3
@@ -46,13 +55,14 @@ def peak_dtype(matmul_precision: str, device: str) -> str:
     return "fp32"
 
 
-def case_config(route: str, precision: str, smoke: bool):
-    """The row composed as the table driver composes it, with this case's route, precision and shape."""
+def case_config(route: str, precision: str, smoke: bool, head_loss: str = "auto"):
+    """The row composed as the table driver composes it, with this case's route, precision, head loss and
+    shape."""
     from experiments.reproduce import compose_row
 
     shape = (SMOKE_T, SMOKE_BATCH) if smoke else (T, BATCH)
     overrides = [f"memory.route={route}", f"train.matmul_precision={precision}", "train.precision=fp32",
-                 f"train.seq_len={shape[0]}", f"train.batch_size={shape[1]}"]
+                 f"train.head_loss={head_loss}", f"train.seq_len={shape[0]}", f"train.batch_size={shape[1]}"]
     return compose_row(TABLE, ROW, "smoke" if smoke else "paper", "jax", overrides)[0].run
 
 
@@ -127,20 +137,21 @@ def jax41m_section(peaks: dict[str, float], out: Path, warmup: int, steps: int, 
     from backends.jax.backend import JaxBackend
     from benchmarks.bench_models import _batch
     from benchmarks.common import first_and_warm_steps
+    from pcaf_core.config import head_loss_chunks, head_loss_label
     from pcaf_core.flops import train_step_flops
     from pcaf_core.profiles import matmul_precision
 
     backend = JaxBackend("cpu" if device == "cpu" else "gpu")
     entries = []
-    for route, precision in SMOKE_CASES if smoke else [(r, p) for r in ROUTES for p in PRECISIONS]:
-        cfg = case_config(route, precision, smoke)
+    for route, precision, head_loss in SMOKE_CASES if smoke else CASES:
+        cfg = case_config(route, precision, smoke, head_loss)
         state = backend.init(cfg)
         x, y, source = _batch(cfg)
         state, loss, first = first_and_warm_steps(backend, state, x, y, warmup)
         entries.append([cfg, state, x, y, {"first_step_s": round(first, 2), "first_loss": round(float(loss), 4),
                                            "tokens_source": source}, []])
-        print(f"[bench_cuda jax41m {route} {precision}] ready (first step {first:.1f} s)", file=sys.stderr,
-              flush=True)
+        print(f"[bench_cuda jax41m {route} {precision} head_loss={head_loss}] ready (first step {first:.1f} s)",
+              file=sys.stderr, flush=True)
     for _ in range(steps):
         for entry in entries:
             t0 = time.perf_counter()
@@ -154,7 +165,8 @@ def jax41m_section(peaks: dict[str, float], out: Path, warmup: int, steps: int, 
         dtype = peak_dtype(precision, device)
         gflops = flops / step_s / 1e9
         rows.append({"model": f"PCAF-{cfg.memory.route} 41M (JAX)", "row": f"{TABLE}/{ROW}", "route": cfg.memory.route,
-                     "matmul_precision": precision, "mode": "ar", "T": cfg.train.seq_len,
+                     "matmul_precision": precision, "head_loss": head_loss_label(head_loss_chunks(cfg)),
+                     "mode": "ar", "T": cfg.train.seq_len,
                      "batch": cfg.train.batch_size, "d": cfg.model.d_model, "layers": cfg.model.n_layers,
                      "V": cfg.model.vocab_size, "K": cfg.memory.top_k, "profile": cfg.profile.name,
                      "step_ms": round(step_s * 1e3, 2), "steps": len(times),
@@ -165,9 +177,9 @@ def jax41m_section(peaks: dict[str, float], out: Path, warmup: int, steps: int, 
                      "model_pct": round(100 * gflops / peaks[dtype], 2), **extra,
                      "peak_mb": round(backend.peak_memory_mb() or 0.0, 1), "params": backend.param_count(state)})
         r = rows[-1]
-        print(f"[bench_cuda jax41m {r['route']} {r['matmul_precision']}] {r['step_ms']:.2f} ms/step, "
+        print(f"[bench_cuda jax41m {r['route']} {r['matmul_precision']}, {r['head_loss']}] {r['step_ms']:.2f} ms/step, "
               f"{r['model_pct']}% of the {dtype} peak", file=sys.stderr, flush=True)
-    cfg, state, x, y, _, _ = entries[0]  # the semantic route at the default precision
+    cfg, state, x, y, _, _ = entries[0]  # the semantic route at the default precision, the row's head loss
     out.mkdir(parents=True, exist_ok=True)
     profile = profile_step(backend, state, x, y, out,
                            f"PCAF-semantic 41M (JAX) full AR T={cfg.train.seq_len} batch {cfg.train.batch_size}, "

@@ -37,13 +37,19 @@ def _verdict(ok: bool, by: float) -> str:
     return "**met**" if ok else f"**missed by {by:.2f}x**"
 
 
+def _head(r: dict) -> str:
+    """A JAX 41M row's head loss (``one tile``, ``1024x8192 tiles``); empty for rows from before the column."""
+    return r.get("head_loss", "").removeprefix("head loss in ")
+
+
 def jax41m_lines(bench_dir: Path) -> tuple[list[str], list[str]]:
     """The JAX 41M rows' target lines and their section (``benchmarks/bench_cuda_jax.py``); empty without them."""
     if not (bench_dir / "jax41m.csv").exists():
         return [], []
     rows = read_csv(bench_dir / "jax41m.csv")
     targets = [f"| JAX full-AR step at the 41M shape (T={r['T']}, batch {r['batch']}, {r['route']} route, matmul "
-               f"precision {r['matmul_precision']}) >= {JAX_PEAK_TARGET:.0f}% of the {r['peak_dtype']} GEMM peak | "
+               f"precision {r['matmul_precision']}{', head loss in ' + _head(r) if _head(r) else ''}) >= {JAX_PEAK_TARGET:.0f}% of the {r['peak_dtype']} "
+               "GEMM peak | "
                f"{r['model_pct']}% ({r['step_ms']} ms a step; {_f(r['model_gflops'], 0)} of "
                f"{_f(r['peak_gflops'], 0)} GFLOP/s) | "
                f"{_verdict(float(r['model_pct']) >= JAX_PEAK_TARGET, JAX_PEAK_TARGET / float(r['model_pct']))} |"
@@ -53,12 +59,14 @@ def jax41m_lines(bench_dir: Path) -> tuple[list[str], list[str]]:
            f"{rows[0]['layers']} blocks, V={rows[0]['V']}, K={rows[0]['K']}, profile {rows[0]['profile']}), the "
            "context route the same row with `memory.route=context`; one `JaxBackend(\"gpu\").train_step` per step, "
            "the cases' steps interleaved, median; % of peak: analytic model FLOPs / step time / the GEMM peak of "
-           "the precision the step ran at (JAX's `default` is TF32 passes on a GPU).", "",
-           "| model | matmul precision | T | batch | step (ms) | tokens/s | model GFLOP/s | peak | % of peak | "
-           "first step (s) | peak (MB) |", "|---" * 11 + "|"]
-    out += [f"| {r['model']} | {r['matmul_precision']} | {r['T']} | {r['batch']} | {r['step_ms']} | "
-            f"{_f(r['tokens_per_s'], 0)} | {_f(r['model_gflops'], 0)} | {r['peak_dtype']} {_f(r['peak_gflops'], 0)} | "
-            f"{r['model_pct']} | {r['first_step_s']} | {r['peak_mb']} |" for r in rows]
+           "the precision the step ran at (JAX's `default` is TF32 passes on a GPU). The head loss runs as the row "
+           "has it (`auto`: in tiles at this shape, which recompute the logits: a fourth product of the head) or "
+           "in one tile (`train.head_loss=full`); the model FLOPs count three.", "",
+           "| model | matmul precision | head loss | T | batch | step (ms) | tokens/s | model GFLOP/s | peak | "
+           "% of peak | first step (s) | peak (MB) |", "|---" * 12 + "|"]
+    out += [f"| {r['model']} | {r['matmul_precision']} | {_head(r) or 'row default'} | {r['T']} | {r['batch']} | "
+            f"{r['step_ms']} | {_f(r['tokens_per_s'], 0)} | {_f(r['model_gflops'], 0)} | {r['peak_dtype']} "
+            f"{_f(r['peak_gflops'], 0)} | {r['model_pct']} | {r['first_step_s']} | {r['peak_mb']} |" for r in rows]
     profile = bench_dir / "jax_profile.csv"
     if profile.exists():
         (p,) = read_csv(profile)

@@ -10,6 +10,7 @@ import pytest
 from benchmarks import bench_cuda, bench_cuda_jax, bench_cuda_report
 from benchmarks.bench_report import CUDA_DIR
 from benchmarks.common import read_csv, write_csv
+from pcaf_core.config import head_loss_chunks
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,8 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     # The JAX 41M section: both routes, both precisions, each against the peak of what it ran at (a CPU's
     # float32), and an op table read back from jax.profiler's trace.
     jax_rows = read_csv(smoke_run / "jax41m.csv")
-    assert {(r["route"], r["matmul_precision"]) for r in jax_rows} == set(bench_cuda_jax.SMOKE_CASES)
+    assert {(r["route"], r["matmul_precision"]) for r in jax_rows} == {c[:2] for c in bench_cuda_jax.SMOKE_CASES}
+    assert {r["head_loss"] for r in jax_rows} == {"head loss in one tile"}  # auto at the smoke shape, and full
     assert all(r["peak_dtype"] == "fp32" and float(r["model_pct"]) > 0 and r["profile"] == "reference_jax"
                and (r["T"], r["batch"], r["K"]) == ("64", "2", "32") for r in jax_rows)
     (prof,) = read_csv(smoke_run / "jax_profile.csv")
@@ -65,6 +67,11 @@ def test_the_jax_41m_cases_are_the_papers_shape_and_their_peaks_their_precisions
     assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.vocab_size, cfg.memory.top_k) == (224, 14, 32000, 32)
     assert (cfg.memory.route, cfg.train.mode, cfg.train.seq_len, cfg.train.batch_size) == ("context", "ar", 2048, 8)
     assert cfg.train.matmul_precision == "default" and cfg.train.precision == "fp32"
+    # The row's head loss tiles this shape's logits; the one-tile cases say so.
+    assert head_loss_chunks(cfg) == (1024, 8192)
+    assert head_loss_chunks(bench_cuda_jax.case_config("context", "default", False, "full")) is None
+    assert {c for c in bench_cuda_jax.CASES if c[2] == "full"} == {("semantic", "default", "full"),
+                                                                   ("context", "default", "full")}
     assert [bench_cuda_jax.peak_dtype(p, "cuda") for p in ("default", "high", "highest")] == ["tf32", "tf32", "fp32"]
     assert bench_cuda_jax.peak_dtype("default", "cpu") == "fp32"
 
@@ -120,10 +127,11 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert "| fp32 | eager |" in text  # the profile table's compile column
     assert "| PCAF-context (JAX) | ar |" in text and "| 1024x8192 tiles | highest |" in text
     assert "A `cudagraphs` row's step peak is what one replay allocates" in text
-    assert "semantic route, matmul precision default) >= 50% of the fp32 GEMM peak | 55.0% (" in text
+    assert ("semantic route, matmul precision default, head loss in one tile) >= 50% of the fp32 GEMM peak | "
+            "55.0% (") in text
     assert f"| {jax_rows[1]['model_pct']}% (" in text and "**missed by" in text
     jax_section = text[text.index("## The JAX full-AR step at the 41M shape"):text.index("## GEMM peaks")]
-    assert "| PCAF-context 41M (JAX) | highest | 64 | 2 |" in jax_section and "```" in jax_section
+    assert "| PCAF-context 41M (JAX) | highest | one tile | 64 | 2 |" in jax_section and "```" in jax_section
     assert "ops read from the XLA CPU thunks" in jax_section
     assert "(eager step; at most 0.01 nats" in text and "largest difference 0.0020 nats | **met** |" in text
     assert "(cudagraphs step; at most 0.01 nats" in text and "largest difference 0.0040 nats | **met** |" in text
