@@ -55,6 +55,13 @@ def test_table_renders_from_records_of_two_gpus(tmp_path: Path) -> None:
     assert f"; {OVERRIDE} (command line);" in shared
     table_rows = [line for line in text.splitlines() if line.startswith("| ") and "ok (n=1)" in line]
     assert [line.split(" | ")[0] for line in table_rows] == ["| Local conv only", "| Global-local attn"]
+    # Each row's wall time, in minutes, from its own record.
+    header = next(line for line in text.splitlines() if line.startswith("| Model |")).split(" | ")
+    minutes = header.index("Run minutes (ours)")
+    for line, row in zip(table_rows, ROWS):
+        wall = read_metrics(next((records / TABLE / "smoke" / "torch" / row).iterdir())).wall_time_s
+        assert wall > 0 and float(line.split(" | ")[minutes]) == pytest.approx(wall / 60, rel=0.01, abs=0.001)
+    assert "- Run minutes (ours): each row's whole run" in text
     assert sum(line.endswith("| missing |") for line in text.splitlines()) == 5  # the table's other rows
     device_line = next(line for line in text.splitlines() if line.startswith("- Device(s): "))
     assert (f"{GPUS['local_conv'][0]} (`local_conv`) / {GPUS['transformer_global_local'][0]} "
