@@ -29,10 +29,9 @@ Sections (``--sections``, comma-separated):
   what the models run in full AR).
 - ``profile``: three steps of the full-AR PCAF-context case (T=1024, batch 8), eager, compiled (inductor) and
   replayed as CUDA graphs, in fp32 and in bf16 under ``torch.profiler`` (CPU and CUDA):
-  ``profile_<dtype>[_<compile>].txt``
-  holds the op table by device time, and ``profile.csv`` the step's wall time beside the GPU's busy time (the
-  sum of its kernels) and the kernel count,
-  i.e. how much of the step the GPU waits for the host.
+  ``profile_<dtype>[_<compile>].txt`` holds the op table by device time, ``trace_bf16_<compile>.json.gz`` each
+  bf16 step's timeline (Perfetto or chrome://tracing), and ``profile.csv`` the step's wall time beside the GPU's
+  busy time (the sum of its kernels) and the kernel count, i.e. how much of the step the GPU waits for the host.
 - ``jax41m``: the JAX full-AR step at the paper's 41M shape (T=2048, batch 8), semantic and context routes, at JAX's
   default matmul precision and at ``highest``, each against the GEMM peak of its own precision, and a
   ``jax.profiler`` op table of the semantic step (``benchmarks/bench_cuda_jax.py``): ``jax41m.csv``,
@@ -55,8 +54,10 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -448,6 +449,8 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False,
         sort = "self_device_time_total" if device != "cpu" else "self_cpu_time_total"
         name = f"profile_{precision}.txt" if compile_ == "eager" else f"profile_{precision}_{compile_}.txt"
         (out / name).write_text(events.table(sort_by=sort, row_limit=40))
+        if precision == "bf16":  # the timeline: where the GPU waits on the host (Perfetto, chrome://tracing)
+            trace_file(prof, out / f"trace_{precision}_{compile_}.json.gz")
         rows.append({"model": case.model, "mode": case.mode, "T": T, "batch": batch, "dtype": precision,
                      "compile": compile_,
                      "step_wall_ms": round(wall * 1e3, 3), "gpu_busy_ms": round(busy_ms, 3),
@@ -458,6 +461,17 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False,
         del backend, state
         torch._dynamo.reset()
     return rows, failures
+
+
+def trace_file(prof, path: Path) -> None:
+    """``prof``'s Chrome trace, gzipped into ``path`` (a few hundred kB for three steps, where the JSON is MBs)."""
+    import gzip
+
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with raw.open("rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
 
 
 def write_failures(out: Path, section: str, failures: list[dict]) -> None:

@@ -85,7 +85,7 @@ bench-cuda: $(VENV)/.installed data
 	$(PY) -m benchmarks.precision_check $(CUDA_CURVES) --out bench/cuda/precision_cudagraphs.md \
 		--csv bench/cuda/precision_cudagraphs.csv $(CUDA_CURVE_ROW) train.compile=cudagraphs
 	mkdir -p $(call q,$(CUDA_RESULTS)) && rm -f $(call q,$(CUDA_RESULTS)/failures.csv) && \
-		cp bench/cuda/*.csv bench/cuda/profile_*.txt bench/cuda/precision*.md $(call q,$(CUDA_RESULTS))/
+		cp bench/cuda/*.csv bench/cuda/*.txt bench/cuda/*.json.gz bench/cuda/precision*.md $(call q,$(CUDA_RESULTS))/
 	$(PY) -m benchmarks.bench_cuda --render $(call q,$(CUDA_RESULTS)) --doc docs/results/bench_cuda.md
 
 # One training step of every PCAF variant and local conv (both modes) on torch and on JAX, in alternating fresh

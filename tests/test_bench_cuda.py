@@ -3,6 +3,9 @@ from its CSVs with the targets judged, and the committed GPU run's bf16 verdicts
 
 from __future__ import annotations
 
+import gzip
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -49,6 +52,8 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     assert routes == set(bench_cuda.ROUTING_ROUTES)
     assert read_csv(smoke_run / "labels.csv")[0]["bench_set"] == "smoke"
     assert (smoke_run / "profile_fp32.txt").read_text().strip()
+    trace = json.loads(gzip.decompress((smoke_run / "trace_bf16_eager.json.gz").read_bytes()))
+    assert trace["traceEvents"]  # the bf16 step's timeline
     # The JAX 41M section: both routes, both precisions, each against the peak of what it ran at (a CPU's
     # float32), and an op table read back from jax.profiler's trace.
     jax_rows = read_csv(smoke_run / "jax41m.csv")
@@ -96,6 +101,7 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     write_csv(run / "models.csv", rows)
     for name in ("gemm", "routing", "profile", "labels", "jax_profile"):
         write_csv(run / f"{name}.csv", read_csv(smoke_run / f"{name}.csv"))
+    shutil.copy(smoke_run / "trace_bf16_eager.json.gz", run)
     (run / "jax_profile.txt").write_text((smoke_run / "jax_profile.txt").read_text())
     jax_rows = read_csv(smoke_run / "jax41m.csv")
     jax_rows[0].update(model_pct=55.0)
@@ -125,6 +131,7 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert ("the eager step with the head loss's ATen passes (T=1024, batch 8; timed in the same run) | 20.0 / 8.0 "
             "ms = 2.50x (eager) | **met** |") in text
     assert "| fp32 | eager |" in text  # the profile table's compile column
+    assert "the bf16 steps' timelines `trace_bf16_<compile>.json.gz`" in text
     assert "| PCAF-context (JAX) | ar |" in text and "| 1024x8192 tiles | highest |" in text
     assert "A `cudagraphs` row's step peak is what one replay allocates" in text
     assert ("semantic route, matmul precision default, head loss in one tile) >= 50% of the fp32 GEMM peak | "
