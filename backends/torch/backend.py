@@ -80,6 +80,9 @@ class TorchState:
     cfg: RunConfig
     cuda_graphs: bool = False
     """Whether ``wrapped`` is compiled and replayed as CUDA graphs (``compile.use_cuda_graphs``)."""
+    params: tuple[nn.Parameter, ...] = ()
+    """``module``'s trainable parameters, listed once: each step gives them zero gradients where they have none
+    and clips their norm, and walking the module tree for them every step is host time a GPU waits on."""
 
 
 class TorchBackend:
@@ -186,7 +189,8 @@ class TorchBackend:
             wrapped = compile_training(module, wrapped, cuda_graphs=graphs)
             self._label(compiled_label(graphs))
         optimizer = build_optimizer(module, cfg.train, cfg.profile)
-        return TorchState(module=module, wrapped=wrapped, optimizer=optimizer, cfg=cfg, cuda_graphs=graphs)
+        return TorchState(module=module, wrapped=wrapped, optimizer=optimizer, cfg=cfg, cuda_graphs=graphs,
+                          params=tuple(p for p in module.parameters() if p.requires_grad))
 
     def init(self, cfg: RunConfig) -> TorchState:
         """Build the model (``backends.torch.models.build_model``, seeded by ``train.seed``), AdamW,
@@ -236,15 +240,16 @@ class TorchBackend:
         x, y = self._tensors(inputs, targets)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
-        state.wrapped.train()
+        if not state.module.training:  # only eval_batch switches it (module.eval()); a tree walk otherwise
+            state.wrapped.train()
         state.optimizer.zero_grad(set_to_none=True)
         with cuda_graph_errors(cfg, state.cuda_graphs):
             with self._autocast(cfg):
                 loss = state.wrapped(x, y, cfg.train.mode)
             loss.backward()
-        fill_missing_grads(state.module)
+        fill_missing_grads(state.params)
         if cfg.profile.grad_clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(state.module.parameters(), cfg.profile.grad_clip_norm)
+            torch.nn.utils.clip_grad_norm_(state.params, cfg.profile.grad_clip_norm)
         state.optimizer.step()
         # .item() synchronises the device, so the loop's step timer measures the whole step.
         return state, float(loss.detach().float().item())

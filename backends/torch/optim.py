@@ -9,6 +9,8 @@ parameter, embeddings, LayerNorm gains and biases, ρ and the positional table i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -51,13 +53,13 @@ def build_optimizer(module: nn.Module, train: TrainConfig, profile: ProfileConfi
     )
 
 
-def fill_missing_grads(module: nn.Module) -> None:
-    """Give every parameter without a gradient a zero gradient.
+def fill_missing_grads(params: Iterable[nn.Parameter]) -> None:
+    """Give every parameter of ``params`` (a module's trainable ones) without a gradient a zero gradient.
 
     Some profiles carry parameters the forward never uses (e.g. the router of a context-route model
     under ``reference_jax``). The reference optimiser still decays them (its gradient is zero, not
     absent); ``torch.optim.AdamW`` would skip a parameter whose ``grad`` is None.
     """
-    for p in module.parameters():
+    for p in params:
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
