@@ -336,3 +336,33 @@ def test_cudagraph_step_trains_like_eager_on_cuda() -> None:
     x, y = batches[0]
     replays = [backend.train_step(state, x, y, 0.0)[1] for _ in range(5)]
     assert np.all(np.isfinite(replays)) and len(set(replays[2:])) == 3, replays
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device; the step's CPU-side conditions (no device "
+                    "reads, one safe graph) are tested above on CPU tensors with the CUDA code paths chosen")
+def test_bf16_cudagraph_step_with_the_head_kernels_trains_like_eager_on_cuda() -> None:
+    """bf16 autocast, where the head loss passes over its 16-bit logits with the Triton kernels: six steps replayed
+    as CUDA graphs give the eager steps' losses within bf16 rounding (dropout 0), and eager with the kernels gives
+    eager without them."""
+    from backends.torch.head_loss import kernels_by_default
+
+    torch._dynamo.reset()
+    case = ("pcaf", "context", "dense", "first")
+    rng = np.random.default_rng(1)
+    batches = [(rng.integers(3, 64, (B, T)).astype(np.int32), rng.integers(3, 64, (B, T)).astype(np.int32))
+               for _ in range(6)]
+    assert kernels_by_default(torch.empty(1, device="cuda"))
+    losses = {}
+    for name, compile_mode, kernels in (("eager", "off", None), ("aten", "off", False),
+                                        ("cudagraphs", "cudagraphs", None)):
+        cfg = step_config(case, "ar", compile_mode)
+        cfg.profile.dropout = 0.0
+        cfg.train.precision = "bf16"
+        backend = TorchBackend("cuda")
+        state = backend.init(cfg)
+        state.module.head.kernels = kernels
+        losses[name] = [backend.train_step(state, x, y, 1e-3)[1] for x, y in batches]
+    np.testing.assert_allclose(losses["aten"], losses["eager"], rtol=1e-3)
+    np.testing.assert_allclose(losses["cudagraphs"], losses["eager"], rtol=2e-2)
+    torch._dynamo.reset()
