@@ -8,7 +8,8 @@
 On the GPU machine (docs/EXPERIMENTS.md, "Paper rows on a GPU"), in order:
 
 1. ``make step-cost TABLE=<t> SCALE=<scale>`` for each table of ``--step-cost`` (default: the tables of the rows
-   given, else wt2-nt-1024 and wt2-nt-2048; none: ``--step-cost ''``), with
+   given, else wt2-nt-1024 and wt2-nt-2048; none: ``--step-cost ''``), timing only the rows given of that table
+   (every row of a table none of whose rows is given), with
    ``--device`` and ``data.layout=tokens``; the per-row costs go to ``<out>/step_cost/<t>.csv`` and the log;
 2. each ``TABLE/ROW`` in turn: ``python -m experiments.reproduce --table <t> --scale <scale> --backend <b>
    --rows <row> --no-render backend.device=<device> data.layout=tokens`` (the raw WikiText-2 release is not
@@ -95,15 +96,17 @@ def child_env() -> dict[str, str]:
 
 
 def step_cost_command(table: str, scale: str, device: str, csv_path: Path, python: str,
-                      backend: str = "torch") -> list[str]:
-    """``make step-cost`` for ``table`` with this interpreter (no virtualenv or data target is remade: the GPU
-    machine has no ``.venv`` and prepares data on first use); ``python -m experiments.step_cost`` without make."""
+                      backend: str = "torch", rows: tuple[str, ...] = ()) -> list[str]:
+    """``make step-cost`` for ``table`` (``rows``: only those rows; none: every row) with this interpreter (no
+    virtualenv or data target is remade: the GPU machine has no ``.venv`` and prepares data on first use);
+    ``python -m experiments.step_cost`` without make."""
     overrides = f"--device {device} --csv {csv_path} data.layout=tokens"
+    globs = ",".join(rows) or "*"
     if shutil.which("make"):
         return ["make", "-o", ".venv/.installed", "-o", "data", "step-cost", f"PY={python}", f"TABLE={table}",
-                f"SCALE={scale}", f"BACKEND={backend}", f"OVERRIDES={overrides}"]
+                f"SCALE={scale}", f"BACKEND={backend}", f"ROWS={globs}", f"OVERRIDES={overrides}"]
     return [python, "-m", "experiments.step_cost", "--table", table, "--scale", scale, "--backend", backend,
-            *overrides.split()]
+            "--rows", globs, *overrides.split()]
 
 
 def reproduce_command(table: str, row: str, scale: str, device: str, output_root: Path, python: str,
@@ -243,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         args.step_cost = ",".join(dict.fromkeys(t for t, _ in rows)) or ",".join(PAPER_TABLES)
     for table in [t for t in args.step_cost.split(",") if t]:
         name = table if args.backend == "torch" else f"{table}_{args.backend}"
-        cmd = step_cost_command(table, args.scale, device, out / "step_cost" / f"{name}.csv", python, args.backend)
+        # Only the rows this command will train, where it was given some of this table: each row timed costs
+        # its build and compile (10-20 s for a compiled one) of the machine's time.
+        given = tuple(dict.fromkeys(r for t, r in rows if t == table))
+        cmd = step_cost_command(table, args.scale, device, out / "step_cost" / f"{name}.csv", python, args.backend,
+                                given)
         print(f"[gpu_paper_rows] {' '.join(cmd)}", flush=True)
         rc = subprocess.call(cmd, cwd=REPO, env=env)
         code = code or rc

@@ -158,7 +158,12 @@ def test_step_costs_default_to_the_tables_of_the_rows_given(tmp_path: Path, monk
     costs = [c for c in launched if "step" in c and "experiments.reproduce" not in c]
     assert len(costs) == 2 and "wt103-nt-ablations" in costs[0] and "wt103-nt-baselines" in costs[1]
     assert all("SCALE=gpu" in c or "--scale gpu" in c for c in costs)
+    # Only the rows it will train: each row timed costs a build and a compile of GPU time.
+    assert "ROWS=pcaf_context_t1024,pcaf_context_t2048 " in costs[0] or \
+        "--rows pcaf_context_t1024,pcaf_context_t2048 " in costs[0]
+    assert "ROWS=local_conv_t2048 " in costs[1] or "--rows local_conv_t2048 " in costs[1]
     assert sum("experiments.reproduce" in c for c in launched) == 3
     launched.clear()
     gpr.main(["--out", str(tmp_path), "--output-root", str(tmp_path / "outputs")])
     assert len(launched) == 2 and [t in c for t, c in zip(gpr.PAPER_TABLES, launched, strict=True)] == [True, True]
+    assert all("ROWS=* " in c or "--rows * " in c for c in launched)  # no rows given: every row of each
