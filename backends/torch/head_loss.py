@@ -52,27 +52,23 @@ class _TargetLogSoftmax(torch.autograd.Function):
     def forward(ctx, z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, y: torch.Tensor,
                 kernels: bool) -> torch.Tensor:
         logits = torch.addmm(bias, z, weight.t())  # [N, V], the matmul dtype
-        ctx.kernels = kernels and logits.dtype in (torch.float16, torch.bfloat16)
-        if ctx.kernels:  # one pass over the 16-bit logits (backends.torch.kernels.head_softmax)
+        ctx.saved_numerators = logits.dtype not in (torch.float16, torch.bfloat16)
+        if not ctx.saved_numerators:
+            # 16-bit logits: keeping them (2 bytes a logit) is cheaper in memory than a float32 softmax. Their
+            # passes: one kernel each way (kernels), or ATen's float32 ones (backends.torch.kernels.head_softmax).
+            ctx.kernels = kernels
             y = y.contiguous()
-            lse, target_logit = head_softmax.log_normaliser(logits, y)
-            ctx.saved_numerators = False
+            normaliser = head_softmax.log_normaliser if kernels else head_softmax.log_normaliser_torch
+            lse, target_logit = normaliser(logits, y)
             ctx.save_for_backward(z, weight, y, logits, lse)
             return target_logit - lse
-        wide = widen(logits)
-        target_logit = wide.gather(1, y[:, None])[:, 0]
-        ctx.saved_numerators = wide is logits
-        if ctx.saved_numerators:
-            top = wide.amax(dim=-1, keepdim=True)
-            top = top.masked_fill(~torch.isfinite(top), 0.0)  # as torch.logsumexp does for infinite rows
-            numerators = wide.sub_(top).exp_()  # [N, V] in the logits' buffer: the logits are not needed again
-            total = numerators.sum(dim=-1)  # [N]
-            ctx.save_for_backward(z, weight, y, numerators, total)
-            return target_logit - (top[:, 0] + total.log())
-        # 16-bit logits: keeping them (2 bytes a logit) is cheaper in memory than a float32 softmax.
-        lse = torch.logsumexp(wide, dim=-1)  # [N]
-        ctx.save_for_backward(z, weight, y, logits, lse)
-        return target_logit - lse
+        target_logit = logits.gather(1, y[:, None])[:, 0]
+        top = logits.amax(dim=-1, keepdim=True)
+        top = top.masked_fill(~torch.isfinite(top), 0.0)  # as torch.logsumexp does for infinite rows
+        numerators = logits.sub_(top).exp_()  # [N, V] in the logits' buffer: the logits are not needed again
+        total = numerators.sum(dim=-1)  # [N]
+        ctx.save_for_backward(z, weight, y, numerators, total)
+        return target_logit - (top[:, 0] + total.log())
 
     @staticmethod
     @once_differentiable
@@ -91,14 +87,8 @@ class _TargetLogSoftmax(torch.autograd.Function):
                 dweight = torch.mm(saved.t(), z * row[:, None]).index_add_(0, y, z * g[:, None])
             dbias = torch.mv(saved.t(), row).index_add_(0, y, g)
             return dz, dweight, dbias, None, None
-        if ctx.kernels:
-            dl, dbias = head_softmax.logit_grad(saved, norm, g.contiguous(), y)
-        else:
-            # float32 from the 16-bit logits in one pass (type promotion), then in place.
-            dlogits = torch.sub(saved, norm[:, None]).exp_().mul_(-g[:, None])
-            dlogits.scatter_add_(1, y[:, None], g[:, None])
-            dbias = dlogits.sum(0)
-            dl = dlogits.to(z.dtype)
+        logit_grad = head_softmax.logit_grad if ctx.kernels else head_softmax.logit_grad_torch
+        dl, dbias = logit_grad(saved, norm, g.contiguous(), y)  # dl in the logits' (= z's) 16-bit dtype
         dz = dl @ weight if need_z else None
         dweight = dl.t() @ z if need_weight else None
         return dz, dweight, dbias.to(weight.dtype), None, None

@@ -148,15 +148,16 @@ def logit_grad_triton(logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, 
 
 
 def log_normaliser_torch(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same ``(lse, target)`` in ATen: the one-tile head loss's own 16-bit forward."""
+    """The same ``(lse, target)`` in ATen (float32 passes): the one-tile head loss's 16-bit forward off CUDA."""
     wide = logits.float()
     return torch.logsumexp(wide, dim=-1), wide.gather(1, y[:, None])[:, 0]
 
 
 def logit_grad_torch(logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, y: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same ``(dlogits, dbias)`` in ATen: the one-tile head loss's own 16-bit backward."""
-    dlogits = torch.sub(logits, lse[:, None]).exp_().mul_(-g[:, None])  # float32 by type promotion
+    """The same ``(dlogits, dbias)`` in ATen: the one-tile head loss's 16-bit backward off CUDA."""
+    # float32 from the 16-bit logits in one pass (type promotion), then in place.
+    dlogits = torch.sub(logits, lse[:, None]).exp_().mul_(-g[:, None])
     dlogits.scatter_add_(1, y[:, None], g[:, None])
     return dlogits.to(logits.dtype), dlogits.sum(0)
 
