@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from backends.jax import ops
 from backends.jax import routing as jr
 from backends.jax.ops import CHUNK_ELEMENTS, gather_dot
 
@@ -115,6 +116,36 @@ def test_semantic_dense_is_chunked() -> None:
     peak, _ = _measure(lambda p, r, q: jr.route_semantic_dense(p, r, 1.0, q, K, target_leak=True,
                                                               chunk_elements=16 * T), probs, rec, qpos)
     assert T * S <= peak <= 16 * T, peak
+
+
+def test_the_default_chunk_is_the_platforms(monkeypatch) -> None:
+    """``chunk_elements=None``: 4M elements on a CPU; on a GPU or TPU 64M, so the dense semantic route at the 41M
+    full-AR shape (batch 8, T = 2,048, S = 256) scores all 33.5M overlaps in one chunk (no ``lax.map``) instead of
+    eight; and one chunk selects what many chunks select."""
+    assert ops.chunk_elements_for(None) == CHUNK_ELEMENTS and ops.chunk_elements_for(7) == 7
+
+    def maps(fn, *args) -> int:
+        text = str(jax.make_jaxpr(fn)(*args))
+        return text.count("scan[") + text.count(" scan(") + text.count("while[")
+
+    B, T41, S41 = 8, 2048, 256
+    probs = jax.ShapeDtypeStruct((B, T41, S41), jnp.float32)
+    rec, qpos = jax.ShapeDtypeStruct((T41,), jnp.float32), jnp.arange(T41, dtype=jnp.int32)
+    def route():  # a new function each time: make_jaxpr keeps the trace of one it has seen
+        return lambda p, r, q: jr.route_semantic_dense(p, r, 1.0, q, 32)
+
+    assert maps(route(), probs, rec, qpos) > 0  # a CPU: chunks of 256 queries, in a loop
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert ops.chunk_elements_for(None) == ops.CHUNK_ELEMENTS_ACCELERATOR
+    peak, _ = _measure(route(), probs, rec, qpos)
+    assert maps(route(), probs, rec, qpos) == 0 and peak == B * T41 * T41  # one chunk: every overlap at once
+    monkeypatch.undo()
+    rng = np.random.default_rng(3)
+    small = jnp.asarray(rng.dirichlet(np.ones(8), size=(2, 40)), jnp.float32)
+    r40, q40 = jnp.linspace(0.0, 1.0, 40, dtype=jnp.float32), jnp.arange(40, dtype=jnp.int32)
+    one = jr.route_semantic_dense(small, r40, 0.5, q40, 4, chunk_elements=ops.CHUNK_ELEMENTS_ACCELERATOR)
+    many = jr.route_semantic_dense(small, r40, 0.5, q40, 4, chunk_elements=2 * 40)  # one query a chunk
+    assert np.array_equal(one.index, many.index) and np.array_equal(one.valid, many.valid)
 
 
 def test_gather_dot_gradient_keeps_no_gathered_copy() -> None:

@@ -32,7 +32,14 @@ import math
 import jax
 import jax.numpy as jnp
 
-from backends.jax.ops import CHUNK_ELEMENTS, banded_dot, batch_gather, gather_dot, map_query_chunks, query_chunk
+from backends.jax.ops import (
+    banded_dot,
+    batch_gather,
+    chunk_elements_for,
+    gather_dot,
+    map_query_chunks,
+    query_chunk,
+)
 from pcaf_core.config import CANDIDATE_POLICIES
 from pcaf_core.routing import SEMANTIC_TIE_BREAK, BucketLayout, Candidates, SelectionInputs, topk_sparse_window
 
@@ -200,7 +207,7 @@ def route_context_topk_score(
     strategy: str = "auto",
     sparse_window: int | None = None,
     layout: BucketLayout | None = None,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
     query_layout: str | None = None,
 ) -> tuple[Candidates, jax.Array]:
     """``topk_score`` context route; also returns which queries took the dense path.
@@ -217,7 +224,8 @@ def route_context_topk_score(
         addresses: ``[B, T]`` int bucket addresses; query_pos: ``[Q]`` int query positions.
         top_k: K (static); select: the ranking inputs (float32, or wider if given wider).
         layout: a precomputed :func:`bucket_layout` of ``addresses`` (optional).
-        chunk_elements: at most this many scores / gathered elements exist at a time.
+        chunk_elements: at most this many scores / gathered elements exist at a time (None: the platform's,
+            :func:`backends.jax.ops.chunk_elements_for`).
         query_layout: ``"ar"`` states that ``query_pos`` is ``arange(T)`` (the full-AR layout
             ``records.query_positions`` gives); the window scores are then read off blocked GEMMs in the
             sorted layout (:func:`backends.jax.ops.banded_dot`) instead of gathering ``[Q, M, d]`` key rows.
@@ -230,6 +238,7 @@ def route_context_topk_score(
     _check_query_layout(query_layout, query_pos, addresses)
     addresses, query_pos = _as_int32(addresses), _as_int32(query_pos)
     select = _exact_selection(select)
+    chunk_elements = chunk_elements_for(chunk_elements)
     B, Q, K = addresses.shape[0], query_pos.shape[0], top_k
     if strategy == "dense":
         dense = jnp.ones((B, Q), bool)
@@ -296,7 +305,7 @@ def route_context(
     *,
     strategy: str = "auto",
     sparse_window: int | None = None,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
     query_layout: str | None = None,
     layout: BucketLayout | None = None,
 ) -> Candidates:
@@ -344,12 +353,13 @@ def route_semantic_dense(
     top_k: int,
     *,
     target_leak: bool = False,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> Candidates:
     """Dense semantic route: the K earlier records with the largest ``m_s + 1e-4·ρ·r_s``.
 
     O(T²) work by definition (every record is compared with every query); computed in fixed-size
-    chunks of queries (``jax.lax.map``) so that at most ``chunk_elements`` overlaps exist at a time.
+    chunks of queries (``jax.lax.map``) so that at most ``chunk_elements`` overlaps exist at a time (None: the
+    platform's, :func:`backends.jax.ops.chunk_elements_for`).
 
     Args:
         router_probs: ``[B, T, S]`` router distributions (gradients are stopped: ranking is not
@@ -377,7 +387,7 @@ def route_semantic_dense(
         rank = jnp.einsum("bqs,bts->bqt", pq, probs, precision=_HIGHEST) + tie_break
         return topk_rows(rank, col < t[..., None], K)
 
-    index, valid = map_query_chunks(chunk, Q, query_chunk(Q, B * T, chunk_elements),
+    index, valid = map_query_chunks(chunk, Q, query_chunk(Q, B * T, chunk_elements_for(chunk_elements)),
                                     jnp.take(probs, query_pos, axis=1), jnp.broadcast_to(query_pos, (B, Q)))
     if target_leak:
         slots = jnp.arange(K, dtype=jnp.int32)
