@@ -31,7 +31,8 @@ Sections (``--sections``, comma-separated):
   replayed as CUDA graphs, in fp32 and in bf16 under ``torch.profiler`` (CPU and CUDA):
   ``profile_<dtype>[_<compile>].txt`` holds the op table by device time, ``trace_bf16_<compile>.json.gz`` each
   bf16 step's timeline (Perfetto or chrome://tracing), and ``profile.csv`` the step's wall time beside the GPU's
-  busy time (the sum of its kernels) and the kernel count, i.e. how much of the step the GPU waits for the host.
+  busy time (the sum of its kernels) and the kernel count, i.e. how much of the step the GPU waits for the host,
+  and where (:func:`step_gaps`: before the step's first kernel, and in all).
 - ``jax41m``: the JAX full-AR step at the paper's 41M shape (T=2048, batch 8), semantic and context routes, at JAX's
   default matmul precision and at ``highest``, each against the GEMM peak of its own precision, and a
   ``jax.profiler`` op table of the semantic step (``benchmarks/bench_cuda_jax.py``): ``jax41m.csv``,
@@ -441,10 +442,13 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False,
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()
             for _ in range(steps):
-                state, _ = backend.train_step(state, x, y, 1e-4)
+                with torch.profiler.record_function(STEP_MARK):
+                    state, _ = backend.train_step(state, x, y, 1e-4)
             wall = (time.perf_counter() - t0) / steps
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy_ms = sum(e.device_time for e in kernels) / 1e3 / steps
+        gaps = step_gaps([(e.time_range.start, e.time_range.end) for e in prof.events() if e.name == STEP_MARK],
+                         [(e.time_range.start, e.time_range.end) for e in kernels])
         events = prof.key_averages()
         sort = "self_device_time_total" if device != "cpu" else "self_cpu_time_total"
         name = f"profile_{precision}.txt" if compile_ == "eager" else f"profile_{precision}_{compile_}.txt"
@@ -455,12 +459,39 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False,
                      "compile": compile_,
                      "step_wall_ms": round(wall * 1e3, 3), "gpu_busy_ms": round(busy_ms, 3),
                      "gpu_busy_pct": round(100 * busy_ms / (wall * 1e3), 1),
-                     "kernels_per_step": round(len(kernels) / steps, 1)})
+                     "kernels_per_step": round(len(kernels) / steps, 1), **gaps})
         print(f"[bench_cuda profile {precision} {compile_}] step {wall * 1e3:.2f} ms, GPU busy {busy_ms:.2f} ms, "
               f"{len(kernels) / steps:.0f} kernels a step", file=sys.stderr, flush=True)
         del backend, state
         torch._dynamo.reset()
     return rows, failures
+
+
+STEP_MARK = "bench_cuda_step"
+"""The ``record_function`` label around each profiled step: where a step starts and ends on the trace."""
+
+
+def step_gaps(steps: list[tuple[float, float]], kernels: list[tuple[float, float]]) -> dict[str, object]:
+    """Where the GPU waits within profiled steps, from their ``(start, end)`` and the kernels' (µs, one clock):
+    ``first_kernel_ms``, the median time from a step's start to its first kernel (the host's work before it
+    launches anything, the device idle since the last step ended on the host), and ``gpu_idle_ms``, the median
+    time within a step that no kernel covers. Empty values where the steps ran no kernel (a CPU)."""
+    first, idle = [], []
+    for start, end in steps:
+        inside = sorted((max(a, start), min(b, end)) for a, b in kernels if b > start and a < end)
+        if not inside:
+            continue
+        first.append(inside[0][0] - start)
+        covered, reach = 0.0, start
+        for a, b in inside:  # the union of the kernels' intervals, in start order
+            if b > reach:
+                covered += b - max(a, reach)
+                reach = b
+        idle.append((end - start) - covered)
+    if not first:
+        return {"first_kernel_ms": "", "gpu_idle_ms": ""}
+    return {"first_kernel_ms": round(statistics.median(first) / 1e3, 3),
+            "gpu_idle_ms": round(statistics.median(idle) / 1e3, 3)}
 
 
 def trace_file(prof, path: Path) -> None:

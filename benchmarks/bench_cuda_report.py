@@ -245,17 +245,23 @@ def render(bench_dir: Path, doc: Path) -> None:
                    f"difference {worst:.4f} nats | {'**met**' if worst <= CURVE_TOLERANCE else '**missed**'} |")
     profile = bench_dir / "profile.csv"
     if profile.exists():
+        prof_rows = read_csv(profile)
+        # Where the GPU waits (benchmarks.bench_cuda.step_gaps): runs from before those columns leave them out.
+        gaps = any(r.get("first_kernel_ms") for r in prof_rows)
         out += ["", "## Where the full-AR step's time goes", "",
                 "Three steps of the full-AR PCAF-context case (T=1024, batch 8) under `torch.profiler` (its wall "
-                "time includes the profiler's own overhead): the GPU's busy time is the sum of its kernels; the op "
-                "tables by device time are `profile_<dtype>[_<compile>].txt` beside the CSVs" + (
+                "time includes the profiler's own overhead): the GPU's busy time is the sum of its kernels; " + (
+                    "to the first kernel: from a step's start to its first kernel, while the GPU waits on the host "
+                    "(medians over the steps); GPU idle: the time within a step that no kernel covers; " if gaps
+                    else "") + "the op tables by device time are `profile_<dtype>[_<compile>].txt` beside the CSVs" + (
                     ", and the bf16 steps' timelines `trace_bf16_<compile>.json.gz` (Perfetto, chrome://tracing)."
                     if any(bench_dir.glob("trace_bf16_*.json.gz")) else "."), "",
-                "| dtype | compile | step wall (ms, profiled) | GPU busy (ms) | GPU busy % | kernels a step |",
-                "|---|---|---|---|---|---|"]
-        prof_rows = read_csv(profile)
+                "| dtype | compile | step wall (ms, profiled) | GPU busy (ms) | GPU busy % | kernels a step |" + (
+                    " to the first kernel (ms) | GPU idle in the step (ms) |" if gaps else ""),
+                "|---" * (8 if gaps else 6) + "|"]
         out += [f"| {r['dtype']} | {r.get('compile', 'eager')} | {r['step_wall_ms']} | {r['gpu_busy_ms']} | "
-                f"{r['gpu_busy_pct']} | {r['kernels_per_step']} |" for r in prof_rows]
+                f"{r['gpu_busy_pct']} | {r['kernels_per_step']} |" + (
+                    f" {r['first_kernel_ms']} | {r['gpu_idle_ms']} |" if gaps else "") for r in prof_rows]
         prof = {r["dtype"]: r for r in prof_rows if r.get("compile", "eager") == "eager"}
         fp, bf = row_of("PCAF-context", "ar", 1024, "fp32"), row_of("PCAF-context", "ar", 1024, "bf16")
         busy = float(prof["bf16"]["gpu_busy_ms"]) if "bf16" in prof else 0.0

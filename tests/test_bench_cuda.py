@@ -99,8 +99,11 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     write_csv(run / "models.csv", rows)
-    for name in ("gemm", "routing", "profile", "labels", "jax_profile"):
+    for name in ("gemm", "routing", "labels", "jax_profile"):
         write_csv(run / f"{name}.csv", read_csv(smoke_run / f"{name}.csv"))
+    # Where a GPU's step waits (a CPU's smoke steps launch no kernel, so their gaps are blank).
+    write_csv(run / "profile.csv", [{**r, "first_kernel_ms": 0.42, "gpu_idle_ms": 1.5}
+                                    for r in read_csv(smoke_run / "profile.csv")])
     shutil.copy(smoke_run / "trace_bf16_eager.json.gz", run)
     (run / "jax_profile.txt").write_text((smoke_run / "jax_profile.txt").read_text())
     jax_rows = read_csv(smoke_run / "jax41m.csv")
@@ -131,6 +134,7 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert ("the eager step with the head loss's ATen passes (T=1024, batch 8; timed in the same run) | 20.0 / 8.0 "
             "ms = 2.50x (eager) | **met** |") in text
     assert "| fp32 | eager |" in text  # the profile table's compile column
+    assert "| to the first kernel (ms) | GPU idle in the step (ms) |" in text and "| 0.42 | 1.5 |" in text
     assert "the bf16 steps' timelines `trace_bf16_<compile>.json.gz`" in text
     assert "| PCAF-context (JAX) | ar |" in text and "| 1024x8192 tiles | highest |" in text
     assert "A `cudagraphs` row's step peak is what one replay allocates" in text
@@ -262,3 +266,15 @@ def test_committed_gpu_run_renders(tmp_path: Path) -> None:
     assert "| bf16 | cudagraphs |" in text and "Replayed as CUDA graphs, the bf16 step takes" in text
     assert "### eager step" in text and "### cudagraphs step" in text
     assert "(cudagraphs step; at most 0.01 nats" in text
+
+
+def test_step_gaps_find_the_wait_before_the_first_kernel_and_in_all() -> None:
+    """Intervals in µs: two steps, the first with overlapping and back-to-back kernels, a kernel running past its
+    end and one in no step; a CPU's steps (no kernels) give empty values."""
+    steps = [(0.0, 1000.0), (2000.0, 2600.0)]
+    kernels = [(300.0, 500.0), (400.0, 600.0), (600.0, 700.0), (900.0, 1200.0), (1500.0, 1600.0),
+               (2100.0, 2500.0)]
+    # Step 1: first kernel at 300 µs; covered 300-700 and 900-1000 (clipped) = 500 µs, idle 500 µs.
+    # Step 2: first kernel at 100 µs; covered 400 µs of 600, idle 200 µs. Medians of two: their means.
+    assert bench_cuda.step_gaps(steps, kernels) == {"first_kernel_ms": 0.2, "gpu_idle_ms": 0.35}
+    assert bench_cuda.step_gaps(steps, []) == {"first_kernel_ms": "", "gpu_idle_ms": ""}
