@@ -31,8 +31,8 @@ Sections (``--sections``, comma-separated):
   replayed as CUDA graphs, in fp32 and in bf16 under ``torch.profiler`` (CPU and CUDA):
   ``profile_<dtype>[_<compile>].txt`` holds the op table by device time, ``trace_bf16_<compile>.json.gz`` each
   bf16 step's timeline (Perfetto or chrome://tracing), and ``profile.csv`` the step's wall time beside the GPU's
-  busy time (the sum of its kernels) and the kernel count, i.e. how much of the step the GPU waits for the host,
-  and where (:func:`step_gaps`: before the step's first kernel, and in all).
+  busy time (the time its kernels and copies cover, :func:`covered_us`) and the kernel count, i.e. how much of
+  the step the GPU waits for the host, and where (:func:`step_gaps`: before the step's first kernel, and in all).
 - ``jax41m``: the JAX full-AR step at the paper's 41M shape (T=2048, batch 8), semantic and context routes, at JAX's
   default matmul precision and at ``highest``, each against the GEMM peak of its own precision, and a
   ``jax.profiler`` op table of the semantic step (``benchmarks/bench_cuda_jax.py``): ``jax41m.csv``,
@@ -445,10 +445,16 @@ def profile_section(out: Path, device: str = "cuda", smoke: bool = False,
                 with torch.profiler.record_function(STEP_MARK):
                     state, _ = backend.train_step(state, x, y, 1e-4)
             wall = (time.perf_counter() - t0) / steps
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        busy_ms = sum(e.device_time for e in kernels) / 1e3 / steps
-        gaps = step_gaps([(e.time_range.start, e.time_range.end) for e in prof.events() if e.name == STEP_MARK],
-                         [(e.time_range.start, e.time_range.end) for e in kernels])
+        cuda = torch.autograd.DeviceType.CUDA
+        # The GPU's timeline: kernels, copies, and the user annotations (record_function ranges, a compiled graph's
+        # call) that only span kernels. The step marks' own annotations are left out (they would cover a step's
+        # gaps); the rest are merged as intervals, so an annotation adds no time to the kernels it spans.
+        timeline = [e for e in prof.events() if e.device_type == cuda and e.name != STEP_MARK]
+        kernels = [e for e in timeline if not e.is_user_annotation]
+        spans = [(e.time_range.start, e.time_range.end) for e in timeline]
+        busy_ms = covered_us(spans) / 1e3 / steps
+        gaps = step_gaps([(e.time_range.start, e.time_range.end) for e in prof.events()
+                          if e.name == STEP_MARK and e.device_type != cuda], spans)
         events = prof.key_averages()
         sort = "self_device_time_total" if device != "cpu" else "self_cpu_time_total"
         name = f"profile_{precision}.txt" if compile_ == "eager" else f"profile_{precision}_{compile_}.txt"
@@ -471,6 +477,16 @@ STEP_MARK = "bench_cuda_step"
 """The ``record_function`` label around each profiled step: where a step starts and ends on the trace."""
 
 
+def covered_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals: the time at least one of them covers."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
 def step_gaps(steps: list[tuple[float, float]], kernels: list[tuple[float, float]]) -> dict[str, object]:
     """Where the GPU waits within profiled steps, from their ``(start, end)`` and the kernels' (µs, one clock):
     ``first_kernel_ms``, the median time from a step's start to its first kernel (the host's work before it
@@ -482,12 +498,7 @@ def step_gaps(steps: list[tuple[float, float]], kernels: list[tuple[float, float
         if not inside:
             continue
         first.append(inside[0][0] - start)
-        covered, reach = 0.0, start
-        for a, b in inside:  # the union of the kernels' intervals, in start order
-            if b > reach:
-                covered += b - max(a, reach)
-                reach = b
-        idle.append((end - start) - covered)
+        idle.append((end - start) - covered_us(inside))
     if not first:
         return {"first_kernel_ms": "", "gpu_idle_ms": ""}
     return {"first_kernel_ms": round(statistics.median(first) / 1e3, 3),

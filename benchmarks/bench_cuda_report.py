@@ -250,10 +250,11 @@ def render(bench_dir: Path, doc: Path) -> None:
         gaps = any(r.get("first_kernel_ms") for r in prof_rows)
         out += ["", "## Where the full-AR step's time goes", "",
                 "Three steps of the full-AR PCAF-context case (T=1024, batch 8) under `torch.profiler` (its wall "
-                "time includes the profiler's own overhead): the GPU's busy time is the sum of its kernels; " + (
-                    "to the first kernel: from a step's start to its first kernel, while the GPU waits on the host "
+                "time includes the profiler's own overhead): " + (
+                    "the GPU's busy time is the time its kernels and copies cover (overlaps counted once); to the "
+                    "first kernel: from a step's start to its first kernel, while the GPU waits on the host "
                     "(medians over the steps); GPU idle: the time within a step that no kernel covers; " if gaps
-                    else "") + "the op tables by device time are `profile_<dtype>[_<compile>].txt` beside the CSVs" + (
+                    else "the GPU's busy time is the sum of its kernels; ") + "the op tables by device time are `profile_<dtype>[_<compile>].txt` beside the CSVs" + (
                     ", and the bf16 steps' timelines `trace_bf16_<compile>.json.gz` (Perfetto, chrome://tracing)."
                     if any(bench_dir.glob("trace_bf16_*.json.gz")) else "."), "",
                 "| dtype | compile | step wall (ms, profiled) | GPU busy (ms) | GPU busy % | kernels a step |" + (

@@ -278,3 +278,5 @@ def test_step_gaps_find_the_wait_before_the_first_kernel_and_in_all() -> None:
     # Step 2: first kernel at 100 µs; covered 400 µs of 600, idle 200 µs. Medians of two: their means.
     assert bench_cuda.step_gaps(steps, kernels) == {"first_kernel_ms": 0.2, "gpu_idle_ms": 0.35}
     assert bench_cuda.step_gaps(steps, []) == {"first_kernel_ms": "", "gpu_idle_ms": ""}
+    # The GPU's busy time counts an overlap once: 300-700, 900-1200, 1500-1600, 2100-2500.
+    assert bench_cuda.covered_us(kernels) == 400 + 300 + 100 + 400 and bench_cuda.covered_us([]) == 0
