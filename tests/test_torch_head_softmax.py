@@ -5,7 +5,7 @@ equal to it without them, in value and gradient, under bf16 and fp16 autocast.
 
 The kernels run compiled on CUDA and under ``TRITON_INTERPRET=1`` here (the conftest sets it without a GPU). The
 interpreter rounds float32 to bfloat16 by truncation where a GPU rounds to nearest, so a bf16 gradient is checked
-to within one bf16 unit of the float32 value (float16 rounds the same both ways and is checked exactly).
+to within a bf16 unit or two of the float32 value (float16 rounds the same both ways and is checked exactly).
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ def test_logit_grad_equals_the_aten_form(N, V, dtype) -> None:
     assert dlogits.dtype == dtype and dlogits.shape == (N, V) and dbias.dtype == torch.float32
     if dtype == torch.float16 or DEVICE.type == "cuda":
         torch.testing.assert_close(dlogits, ref_dlogits, rtol=0, atol=0)
-    else:  # truncated by the interpreter: within one bf16 unit of the float32 value
+    else:  # truncated by the interpreter: within one bf16 unit of the float32 value (two: the float32 values of
+        # the two paths may differ in their last bit, from exp, and straddle a bf16 boundary)
         exact = _float32_grad(logits, lse, g, y)
-        assert ((dlogits.float() - exact).abs() <= exact.abs() * 2.0**-7 + 1e-30).all()
+        assert ((dlogits.float() - exact).abs() <= exact.abs() * 2.0**-6 + 1e-30).all()
     # The column sums in another order: float32 rounding of N terms of size |g|.
     torch.testing.assert_close(dbias, ref_dbias, rtol=1e-5, atol=1e-6 * max(N, 1))
 
