@@ -4,8 +4,9 @@ V, infinite rows, the ``pcaf::`` registrations under ``torch.compile``, and the 
 equal to it without them, in value and gradient, under bf16 and fp16 autocast.
 
 The kernels run compiled on CUDA and under ``TRITON_INTERPRET=1`` here (the conftest sets it without a GPU). The
-interpreter rounds float32 to bfloat16 by truncation where a GPU rounds to nearest, so a bf16 gradient is checked
-to within a bf16 unit or two of the float32 value (float16 rounds the same both ways and is checked exactly).
+interpreter rounds float32 to bfloat16 by truncation where a GPU rounds to nearest, and exp may differ in its last
+float32 bit between the kernels and ATen, so a 16-bit gradient is checked to within two units of its float32
+value.
 """
 
 from __future__ import annotations
@@ -62,12 +63,13 @@ def test_logit_grad_equals_the_aten_form(N, V, dtype) -> None:
     dlogits, dbias = head_softmax.logit_grad_triton(logits, lse, g, y)
     ref_dlogits, ref_dbias = head_softmax.logit_grad_torch(logits, lse, g, y)
     assert dlogits.dtype == dtype and dlogits.shape == (N, V) and dbias.dtype == torch.float32
-    if dtype == torch.float16 or DEVICE.type == "cuda":
-        torch.testing.assert_close(dlogits, ref_dlogits, rtol=0, atol=0)
-    else:  # truncated by the interpreter: within one bf16 unit of the float32 value (two: the float32 values of
-        # the two paths may differ in their last bit, from exp, and straddle a bf16 boundary)
-        exact = _float32_grad(logits, lse, g, y)
-        assert ((dlogits.float() - exact).abs() <= exact.abs() * 2.0**-6 + 1e-30).all()
+    # Within two units of the 16-bit dtype of the float32 value: one for the rounding (the interpreter truncates
+    # to bf16 where a GPU rounds to nearest), one for exp, whose last float32 bit may differ between the two paths.
+    # float16 also has a spacing of 2^-24 below its smallest normal number.
+    unit, spacing = (2.0**-7, 1e-38) if dtype == torch.bfloat16 else (2.0**-10, 2.0**-24)
+    exact = _float32_grad(logits, lse, g, y)
+    assert ((dlogits.float() - exact).abs() <= exact.abs() * 2 * unit + spacing).all()
+    assert ((ref_dlogits.float() - exact).abs() <= exact.abs() * unit + spacing).all()  # ATen: rounded once
     # The column sums in another order: float32 rounding of N terms of size |g|.
     torch.testing.assert_close(dbias, ref_dbias, rtol=1e-5, atol=1e-6 * max(N, 1))
 
@@ -123,8 +125,9 @@ def test_head_loss_with_the_kernels_equals_it_without(dtype) -> None:
         out[kernels] = (lp, *torch.autograd.grad((lp * upstream).sum(), (z, w, b)))
     assert out[True][0].dtype == torch.float32
     torch.testing.assert_close(out[True][0], out[False][0], rtol=0, atol=2e-6)
-    # The gradient products read 16-bit dlogits that may differ by one unit where the interpreter truncates.
-    tol = 1e-5 if dtype == torch.float16 or DEVICE.type == "cuda" else 2e-2
+    # The gradient products read 16-bit dlogits that may differ by a unit (the interpreter truncates to bf16; exp
+    # may differ in its last float32 bit and move a value across a 16-bit rounding boundary).
+    tol = 1e-3 if dtype == torch.float16 else 2e-2
     for a, r in zip(out[True][1:], out[False][1:]):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, r, rtol=tol, atol=tol)
@@ -136,13 +139,14 @@ def test_head_loss_with_the_kernels_equals_it_without(dtype) -> None:
 @pytest.mark.parametrize("dtype", HALF)
 def test_compiled_kernels_equal_the_aten_passes_at_the_paper_shape(dtype) -> None:
     """On a GPU, at the WikiText-2 full-AR shape (N = 8·1,024, V = 20,000): the kernels' log-normaliser within float
-    rounding of ATen's, the target logits and the 16-bit gradient equal to ATen's bit for bit (both round float32
-    to nearest), and the bias gradient within the rounding of another summation order."""
+    rounding of ATen's, the target logits equal, the 16-bit gradient equal to ATen's except where exp's last
+    float32 bit moves a value across a rounding boundary (both round to nearest: rarely, by one unit), and the bias
+    gradient within the rounding of another summation order."""
     g = torch.Generator(device="cuda").manual_seed(0)
     N, V = 8 * 1024, 20_000
     logits = (torch.randn(N, V, generator=g, device="cuda") * 4).to(dtype)
     y = torch.randint(0, V, (N,), generator=g, device="cuda")
-    grad = torch.randn(N, generator=g, device="cuda") / N
+    grad = torch.randn(N, generator=g, device="cuda")
     lse, target = head_softmax.log_normaliser(logits, y)
     ref_lse, ref_target = head_softmax.log_normaliser_torch(logits, y)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
@@ -150,6 +154,7 @@ def test_compiled_kernels_equal_the_aten_passes_at_the_paper_shape(dtype) -> Non
     dlogits, dbias = head_softmax.logit_grad(logits, ref_lse, grad, y)
     ref_dlogits, ref_dbias = head_softmax.logit_grad_torch(logits, ref_lse, grad, y)
     # exp may differ in its last float32 bit between Triton and ATen: at most one 16-bit unit apart, rarely.
+    unit, spacing = (2.0**-7, 1e-38) if dtype == torch.bfloat16 else (2.0**-10, 2.0**-24)
     diff = (dlogits.float() - ref_dlogits.float()).abs()
-    assert (diff <= ref_dlogits.float().abs() * 2.0**-7).all() and (diff > 0).float().mean() < 1e-3
-    torch.testing.assert_close(dbias, ref_dbias, rtol=1e-4, atol=1e-7)
+    assert (diff <= ref_dlogits.float().abs() * 2 * unit + spacing).all() and (diff > 0).float().mean() < 1e-3
+    torch.testing.assert_close(dbias, ref_dbias, rtol=1e-4, atol=1e-5)
