@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_cuda_report import COMPILES, render
+from benchmarks.bench_cuda_report import ATEN_HEAD, COMPILES, render
 from benchmarks.common import first_and_warm_steps, package_version, read_csv, write_csv
 from pcaf_core.config import validate
 
@@ -103,11 +103,6 @@ class GpuCase:
         if not self.head_kernels:
             return f"{self.model}, {ATEN_HEAD}"
         return f"{self.model}, {self.head_loss} head" if self.head_loss != "auto" else self.model
-
-
-ATEN_HEAD = "ATen head passes"
-"""The label of a case whose 16-bit head-loss passes run as ATen's float32 kernels instead of
-``backends.torch.kernels.head_softmax``: the eager step as it was before those kernels, timed beside it."""
 
 
 WINDOWED_MODELS = ("local Transformer (FlexAttention)", "global-local Transformer (FlexAttention)",

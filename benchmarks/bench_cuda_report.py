@@ -14,8 +14,11 @@ BF16_TARGET, SDPA_TARGET = 2.5, 6.1
 BF16_PEAK_TARGET, NO_GRAPHS_TARGET = 50.0, 2.0
 """The bf16 full-AR step's targets (T=1024, batch 8): % of the bf16 GEMM peak (model FLOPs, the best step), and
 the speed-up of the best step without CUDA graphs over the eager step with the head loss's ATen passes."""
-ATEN_HEAD_MODEL = "PCAF-context, ATen head passes"
-"""``benchmarks.bench_cuda``'s row of the eager step as it was before the head loss's 16-bit kernels."""
+ATEN_HEAD = "ATen head passes"
+"""The label of a ``benchmarks.bench_cuda`` case whose 16-bit head-loss passes run as ATen's float32 kernels instead
+of ``backends.torch.kernels.head_softmax``: the eager step as it was before those kernels, timed beside it."""
+ATEN_HEAD_MODEL = f"PCAF-context, {ATEN_HEAD}"
+"""That case's row: the full-AR PCAF-context step."""
 JAX_PEAK_TARGET = 50.0
 """%: the JAX full-AR step at the 41M shape against the GEMM peak of the matmul precision it ran at."""
 COMPILES = ("eager", "inductor", "cudagraphs")
