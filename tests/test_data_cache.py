@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import pcaf_core.data.cache as cache_mod
+import pcaf_core.data.encode as encode_mod
 from pcaf_core.config import DataConfig
 from pcaf_core.data import DataError, check_token_ids, load_corpus, read_manifest, resolve_settings
 from pcaf_core.data.corpora import repo_root
@@ -146,7 +147,7 @@ def test_eval_split_selects_validation_or_test(tmp_path):
 
 
 def test_interrupted_build_leaves_nothing_trusted(tmp_path, monkeypatch):
-    real = cache_mod._map_to_npy
+    real = encode_mod.map_to_npy
     calls = {"n": 0}
 
     def fail_midway(prov, table, out_path):
@@ -154,14 +155,14 @@ def test_interrupted_build_leaves_nothing_trusted(tmp_path, monkeypatch):
         real(prov[: len(prov) // 2], table, out_path)  # a half-written array, then the failure
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cache_mod, "_map_to_npy", fail_midway)
+    monkeypatch.setattr(encode_mod, "map_to_npy", fail_midway)
     with pytest.raises(KeyboardInterrupt):
         load_corpus(cfg(FIXTURES, tmp_path))
     assert calls["n"] == 1
     settings = resolve_settings(cfg(FIXTURES, tmp_path))
     assert not (tmp_path / settings.dir_name).exists()
     assert not list(tmp_path.glob(f".{settings.dir_name}*"))  # the temporary folder was removed
-    monkeypatch.setattr(cache_mod, "_map_to_npy", real)
+    monkeypatch.setattr(encode_mod, "map_to_npy", real)
     msgs: list[str] = []
     c = load_corpus(cfg(FIXTURES, tmp_path), on_build=msgs.append)
     assert "no cache yet" in msgs[0] and c.train.shape[0] == c.manifest["splits"]["train"]["total_tokens"]
@@ -170,12 +171,13 @@ def test_interrupted_build_leaves_nothing_trusted(tmp_path, monkeypatch):
 KILL_MIDWAY = """
 import os, sys
 import pcaf_core.data.cache as cache
+import pcaf_core.data.encode as encode
 from pcaf_core.config import DataConfig
-real = cache._map_to_npy
+real = encode.map_to_npy
 def die(prov, table, out_path):
     real(prov[: len(prov) // 2], table, out_path)
     os._exit(9)  # no cleanup at all, as after SIGKILL or a power cut
-cache._map_to_npy = die
+encode.map_to_npy = die
 cache.load_corpus(DataConfig(name="wikitext103", min_freq=1, data_dir={data!r}, cache_dir={cache!r}),
                   rebuild={rebuild})
 """

@@ -26,7 +26,8 @@ from pcaf_core.data import (
 )
 from pcaf_core.data.cli import count_conventions
 from pcaf_core.data.cli import main as data_main
-from pcaf_core.data.corpora import read_text, repo_root, text_lines
+from pcaf_core.data.corpora import repo_root
+from pcaf_core.data.files import read_text, text_lines
 from tests.entry_points import Result, run_main
 
 ROOT = repo_root()

@@ -44,22 +44,21 @@ import numpy as np
 
 from pcaf_core.fsutil import atomic_write_bytes, file_lock, fsync_path
 
+from . import encode
 from .corpora import (
     SPLITS,
     Source,
     cache_root,
-    file_digest,
     fingerprints_match,
     get_spec,
     locate_source,
     verify_source,
 )
 from .errors import DataError, DataNotFoundError
+from .files import file_digest
 from .tokenizer import (
-    EOS,
     SPECIALS,
     TOKEN_PATTERN,
-    UNK_ID,
     FirstSeenIds,
     Vocabulary,
     check_token_ids,
@@ -73,8 +72,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pcaf_core.data")
 
 FORMAT_VERSION = 1
-_COUNT_CHUNK = 1 << 22  # provisional ids are counted (bincount) and written in ~4M-token chunks
-_MAP_CHUNK = 1 << 24  # provisional -> final ids are mapped in 16M-token chunks (bounded memory)
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,80 +302,6 @@ def _manifest_bytes(m: dict[str, Any]) -> bytes:
 # Building
 # --------------------------------------------------------------------------------------------
 
-def _encode_train(source: Source, settings: CorpusSettings, root: Path, ids: FirstSeenIds,
-                  prov_path: Path, limit: int) -> dict[str, Any]:
-    """Tokenize the whole train split into provisional ids.
-
-    Counts every provisional id (for the vocabulary) and writes the first ``limit`` ids
-    (``[limit] int32``, raw) to ``prov_path``. Memory stays bounded by one chunk plus the
-    token table, whatever the corpus size.
-    """
-    tokenize = get_tokenizer(settings.tokenizer)
-    counts = np.zeros(len(ids), dtype=np.int64)
-    pending: list[np.ndarray] = []
-    state = {"pending": 0, "written": 0, "documents": 0, "total": 0, "next_log": 10_000_000}
-
-    def flush(f: Any) -> None:
-        nonlocal counts
-        if not pending:
-            return
-        cat = np.concatenate(pending)
-        pending.clear()
-        state["pending"] = 0
-        bc = np.bincount(cat, minlength=len(ids))
-        if bc.shape[0] > counts.shape[0]:
-            counts = np.concatenate([counts, np.zeros(bc.shape[0] - counts.shape[0], dtype=np.int64)])
-        counts[: bc.shape[0]] += bc
-        room = limit - state["written"]
-        if room > 0:
-            part = cat[:room]
-            part.tofile(f)
-            state["written"] += int(part.shape[0])
-
-    with open(prov_path, "wb") as f:
-        for doc in source.iter_documents("train", settings.rows, root):
-            toks = tokenize(doc)
-            toks.append(EOS)
-            arr = ids.encode(toks)
-            pending.append(arr)
-            state["documents"] += 1
-            state["total"] += arr.shape[0]
-            state["pending"] += arr.shape[0]
-            if state["pending"] >= _COUNT_CHUNK:
-                flush(f)
-            if state["total"] >= state["next_log"]:
-                log.info("  train: %s tokens, %s documents so far", f"{state['total']:,}", f"{state['documents']:,}")
-                state["next_log"] += 10_000_000
-        flush(f)
-    if counts.shape[0] < len(ids):
-        counts = np.concatenate([counts, np.zeros(len(ids) - counts.shape[0], dtype=np.int64)])
-    return {"counts": counts, "documents": state["documents"], "total": state["total"],
-            "stored": state["written"]}
-
-
-def _map_to_npy(prov: np.ndarray, table: np.ndarray, out_path: Path) -> int:
-    """Write ``table[prov]`` (``[n] int32``) as a ``.npy`` in bounded chunks; return its max id."""
-    n = int(prov.shape[0])
-    out = np.lib.format.open_memmap(out_path, mode="w+", dtype=np.int32, shape=(n,))
-    max_id = -1
-    for i in range(0, n, _MAP_CHUNK):
-        block = table[prov[i:i + _MAP_CHUNK]]
-        out[i:i + block.shape[0]] = block
-        if block.size:
-            max_id = max(max_id, int(block.max()))
-    out.flush()
-    del out
-    return max_id
-
-
-def _split_counts(counts: np.ndarray, table: np.ndarray, documents: int, total: int) -> dict[str, int]:
-    """``<unk>`` and OOV counts of a whole split from its provisional-id counts."""
-    unk_total = int(counts[table == UNK_ID].sum())
-    literal_unk = int(counts[UNK_ID]) if counts.shape[0] > UNK_ID else 0
-    return {"documents": documents, "total_tokens": total, "eos_tokens": documents,
-            "unk_tokens": unk_total, "oov_tokens": unk_total - literal_unk}
-
-
 def _build_into(tmp: Path, settings: CorpusSettings, source: Source, root: Path,
                 budgets: Budgets) -> dict[str, Any]:
     """Write a complete cache into the empty folder ``tmp``; return its manifest."""
@@ -391,42 +314,27 @@ def _build_into(tmp: Path, settings: CorpusSettings, source: Source, root: Path,
     # Train: counts over the whole split define the vocabulary; only the budget is stored.
     limit = budgets.train if budgets.train > 0 else np.iinfo(np.int64).max
     prov_path = tmp / "train.prov.bin"
-    tr = _encode_train(source, settings, root, ids, prov_path, limit)
+    tr = encode.encode_train(source, settings, root, ids, prov_path, limit)
     if tr["total"] == 0:
         raise DataError(f"{spec.title} train split has no tokens ({source.describe()}): the files are empty; "
                         f"restore the corpus (`make data`)")
     vocab, table = rank_by_count(tr["counts"], ids.tokens(), settings.max_vocab, settings.min_freq)
     # Memory-mapped, so a multi-GB train split is mapped chunk by chunk, never loaded whole.
     prov = np.memmap(prov_path, dtype=np.int32, mode="r") if tr["stored"] else np.zeros(0, dtype=np.int32)
-    max_id = _map_to_npy(prov, table, tmp / "train.npy")
+    max_id = encode.map_to_npy(prov, table, tmp / "train.npy")
     del prov
     prov_path.unlink()
     splits: dict[str, Any] = {"train": {"file": "train.npy", "stored_tokens": tr["stored"], "max_id": max_id,
                                         "sha256": file_digest(tmp / "train.npy"),
-                                        **_split_counts(tr["counts"], table, tr["documents"], tr["total"])}}
+                                        **encode.split_counts(tr["counts"], table, tr["documents"], tr["total"])}}
     train_types = int(np.count_nonzero(tr["counts"][len(SPECIALS):]))
     log.info("  train: %s documents, %s tokens, %s types -> vocabulary %s",
              f"{tr['documents']:,}", f"{tr['total']:,}", f"{train_types:,}", f"{len(vocab):,}")
 
     # Validation / test: small enough to hold in memory; new tokens map to <unk>.
-    tokenize = get_tokenizer(settings.tokenizer)
     for split in SPLITS[1:]:
-        parts = []
-        documents = 0
-        for doc in source.iter_documents(split, settings.rows, root):
-            toks = tokenize(doc)
-            toks.append(EOS)
-            parts.append(ids.encode(toks))
-            documents += 1
-        prov = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-        full_table = np.concatenate([table, np.full(len(ids) - table.shape[0], UNK_ID, dtype=np.int32)])
-        counts = np.bincount(prov, minlength=len(ids))
-        stored = prov.shape[0] if budgets.eval == 0 else min(budgets.eval, prov.shape[0])
-        max_id = _map_to_npy(prov[:stored], full_table, tmp / f"{split}.npy")
-        splits[split] = {"file": f"{split}.npy", "stored_tokens": int(stored), "max_id": max_id,
-                         "sha256": file_digest(tmp / f"{split}.npy"),
-                         **_split_counts(counts, full_table, documents, int(prov.shape[0]))}
-        log.info("  %s: %s documents, %s tokens", split, f"{documents:,}", f"{prov.shape[0]:,}")
+        splits[split] = encode.encode_eval_split(source, split, settings, root, ids, table, budgets.eval,
+                                                 tmp / f"{split}.npy")
 
     for info in splits.values():
         if info["max_id"] >= len(vocab):

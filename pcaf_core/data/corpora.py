@@ -24,37 +24,32 @@ of the classic word-language-model code, which appends ``<eos>`` to every line).
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
-import lzma
 import os
-import shutil
-import tarfile
-import uuid
-import zipfile
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pcaf_core.fsutil import DiskFullError, file_lock, free_bytes, is_disk_full
-
 from .errors import DataError, DataNotFoundError
+from .files import (
+    ARCHIVE_SUFFIXES,
+    ENV_CACHE_DIR,
+    KNOWN_ARCHIVE_SHA256,
+    archive_stem,
+    extract_archive,
+    file_digest,
+    read_text,
+    text_lines,
+    unreadable,
+    verify_archive,
+)
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 LAYOUTS = ("tokens", "raw", "hf")
 ROWS = ("nonempty", "lines")
 
 ENV_DATA_DIR = "PCAF_DATA_DIR"
-ENV_CACHE_DIR = "PCAF_CACHE_DIR"
-
-# Published sha256 of the archives the project knows (shared/data/README.md). An archive with
-# another name is accepted, but only its own digest can be recorded, not checked.
-KNOWN_ARCHIVE_SHA256: dict[str, str] = {
-    "wikitext-2-v1.tar.xz": "4aab044110687bdab29933e6290b3e342f0a7839e4757d1f3d671f0a61aa0fbf",
-    "pg19-mini.tar.xz": "5252d1922049ad7414baa1238550e3fd4c820f08b90c9c5992fe4fb222c827f1",
-}
 
 # md5 of the unpacked WikiText-2 v1 token files (identical to the official wikitext-2-v1.zip).
 WIKITEXT2_TOKENS_MD5: dict[str, str] = {
@@ -64,7 +59,6 @@ WIKITEXT2_TOKENS_MD5: dict[str, str] = {
 }
 
 _WIKI_FILE_SPLIT = {"train": "train", "validation": "valid", "test": "test"}
-_ARCHIVE_SUFFIXES = (".tar.xz", ".tar.gz", ".tgz", ".tar", ".zip")
 
 _HOW_TO_DATA_DIR = (f"put it in a directory and set {ENV_DATA_DIR}=<dir> (or data.data_dir=<dir>, "
                     f"or `make data DATA_DIR=<dir>`)")
@@ -90,8 +84,8 @@ class CorpusSpec:
 def _wikitext_spec(name: str, title: str, size: str) -> CorpusSpec:
     tok = (f"wikitext-{size}", f"wikitext-{size}-v1")
     raw = (f"wikitext-{size}-raw", f"wikitext-{size}-raw-v1")
-    arch_tok = tuple(f"wikitext-{size}-v1{s}" for s in _ARCHIVE_SUFFIXES)
-    arch_raw = tuple(f"wikitext-{size}-raw-v1{s}" for s in _ARCHIVE_SUFFIXES)
+    arch_tok = tuple(f"wikitext-{size}-v1{s}" for s in ARCHIVE_SUFFIXES)
+    arch_raw = tuple(f"wikitext-{size}-raw-v1{s}" for s in ARCHIVE_SUFFIXES)
     hub = (f"or, with hub access, use data.layout=hf (Salesforce/wikitext, wikitext-{size}-raw-v1; "
            f"needs `pip install -e '.[hub]'`)")
     if size == "2":
@@ -118,7 +112,7 @@ CORPORA: dict[str, CorpusSpec] = {
     "pg19_mini": CorpusSpec(
         name="pg19_mini", title="pg19-mini", family="pg19",
         dir_names={"raw": ("pg19-mini",)},
-        archives={"raw": tuple(f"pg19-mini{s}" for s in _ARCHIVE_SUFFIXES)},
+        archives={"raw": tuple(f"pg19-mini{s}" for s in ARCHIVE_SUFFIXES)},
         hf=None,
         how_to_get={"raw": "pg19-mini.tar.xz is in the project's shared data folder (../shared/data beside the "
                            "repository, which is searched automatically): copy it, or the unpacked pg19-mini/ "
@@ -129,7 +123,7 @@ CORPORA: dict[str, CorpusSpec] = {
     "pg19": CorpusSpec(
         name="pg19", title="PG-19", family="pg19",
         dir_names={"raw": ("pg19", "deepmind-gutenberg", "PG-19")},
-        archives={"raw": tuple(f"pg19{s}" for s in _ARCHIVE_SUFFIXES)},
+        archives={"raw": tuple(f"pg19{s}" for s in ARCHIVE_SUFFIXES)},
         hf=("emozilla/pg19", None),
         how_to_get={"raw": "download PG-19 (`gsutil -m cp -r gs://deepmind-gutenberg <dir>/pg19`, see "
                            "https://github.com/google-deepmind/pg19) so that <dir>/pg19/{train,validation,test}/"
@@ -200,148 +194,6 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     if root is not None:
         return root / "data_cache"
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pcaf"
-
-
-# --------------------------------------------------------------------------------------------
-# Checksums and archives
-# --------------------------------------------------------------------------------------------
-
-def file_digest(path: Path, algo: str = "sha256") -> str:
-    """Hex digest of a file, read in 4 MiB blocks."""
-    h = hashlib.new(algo)
-    try:
-        with open(path, "rb") as f:
-            while block := f.read(1 << 22):
-                h.update(block)
-    except OSError as e:
-        raise _unreadable(path, e) from e
-    return h.hexdigest()
-
-
-def _unreadable(path: Path, e: OSError) -> DataError:
-    return DataError(f"cannot read {path}: {e.strerror or e}. The corpus folder is incomplete or damaged: restore "
-                     f"the file (re-unpack the corpus: delete its folder and run `make data`)")
-
-
-def verify_archive(path: Path) -> str:
-    """sha256 of ``path``; raises :class:`DataError` if a published checksum disagrees."""
-    digest = file_digest(path)
-    expected = KNOWN_ARCHIVE_SHA256.get(path.name)
-    if expected is not None and digest != expected:
-        raise DataError(f"archive {path} is corrupt or not the published release: sha256 {digest}, "
-                        f"expected {expected}. Replace it with a fresh copy (for the vendored WikiText-2: "
-                        f"`git restore data/{path.name}`; otherwise copy it again from ../shared/data or "
-                        f"its source), then run `make data`")
-    return digest
-
-
-def _archive_stem(name: str) -> str:
-    for s in _ARCHIVE_SUFFIXES:
-        if name.endswith(s):
-            return name[: -len(s)]
-    return name
-
-
-def unpacked_size(archive: Path) -> int | None:
-    """Bytes the members of ``archive`` take unpacked (reads the whole archive); None if it cannot tell."""
-    try:
-        if archive.name.endswith(".zip"):
-            with zipfile.ZipFile(archive) as zf:
-                return sum(i.file_size for i in zf.infolist())
-        with tarfile.open(archive, "r:*") as tf:
-            return sum(m.size for m in tf.getmembers())
-    except Exception:  # noqa: BLE001 - only for a message
-        return None
-
-
-def _safe_extract(archive: Path, dest: Path) -> None:
-    """Unpack ``archive`` into ``dest``, refusing members that would land outside it.
-
-    A full disk is reported as such (with the unpacked size and the free space), another file-system
-    error as that error; only a read or format error of the archive itself blames the archive."""
-    try:
-        if archive.name.endswith(".zip"):
-            with zipfile.ZipFile(archive) as zf:
-                for m in zf.namelist():
-                    if m.startswith(("/", "\\")) or ".." in Path(m).parts:
-                        raise DataError(f"archive {archive} has an unsafe member path {m!r}; refusing to unpack")
-                zf.extractall(dest)
-        else:
-            with tarfile.open(archive, "r:*") as tf:
-                tf.extractall(dest, filter="data")
-    except DataError:
-        raise
-    except OSError as e:
-        if is_disk_full(e):
-            full = DiskFullError(dest.parent, unpacked_size(archive), free_bytes(dest.parent),
-                                 doing=f"unpacking {archive.name} into")
-            raise DataError(f"{full} (or set {ENV_CACHE_DIR} / data.cache_dir to a larger disk); the partial "
-                            f"unpack was removed") from e
-        raise DataError(f"cannot unpack {archive} into {dest.parent}: {e.strerror or e} ({e.filename or dest}); "
-                        f"this is a file-system error, not a damaged archive: fix it and run `make data` again") from e
-    except (EOFError, tarfile.TarError, zipfile.BadZipFile, ValueError, lzma.LZMAError, zlib.error) as e:
-        raise DataError(f"cannot unpack {archive}: {e}. The archive is damaged: replace it with a fresh "
-                        f"copy and run `make data`") from e
-
-
-def extract_archive(archive: Path, root: Path) -> tuple[Path, str]:
-    """Verify ``archive`` and unpack it once into ``<root>/sources/<stem>-<sha12>``.
-
-    Returns ``(folder, sha256)``. The folder is written under a temporary name and renamed
-    into place only when complete, so an interrupted unpack is never mistaken for a good one; the
-    temporary folders a killed unpack left behind are removed (under the lock, nobody else writes them).
-    """
-    digest = verify_archive(archive)
-    dest = root / "sources" / f"{_archive_stem(archive.name)}-{digest[:12]}"
-    marker = dest / ".complete"
-    if marker.is_file() and marker.read_text().strip() == digest:
-        return dest, digest
-    with file_lock(root / ".locks" / f"{dest.name}.lock"):
-        if marker.is_file() and marker.read_text().strip() == digest:  # unpacked by another process
-            return dest, digest
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        for orphan in dest.parent.glob(f".{dest.name}.tmp-*"):
-            shutil.rmtree(orphan, ignore_errors=True)
-        tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            _safe_extract(archive, tmp)
-            (tmp / ".complete").write_text(digest + "\n")
-            if dest.exists():  # a half-unpacked folder left by a killed process (no marker)
-                shutil.rmtree(dest)
-            os.replace(tmp, dest)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return dest, digest
-
-
-# --------------------------------------------------------------------------------------------
-# Reading text
-# --------------------------------------------------------------------------------------------
-
-def read_text(path: Path) -> str:
-    """Read a UTF-8 file (universal newlines) or raise a :class:`DataError` saying what to do."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise _unreadable(path, e) from e
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 8]!r}). The file is "
-                        f"damaged or in another encoding: restore it from the release (delete the corpus "
-                        f"folder and run `make data`)") from e
-    if "\r" in text:  # the same line endings as Python's text mode
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text
-
-
-def text_lines(text: str) -> list[str]:
-    """Lines of a file's text, as iterating the file would give them (no trailing empty line)."""
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return lines
 
 
 # --------------------------------------------------------------------------------------------
@@ -526,7 +378,7 @@ def _stat(p: Path) -> os.stat_result:
     try:
         return p.stat()
     except OSError as e:
-        raise _unreadable(p, e) from e
+        raise unreadable(p, e) from e
 
 
 def fingerprints_match(source: Source, recorded: dict[str, Any]) -> tuple[bool, list[dict[str, Any]]]:
@@ -599,8 +451,8 @@ def locate_source(name: str, layout: str, data_dir: str | os.PathLike | None = N
         found = _find_corpus_dir(d, spec, layout)
         if found is not None:
             return Source(spec, layout, "directory", str(found))
-    stem = _archive_stem(spec.archives[layout][0])
-    looked = ", ".join((f"{stem}.{{{','.join(s[1:] for s in _ARCHIVE_SUFFIXES)}}}",)
+    stem = archive_stem(spec.archives[layout][0])
+    looked = ", ".join((f"{stem}.{{{','.join(s[1:] for s in ARCHIVE_SUFFIXES)}}}",)
                        + tuple(f"{n}/" for n in spec.dir_names[layout]))
     if dirs:
         where = ", ".join(str(d) for d in dirs)
