@@ -82,7 +82,7 @@ test-hermetic: $(VENV)/.installed $(VENV)/.installed-cluster
 	OMP_NUM_THREADS=1 $(MAKE) --no-print-directory test-fast
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check pcaf_core backends experiments paper_tables tests
+	$(PY) -m ruff check pcaf_core backends benchmarks experiments paper_tables tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -31,8 +31,8 @@ Sections (``--sections``, comma-separated):
   replayed as CUDA graphs, in fp32 and in bf16 under ``torch.profiler`` (CPU and CUDA):
   ``profile_<dtype>[_<compile>].txt`` holds the op table by device time, ``trace_bf16_<compile>.json.gz`` each
   bf16 step's timeline (Perfetto or chrome://tracing), and ``profile.csv`` the step's wall time beside the GPU's
-  busy time (the time its kernels and copies cover, :func:`covered_us`) and the kernel count, i.e. how much of
-  the step the GPU waits for the host, and where (:func:`step_gaps`: before the step's first kernel, and in all).
+  busy time (the time its kernels and copies cover) and the kernel count, i.e. how much of the step the GPU
+  waits for the host, and where: before the step's first kernel, and in all (``benchmarks/bench_cuda_profile.py``).
 - ``jax41m``: the JAX full-AR step at the paper's 41M shape (T=2048, batch 8), semantic and context routes, at JAX's
   default matmul precision and at ``highest``, each against the GEMM peak of its own precision, and a
   ``jax.profiler`` op table of the semantic step (``benchmarks/bench_cuda_jax.py``): ``jax41m.csv``,
@@ -55,10 +55,8 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -285,7 +283,7 @@ def device_config(cfg, device: str) -> tuple[object, str]:
     return cfg, ""
 
 
-def _failure(case: GpuCase, section: str, err: Exception) -> dict:
+def failure_row(case: GpuCase, section: str, err: Exception) -> dict:
     """A compiled case that did not run: its labels and the error's first line (the page lists them)."""
     message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     print(f"[bench_cuda {section} {case.label} {case.mode} T={case.T} batch={case.batch} {case.precision} "
@@ -334,7 +332,7 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
             except (RuntimeError, ValueError, torch._dynamo.exc.TorchDynamoException) as err:
                 if case.compile == "eager":
                     raise
-                failures.append(_failure(case, "models", err))
+                failures.append(failure_row(case, "models", err))
                 continue
             _sync(device)
             before = allocated()
@@ -402,113 +400,6 @@ def routing_section(repeats: int, device: str = "cuda", smoke: bool = False) -> 
                          "fwd_bwd_ms": round(ms, 4), "peak_mb": round(peak_mb, 2), "tokens": raw["source"]})
             print(f"[bench_cuda routing {route} T={T}] {ms:.3f} ms, peak {peak_mb:.1f} MB", file=sys.stderr, flush=True)
     return rows
-
-
-def profile_section(out: Path, device: str = "cuda", smoke: bool = False,
-                    compiles: tuple[str, ...] = COMPILES) -> tuple[list[dict], list[dict]]:
-    """The profiled rows (and op tables under ``out``) of the eager, compiled and CUDA-graph steps in ``compiles``,
-    and the compiled cases that failed (as in :func:`models_section`)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from backends.torch.backend import TorchBackend
-    from benchmarks.bench_models import Case, _batch
-
-    rows, failures = [], []
-    T, batch = (64, 2) if smoke else (1024, 8)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
-    profiled = [c for c in (("eager",) if device == "cpu" else COMPILES) if c in compiles]
-    for compile_, precision in ((c, p) for c in profiled for p in ("fp32", "bf16")):
-        case = Case("PCAF-context", "ar", T, batch, 0.1, compile_, precision)
-        cfg = case_config(GpuCase(case.model, "ar", T, batch, precision, compile_), case,
-                          SMOKE_SCALE if smoke else "paper")
-        try:
-            backend = TorchBackend(device)
-            state = backend.init(cfg)
-            x, y, _ = _batch(cfg)
-            for _ in range(3 if compile_ == "eager" else 5):  # compiled: the compile (and capture), then replays
-                state, _ = backend.train_step(state, x, y, 1e-4)
-        except (RuntimeError, ValueError, torch._dynamo.exc.TorchDynamoException) as err:
-            if compile_ == "eager":
-                raise
-            failures.append(_failure(GpuCase(case.model, "ar", T, batch, precision, compile_), "profile", err))
-            continue
-        steps = 3
-        with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                with torch.profiler.record_function(STEP_MARK):
-                    state, _ = backend.train_step(state, x, y, 1e-4)
-            wall = (time.perf_counter() - t0) / steps
-        cuda = torch.autograd.DeviceType.CUDA
-        # The GPU's timeline: kernels, copies, and the user annotations (record_function ranges, a compiled graph's
-        # call) that only span kernels. The step marks' own annotations are left out (they would cover a step's
-        # gaps); the rest are merged as intervals, so an annotation adds no time to the kernels it spans.
-        timeline = [e for e in prof.events() if e.device_type == cuda and e.name != STEP_MARK]
-        kernels = [e for e in timeline if not e.is_user_annotation]
-        spans = [(e.time_range.start, e.time_range.end) for e in timeline]
-        busy_ms = covered_us(spans) / 1e3 / steps
-        gaps = step_gaps([(e.time_range.start, e.time_range.end) for e in prof.events()
-                          if e.name == STEP_MARK and e.device_type != cuda], spans)
-        events = prof.key_averages()
-        sort = "self_device_time_total" if device != "cpu" else "self_cpu_time_total"
-        name = f"profile_{precision}.txt" if compile_ == "eager" else f"profile_{precision}_{compile_}.txt"
-        (out / name).write_text(events.table(sort_by=sort, row_limit=40))
-        if precision == "bf16":  # the timeline: where the GPU waits on the host (Perfetto, chrome://tracing)
-            trace_file(prof, out / f"trace_{precision}_{compile_}.json.gz")
-        rows.append({"model": case.model, "mode": case.mode, "T": T, "batch": batch, "dtype": precision,
-                     "compile": compile_,
-                     "step_wall_ms": round(wall * 1e3, 3), "gpu_busy_ms": round(busy_ms, 3),
-                     "gpu_busy_pct": round(100 * busy_ms / (wall * 1e3), 1),
-                     "kernels_per_step": round(len(kernels) / steps, 1), **gaps})
-        print(f"[bench_cuda profile {precision} {compile_}] step {wall * 1e3:.2f} ms, GPU busy {busy_ms:.2f} ms, "
-              f"{len(kernels) / steps:.0f} kernels a step", file=sys.stderr, flush=True)
-        del backend, state
-        torch._dynamo.reset()
-    return rows, failures
-
-
-STEP_MARK = "bench_cuda_step"
-"""The ``record_function`` label around each profiled step: where a step starts and ends on the trace."""
-
-
-def covered_us(spans: list[tuple[float, float]]) -> float:
-    """The length of the union of ``(start, end)`` intervals: the time at least one of them covers."""
-    total, reach = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > reach:
-            total += b - max(a, reach)
-            reach = b
-    return total
-
-
-def step_gaps(steps: list[tuple[float, float]], kernels: list[tuple[float, float]]) -> dict[str, object]:
-    """Where the GPU waits within profiled steps, from their ``(start, end)`` and the kernels' (µs, one clock):
-    ``first_kernel_ms``, the median time from a step's start to its first kernel (the host's work before it
-    launches anything, the device idle since the last step ended on the host), and ``gpu_idle_ms``, the median
-    time within a step that no kernel covers. Empty values where the steps ran no kernel (a CPU)."""
-    first, idle = [], []
-    for start, end in steps:
-        inside = sorted((max(a, start), min(b, end)) for a, b in kernels if b > start and a < end)
-        if not inside:
-            continue
-        first.append(inside[0][0] - start)
-        idle.append((end - start) - covered_us(inside))
-    if not first:
-        return {"first_kernel_ms": "", "gpu_idle_ms": ""}
-    return {"first_kernel_ms": round(statistics.median(first) / 1e3, 3),
-            "gpu_idle_ms": round(statistics.median(idle) / 1e3, 3)}
-
-
-def trace_file(prof, path: Path) -> None:
-    """``prof``'s Chrome trace, gzipped into ``path`` (a few hundred kB for three steps, where the JSON is MBs)."""
-    import gzip
-
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        with raw.open("rb") as src, gzip.open(path, "wb") as dst:
-            shutil.copyfileobj(src, dst)
 
 
 def write_failures(out: Path, section: str, failures: list[dict]) -> None:
@@ -580,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     if "routing" in sections:
         write_csv(out / "routing.csv", routing_section(args.repeats, args.device, args.smoke))
     if "profile" in sections:
+        from benchmarks.bench_cuda_profile import profile_section
+
         out.mkdir(parents=True, exist_ok=True)
         profile_rows, failures = profile_section(out, args.device, args.smoke, compiles)
         write_csv(out / "profile.csv", profile_rows)

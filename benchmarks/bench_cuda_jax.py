@@ -12,9 +12,10 @@ precision that ran, from the same run's ``gemm.csv`` (:func:`peak_dtype`).
 Each route also runs at the default precision with the head's logits in one tile (``train.head_loss=full``; the
 row's ``auto`` tiles them at this shape): :data:`CASES`.
 
-Then three steps of the semantic route at the default precision (the row's head loss) under ``jax.profiler.trace``, read back with
-``jax.profiler.ProfileData`` and summed by op name (:func:`op_times`): on a GPU the device plane's ``XLA Ops``
-line (each HLO op's time on the device), on a CPU (``--smoke``) the XLA CPU thunks.
+Then three steps of the semantic route at the default precision (the row's head loss) under
+``jax.profiler.trace``, read back with ``jax.profiler.ProfileData`` and summed by op name (:func:`op_times`): on a
+GPU the device plane's ``XLA Ops`` line (each HLO op's time on the device), on a CPU (``--smoke``) the XLA CPU
+thunks.
 ``jax_profile.txt`` holds the op table by time; ``jax_profile.csv`` the profiled step's wall time beside the
 ops' summed time.
 """

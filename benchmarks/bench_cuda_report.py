@@ -51,7 +51,8 @@ def jax41m_lines(bench_dir: Path) -> tuple[list[str], list[str]]:
         return [], []
     rows = read_csv(bench_dir / "jax41m.csv")
     targets = [f"| JAX full-AR step at the 41M shape (T={r['T']}, batch {r['batch']}, {r['route']} route, matmul "
-               f"precision {r['matmul_precision']}{', head loss in ' + _head(r) if _head(r) else ''}) >= {JAX_PEAK_TARGET:.0f}% of the {r['peak_dtype']} "
+               f"precision {r['matmul_precision']}{', head loss in ' + _head(r) if _head(r) else ''}) "
+               f">= {JAX_PEAK_TARGET:.0f}% of the {r['peak_dtype']} "
                "GEMM peak | "
                f"{r['model_pct']}% ({r['step_ms']} ms a step; {_f(r['model_gflops'], 0)} of "
                f"{_f(r['peak_gflops'], 0)} GFLOP/s) | "
@@ -249,7 +250,7 @@ def render(bench_dir: Path, doc: Path) -> None:
     profile = bench_dir / "profile.csv"
     if profile.exists():
         prof_rows = read_csv(profile)
-        # Where the GPU waits (benchmarks.bench_cuda.step_gaps): runs from before those columns leave them out.
+        # Where the GPU waits (benchmarks.bench_cuda_profile.step_gaps): runs from before those columns leave them out.
         gaps = any(r.get("first_kernel_ms") for r in prof_rows)
         out += ["", "## Where the full-AR step's time goes", "",
                 "Three steps of the full-AR PCAF-context case (T=1024, batch 8) under `torch.profiler` (its wall "
@@ -257,7 +258,8 @@ def render(bench_dir: Path, doc: Path) -> None:
                     "the GPU's busy time is the time its kernels and copies cover (overlaps counted once); to the "
                     "first kernel: from a step's start to its first kernel, while the GPU waits on the host "
                     "(medians over the steps); GPU idle: the time within a step that no kernel covers; " if gaps
-                    else "the GPU's busy time is the sum of its kernels; ") + "the op tables by device time are `profile_<dtype>[_<compile>].txt` beside the CSVs" + (
+                    else "the GPU's busy time is the sum of its kernels; ")
+                + "the op tables by device time are `profile_<dtype>[_<compile>].txt` beside the CSVs" + (
                     ", and the bf16 steps' timelines `trace_bf16_<compile>.json.gz` (Perfetto, chrome://tracing)."
                     if any(bench_dir.glob("trace_bf16_*.json.gz")) else "."), "",
                 "| dtype | compile | step wall (ms, profiled) | GPU busy (ms) | GPU busy % | kernels a step |" + (

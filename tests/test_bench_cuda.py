@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_cuda, bench_cuda_jax, bench_cuda_report
+from benchmarks import bench_cuda, bench_cuda_jax, bench_cuda_profile, bench_cuda_report
 from benchmarks.bench_report import CUDA_DIR
 from benchmarks.common import read_csv, write_csv
 from pcaf_core.config import head_loss_chunks
@@ -276,7 +276,7 @@ def test_step_gaps_find_the_wait_before_the_first_kernel_and_in_all() -> None:
                (2100.0, 2500.0)]
     # Step 1: first kernel at 300 µs; covered 300-700 and 900-1000 (clipped) = 500 µs, idle 500 µs.
     # Step 2: first kernel at 100 µs; covered 400 µs of 600, idle 200 µs. Medians of two: their means.
-    assert bench_cuda.step_gaps(steps, kernels) == {"first_kernel_ms": 0.2, "gpu_idle_ms": 0.35}
-    assert bench_cuda.step_gaps(steps, []) == {"first_kernel_ms": "", "gpu_idle_ms": ""}
+    assert bench_cuda_profile.step_gaps(steps, kernels) == {"first_kernel_ms": 0.2, "gpu_idle_ms": 0.35}
+    assert bench_cuda_profile.step_gaps(steps, []) == {"first_kernel_ms": "", "gpu_idle_ms": ""}
     # The GPU's busy time counts an overlap once: 300-700, 900-1200, 1500-1600, 2100-2500.
-    assert bench_cuda.covered_us(kernels) == 400 + 300 + 100 + 400 and bench_cuda.covered_us([]) == 0
+    assert bench_cuda_profile.covered_us(kernels) == 400 + 300 + 100 + 400 and bench_cuda_profile.covered_us([]) == 0
