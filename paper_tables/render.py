@@ -364,8 +364,9 @@ def note_lines(report: Report) -> list[str]:
                    "process's peak: CUDA max_memory_allocated on a GPU, the process's peak RSS on a CPU.")
     wall = next((c for c in report.spec.columns if c.metric == "wall_time_s" and c.published is None), None)
     if wall is not None:
-        out.append(f"{wall.header} (ours): each row's whole run (its segments summed where it resumed): compiling, the training steps, "
-                   "every evaluation and the full-split pass (the paper gives no run times for this table).")
+        out.append(f"{wall.header} (ours): each row's whole run (its segments summed where it resumed): "
+                   "compiling, the training steps, every evaluation and the full-split pass (the paper gives no "
+                   "run times for this table).")
     for r in report.spec.rows:
         notes = [r.note] if r.note else []
         pub = report.published
