@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_cuda import SMOKE_SCALE, GpuCase, case_config, failure_row
+from benchmarks.bench_cuda_cases import SMOKE_SCALE, GpuCase, case_config, failure_row
 from benchmarks.bench_cuda_report import COMPILES
 
 

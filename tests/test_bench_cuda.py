@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_cuda, bench_cuda_jax, bench_cuda_profile, bench_cuda_report
+from benchmarks import bench_cuda, bench_cuda_cases, bench_cuda_jax, bench_cuda_profile, bench_cuda_report
 from benchmarks.bench_report import CUDA_DIR
 from benchmarks.common import read_csv, write_csv
 from pcaf_core.config import head_loss_chunks
@@ -31,8 +31,8 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     assert {(r["model"], r["dtype"]) for r in models} >= {("PCAF-context", "fp32"), ("PCAF-context", "bf16"),
                                                           ("dense Transformer (SDPA)", "fp32")}
     assert all(float(r["tokens_per_s"]) > 0 and float(r["model_pct"]) > 0 for r in models)
-    windowed = {(r["model"], r["dtype"]): r for r in models if r["model"] in bench_cuda.WINDOWED_MODELS}
-    assert set(windowed) == {(m, d) for m in bench_cuda.WINDOWED_MODELS for d in ("fp32", "bf16")}
+    windowed = {(r["model"], r["dtype"]): r for r in models if r["model"] in bench_cuda_cases.WINDOWED_MODELS}
+    assert set(windowed) == {(m, d) for m in bench_cuda_cases.WINDOWED_MODELS for d in ("fp32", "bf16")}
     assert all(r["mode"] == "nt" and r["T"] == "64" and r["batch"] == "2" for r in windowed.values())
     # A CPU trains the FlexAttention cases masked (no backward pass there), and their label says so.
     flex = [r for (m, _), r in windowed.items() if "FlexAttention" in m]
@@ -47,7 +47,7 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     jax_row = by[("PCAF-context (JAX)", "fp32")]
     assert (jax_row["backend"], jax_row["compile"], jax_row["mode"]) == ("jax", "xla", "ar")
     assert float(jax_row["peak_mb"]) > 0 and ("PCAF-context (JAX)", "bf16") not in by  # smoke: fp32 only
-    assert {c.precision for c in bench_cuda.gpu_cases() if c.backend == "jax"} == {"fp32", "bf16"}
+    assert {c.precision for c in bench_cuda_cases.gpu_cases() if c.backend == "jax"} == {"fp32", "bf16"}
     routes = {r["route"] for r in read_csv(smoke_run / "routing.csv")}
     assert routes == set(bench_cuda.ROUTING_ROUTES)
     assert read_csv(smoke_run / "labels.csv")[0]["bench_set"] == "smoke"
@@ -151,7 +151,7 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
         "### cudagraphs step") < curves.index("Command: graphed curves")
     assert "## Routing on the GPU" in text and "## Where the full-AR step's time goes" in text
     windowed = text[text.index("## Windowed attention beside SDPA"):text.index("## GEMM peaks")]
-    for model in (*bench_cuda.WINDOWED_MODELS, "dense Transformer (SDPA)"):
+    for model in (*bench_cuda_cases.WINDOWED_MODELS, "dense Transformer (SDPA)"):
         assert f"| {model} | fp32 | " in windowed and f"| {model} | bf16 | " in windowed
     assert "| local Transformer (masked dense SDPA) | fp32 | 2048 | 2 |" in windowed and "| 1.00x |" in windowed
     summary = bench_cuda_report.bf16_summary(run)
@@ -175,16 +175,17 @@ def test_gpu_cases_time_flex_attention_at_the_paper_shape() -> None:
     fp32 and bf16, beside the masked local one and the dense SDPA Transformer; the configs ask for what they say."""
     from benchmarks.bench_models import Case, run_config
 
-    cases = {(c.model, c.precision): c for c in bench_cuda.gpu_cases() if c.mode == "nt" and c.T == 2048}
-    for model in bench_cuda.WINDOWED_MODELS:
+    cases = {(c.model, c.precision): c for c in bench_cuda_cases.gpu_cases() if c.mode == "nt" and c.T == 2048}
+    for model in bench_cuda_cases.WINDOWED_MODELS:
         for dtype in ("fp32", "bf16"):
             c = cases[(model, dtype)]
             assert (c.batch, c.dropout, c.compile) == (32, 0.1, "eager")
     assert cases[("dense Transformer (SDPA)", "fp32")].batch == 8
-    impl = {m: run_config(Case(m, "nt", 2048, 32, 0.1)).model for m in bench_cuda.WINDOWED_MODELS}
-    assert [(impl[m].variant, impl[m].attention_impl) for m in bench_cuda.WINDOWED_MODELS] == [
+    impl = {m: run_config(Case(m, "nt", 2048, 32, 0.1)).model for m in bench_cuda_cases.WINDOWED_MODELS}
+    assert [(impl[m].variant, impl[m].attention_impl) for m in bench_cuda_cases.WINDOWED_MODELS] == [
         ("transformer_local", "banded"), ("transformer_global_local", "banded"), ("transformer_local", "masked")]
-    assert (impl[bench_cuda.WINDOWED_MODELS[1]].window, impl[bench_cuda.WINDOWED_MODELS[1]].n_global) == (128, 16)
+    global_local = impl[bench_cuda_cases.WINDOWED_MODELS[1]]
+    assert (global_local.window, global_local.n_global) == (128, 16)
 
 
 def test_failures_of_a_section_replace_its_earlier_ones(tmp_path: Path) -> None:
@@ -235,9 +236,9 @@ def test_only_windowed_times_the_attention_cases(tmp_path: Path, monkeypatch) ->
                             "--only-windowed"]) == 0
     assert seen == {"only_windowed": True}
     for smoke, T, batch in ((True, 64, 2), (False, 2048, 32)):
-        cases = bench_cuda.windowed_cases(bench_cuda.gpu_cases(smoke))
+        cases = bench_cuda_cases.windowed_cases(bench_cuda_cases.gpu_cases(smoke))
         assert {(c.model, c.T, c.batch) for c in cases if c.model != "dense Transformer (SDPA)"} == {
-            (m, T, batch) for m in bench_cuda.WINDOWED_MODELS}
+            (m, T, batch) for m in bench_cuda_cases.WINDOWED_MODELS}
         assert {(c.mode, c.T) for c in cases if c.model == "dense Transformer (SDPA)"} == {("nt", T)}
         assert {c.precision for c in cases} == {"fp32", "bf16"}
 

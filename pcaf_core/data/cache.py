@@ -314,7 +314,8 @@ def _build_into(tmp: Path, settings: CorpusSettings, source: Source, root: Path,
     # Train: counts over the whole split define the vocabulary; only the budget is stored.
     limit = budgets.train if budgets.train > 0 else np.iinfo(np.int64).max
     prov_path = tmp / "train.prov.bin"
-    tr = encode.encode_train(source, settings, root, ids, prov_path, limit)
+    tr = encode.encode_train(source.iter_documents("train", settings.rows, root), settings.tokenizer, ids,
+                             prov_path, limit)
     if tr["total"] == 0:
         raise DataError(f"{spec.title} train split has no tokens ({source.describe()}): the files are empty; "
                         f"restore the corpus (`make data`)")
@@ -333,8 +334,8 @@ def _build_into(tmp: Path, settings: CorpusSettings, source: Source, root: Path,
 
     # Validation / test: small enough to hold in memory; new tokens map to <unk>.
     for split in SPLITS[1:]:
-        splits[split] = encode.encode_eval_split(source, split, settings, root, ids, table, budgets.eval,
-                                                 tmp / f"{split}.npy")
+        splits[split] = encode.encode_eval_split(source.iter_documents(split, settings.rows, root),
+                                                 settings.tokenizer, ids, table, budgets.eval, tmp / f"{split}.npy")
 
     for info in splits.values():
         if info["max_id"] >= len(vocab):

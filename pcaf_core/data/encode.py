@@ -9,17 +9,14 @@ table maps provisional ids to final ones, chunk by chunk, straight into ``.npy``
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from .corpora import Source
 from .files import file_digest
 from .tokenizer import EOS, UNK_ID, FirstSeenIds, get_tokenizer
-
-if TYPE_CHECKING:
-    from .cache import CorpusSettings
 
 log = logging.getLogger("pcaf_core.data")
 
@@ -27,15 +24,15 @@ COUNT_CHUNK = 1 << 22  # provisional ids are counted (bincount) and written in ~
 MAP_CHUNK = 1 << 24  # provisional -> final ids are mapped in 16M-token chunks (bounded memory)
 
 
-def encode_train(source: Source, settings: CorpusSettings, root: Path, ids: FirstSeenIds,
-                  prov_path: Path, limit: int) -> dict[str, Any]:
-    """Tokenize the whole train split into provisional ids.
+def encode_train(documents: Iterable[str], tokenizer: str, ids: FirstSeenIds, prov_path: Path,
+                 limit: int) -> dict[str, Any]:
+    """Tokenize the train split's ``documents`` (each followed by ``<eos>``) into provisional ids.
 
     Counts every provisional id (for the vocabulary) and writes the first ``limit`` ids
     (``[limit] int32``, raw) to ``prov_path``. Memory stays bounded by one chunk plus the
     token table, whatever the corpus size.
     """
-    tokenize = get_tokenizer(settings.tokenizer)
+    tokenize = get_tokenizer(tokenizer)
     counts = np.zeros(len(ids), dtype=np.int64)
     pending: list[np.ndarray] = []
     state = {"pending": 0, "written": 0, "documents": 0, "total": 0, "next_log": 10_000_000}
@@ -58,7 +55,7 @@ def encode_train(source: Source, settings: CorpusSettings, root: Path, ids: Firs
             state["written"] += int(part.shape[0])
 
     with open(prov_path, "wb") as f:
-        for doc in source.iter_documents("train", settings.rows, root):
+        for doc in documents:
             toks = tokenize(doc)
             toks.append(EOS)
             arr = ids.encode(toks)
@@ -101,27 +98,27 @@ def split_counts(counts: np.ndarray, table: np.ndarray, documents: int, total: i
             "unk_tokens": unk_total, "oov_tokens": unk_total - literal_unk}
 
 
-def encode_eval_split(source: Source, split: str, settings: CorpusSettings, root: Path, ids: FirstSeenIds,
-                      table: np.ndarray, budget: int, out_path: Path) -> dict[str, Any]:
-    """Encode a validation or test split into ``out_path``; return its manifest entry.
+def encode_eval_split(documents: Iterable[str], tokenizer: str, ids: FirstSeenIds, table: np.ndarray, budget: int,
+                      out_path: Path) -> dict[str, Any]:
+    """Encode a validation or test split's ``documents`` into ``out_path``; return its manifest entry.
 
     The split is small enough to hold in memory. Tokens the train split never saw get new
     provisional ids, which the extended ``table`` maps to ``<unk>``. ``budget`` > 0 stores only
     that many leading tokens (the counts still cover the whole split).
     """
-    tokenize = get_tokenizer(settings.tokenizer)
+    tokenize = get_tokenizer(tokenizer)
     parts = []
-    documents = 0
-    for doc in source.iter_documents(split, settings.rows, root):
+    n_documents = 0
+    for doc in documents:
         toks = tokenize(doc)
         toks.append(EOS)
         parts.append(ids.encode(toks))
-        documents += 1
+        n_documents += 1
     prov = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
     full_table = np.concatenate([table, np.full(len(ids) - table.shape[0], UNK_ID, dtype=np.int32)])
     counts = np.bincount(prov, minlength=len(ids))
     stored = prov.shape[0] if budget == 0 else min(budget, prov.shape[0])
     max_id = map_to_npy(prov[:stored], full_table, out_path)
-    log.info("  %s: %s documents, %s tokens", split, f"{documents:,}", f"{prov.shape[0]:,}")
+    log.info("  %s: %s documents, %s tokens", out_path.stem, f"{n_documents:,}", f"{prov.shape[0]:,}")
     return {"file": out_path.name, "stored_tokens": int(stored), "max_id": max_id,
-            "sha256": file_digest(out_path), **split_counts(counts, full_table, documents, int(prov.shape[0]))}
+            "sha256": file_digest(out_path), **split_counts(counts, full_table, n_documents, int(prov.shape[0]))}
