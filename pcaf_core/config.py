@@ -45,6 +45,17 @@ HEAD_LOSS_FORMS = ("auto", "full", "chunked")  # auto: head_loss_chunks says whe
 # What a float32 matrix product computes (docs/SPEC.md §9); "profile": the profile's own setting
 # (pcaf_core.profiles.matmul_precision).
 MATMUL_PRECISIONS = ("highest", "high", "default")
+PROFILE_MATMUL_PRECISION: dict[str, str] = {
+    # The paper's TPU runs multiplied float32 matrices at JAX's default precision (one bf16 pass on a TPU,
+    # TF32 on a GPU).
+    "reference_jax": "default",
+    # The paper's PyTorch code ran float32 with TF32 off (PyTorch's default for matmuls).
+    "reference_torch": "highest",
+    "corrected": "highest",
+}
+"""What ``train.matmul_precision=profile`` means under each profile (docs/SPEC.md §9). It lives here, not in
+``pcaf_core.profiles`` (which builds its profiles from this module's dataclasses), so that a config checks it
+without importing that module."""
 EVAL_PROTOCOLS = ("reference", "full", "both")
 DATASETS = ("wikitext2", "wikitext103", "pg19", "pg19_mini")
 DATA_LAYOUTS = ("tokens", "raw", "hf")
@@ -351,9 +362,6 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.train.matmul_precision == "profile":
-            # Imported here: pcaf_core.profiles builds its profiles from this module's dataclasses.
-            from pcaf_core.profiles import PROFILE_MATMUL_PRECISION
-
             _require(self.profile.name in PROFILE_MATMUL_PRECISION, "train", "matmul_precision", "profile",
                      f"profile.name={self.profile.name!r} has no default matmul precision: set "
                      f"train.matmul_precision to one of {list(MATMUL_PRECISIONS)}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pcaf_core.config import MATMUL_PRECISIONS, ConfigError, ProfileConfig, RunConfig
+from pcaf_core.config import MATMUL_PRECISIONS, PROFILE_MATMUL_PRECISION, ConfigError, ProfileConfig, RunConfig
 
 PROFILES: dict[str, ProfileConfig] = {
     "reference_jax": ProfileConfig(
@@ -92,17 +92,6 @@ def get_profile(name: str, **overrides: object) -> ProfileConfig:
         return dataclasses.replace(PROFILES[name], **overrides)
     except TypeError as exc:  # unknown switch name
         raise ConfigError(f"profile override {sorted(overrides)} is invalid: {exc}") from exc
-
-
-PROFILE_MATMUL_PRECISION: dict[str, str] = {
-    # The paper's TPU runs multiplied float32 matrices at JAX's default precision (one bf16 pass on a TPU,
-    # TF32 on a GPU).
-    "reference_jax": "default",
-    # The paper's PyTorch code ran float32 with TF32 off (PyTorch's default for matmuls).
-    "reference_torch": "highest",
-    "corrected": "highest",
-}
-"""What ``train.matmul_precision=profile`` means under each profile (docs/SPEC.md §9)."""
 
 
 def matmul_precision(cfg: RunConfig) -> str:
