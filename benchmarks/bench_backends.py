@@ -122,7 +122,7 @@ QUICK_CASES = (0, 6)
 
 
 def _run_config(case: BackendCase):
-    from experiments.reproduce import compose_row
+    from experiments.table_plan import compose_row
 
     overrides = [*case.overrides, f"train.precision={case.precision}", f"train.compile={case.compile}"]
     return compose_row(case.table, case.row, case.scale, "torch", overrides)[0].run

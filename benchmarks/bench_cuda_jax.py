@@ -59,7 +59,7 @@ def peak_dtype(matmul_precision: str, device: str) -> str:
 def case_config(route: str, precision: str, smoke: bool, head_loss: str = "auto"):
     """The row composed as the table driver composes it, with this case's route, precision, head loss and
     shape."""
-    from experiments.reproduce import compose_row
+    from experiments.table_plan import compose_row
 
     shape = (SMOKE_T, SMOKE_BATCH) if smoke else (T, BATCH)
     overrides = [f"memory.route={route}", f"train.matmul_precision={precision}", "train.precision=fp32",

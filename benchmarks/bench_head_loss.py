@@ -109,7 +109,7 @@ def jax_case(N: int, H: int, V: int, chunks: tuple[int, int] | None, dtype: str)
 
 def train_step_case(backend_name: str, V: int, chunks: tuple[int, int] | None, dtype: str):
     """One training step of the cpu-scale full-AR PCAF-context row at vocabulary ``V`` and its peak bytes."""
-    from experiments.reproduce import compose_row
+    from experiments.table_plan import compose_row
 
     form = ["train.head_loss=full"] if chunks is None else [
         "train.head_loss=chunked", f"train.head_position_chunk={chunks[0]}", f"train.head_vocab_chunk={chunks[1]}"]

@@ -136,7 +136,7 @@ def run_config(case: Case, backend: str = "torch", extra_overrides: tuple[str, .
     """The composed run config of ``case`` (the row at ``scale``, paper unless a smoke check asks for ``smoke``,
     plus the case's overrides) on ``backend`` (``train.compile`` is torch's; a JAX step is always compiled by
     XLA)."""
-    from experiments.reproduce import compose_row
+    from experiments.table_plan import compose_row
 
     table, row, extra = MODELS[case.model]
     overrides = [*extra, f"train.mode={case.mode}", f"train.seq_len={case.T}", f"train.batch_size={case.batch}",

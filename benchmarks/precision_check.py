@@ -21,7 +21,7 @@ from pathlib import Path
 
 from benchmarks.common import environment_labels, labels_line
 from experiments import app
-from experiments.reproduce import compose_row
+from experiments.table_plan import compose_row
 from pcaf_core.results import SCALES, read_curve, read_metrics
 
 

@@ -378,7 +378,7 @@ def row_identities(resolved: ResolvedRun) -> list[str]:
     """Identity digests of ``resolved``'s table row as composed at its scale and backend without command-line
     overrides, one per seed entry; ``[]`` for a run that is no paper row."""
     if resolved.row_identities is None:
-        from experiments.reproduce import row_identities as compose_identities  # reproduce imports this module
+        from experiments.table_plan import row_identities as compose_identities  # table_plan imports this module
 
         resolved.row_identities = compose_identities(resolved.table, resolved.row, resolved.scale, resolved.backend)
     return list(resolved.row_identities)

@@ -6,8 +6,8 @@ settings in ``experiments/conf/hydra/launcher/``, on top of the plugin's ``submi
 Both read the launcher settings from the same files, and this module turns them, with a run's config, into
 the job's resources (:func:`row_resources`):
 
-- GPUs: ``backend.world_size`` on one node (:func:`gpus_for`), one task: the job's process runs the backend's
-  own data-parallel path (torch spawns its DDP ranks; JAX shards over the node's devices).
+- GPUs: ``backend.world_size`` on one node (:func:`experiments.schema.gpus_for`), one task: the job's process
+  runs the backend's own data-parallel path (torch spawns its DDP ranks; JAX shards over the node's devices).
 - Time (Slurm): the row's training time, from a step cost measured with ``make step-cost`` on the cluster's
   device (``--step-cost CSV``) times :data:`MEASURED_MARGIN`, or, without one, from the step's analytic FLOPs
   (:mod:`pcaf_core.flops`) at :data:`GPU_FLOPS` times :data:`FLOP_MARGIN`, plus :data:`START_MINUTES`; capped
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from experiments.schema import gpus_for
 from pcaf_core.config import ConfigError
 from pcaf_core.params import count_params
 
@@ -77,12 +78,6 @@ def check_launcher_overrides(overrides: list[str]) -> None:
             require_slurm(f"hydra/launcher={choice}")
 
 
-def gpus_for(device: str, world_size: int) -> int:
-    """GPUs a run asks for: none for ``backend.device=cpu``; else one per data-parallel process
-    (``backend.world_size``; JAX's ``0``, every device, asks for one)."""
-    return 0 if str(device) == "cpu" else max(1, int(world_size))
-
-
 def launcher_settings(kind: str, overrides: list[str]) -> dict[str, Any]:
     """The settings of the suite's ``hydra/launcher=<kind>`` config with ``overrides`` (``hydra.launcher.KEY=V``)
     applied: what a sweep's jobs get, and what a table's jobs start from (:func:`row_resources` replaces the
@@ -92,11 +87,11 @@ def launcher_settings(kind: str, overrides: list[str]) -> dict[str, Any]:
     from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
-    from experiments import preflight
+    from experiments.hydra_setup import ensure_hydra, one_line
 
     if any(o.lstrip("+~").startswith("hydra/launcher=") for o in overrides):
         raise ConfigError("--launcher chooses the launcher: drop the hydra/launcher= override")
-    preflight.ensure_hydra()
+    ensure_hydra()
     try:
         cfg = compose(config_name="config", overrides=[f"hydra/launcher={kind}", *overrides],
                       return_hydra_config=True)
@@ -105,7 +100,7 @@ def launcher_settings(kind: str, overrides: list[str]) -> dict[str, Any]:
             node.submitit_folder, node.name, node.gpus_per_node = "", "", None
         settings = OmegaConf.to_container(node, resolve=True)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(preflight.one_line(exc)) from None
+        raise ConfigError(one_line(exc)) from None
     return settings
 
 

@@ -1,6 +1,6 @@
 """A table's runs as submitit jobs: ``python -m experiments.reproduce ... --launcher local|slurm``.
 
-One job per run (per seed entry of a multi-seed row). A job runs :func:`experiments.reproduce.run_planned`, the
+One job per run (per seed entry of a multi-seed row). A job runs :func:`experiments.table_runs.run_planned`, the
 code path of the serial command, in its own process: on this machine (submitit's local executor) or on a Slurm
 node, asking for the resources :func:`experiments.cluster.row_resources` states. Run identity, locks and records
 therefore behave as without jobs: a completed run is reused (no job is submitted for it), a stopped one is
@@ -32,6 +32,7 @@ import submitit
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
 from experiments import app, cluster
+from experiments.table_runs import Outcome, completed_run, interrupted_line, report, run_planned, run_tag
 from pcaf_core.fsutil import atomic_write_text, file_lock
 from pcaf_core.loop import RunInterrupted
 from pcaf_core.run_identity import identity_digest
@@ -42,8 +43,8 @@ POLL_S = {"local": 1.0, "slurm": 30.0}
 
 
 class RowJob(submitit.helpers.Checkpointable):
-    """One run of a table as a job: :func:`experiments.reproduce.run_planned` in the job's process, returning its
-    :class:`~experiments.reproduce.Outcome` as a dict.
+    """One run of a table as a job: :func:`experiments.table_runs.run_planned` in the job's process, returning its
+    :class:`~experiments.table_runs.Outcome` as a dict.
 
     Checkpointable: a job signalled at its time limit or preempted is requeued by submitit with this object as it
     is then (:meth:`checkpoint`), so the requeued job continues the directory it claimed, from the run's last
@@ -53,8 +54,6 @@ class RowJob(submitit.helpers.Checkpointable):
         self.run_dir: str | None = None
 
     def __call__(self, resolved: app.ResolvedRun, root: str, fresh: bool, restart_damaged: bool) -> dict[str, Any]:
-        from experiments.reproduce import Outcome, interrupted_line, run_planned
-
         def claimed(run_dir: Path) -> None:
             self.run_dir = str(run_dir)
 
@@ -161,8 +160,6 @@ def run_jobs(plan: list, args: argparse.Namespace, root: Path, settings: dict[st
     then wait for the jobs: ``(tag, outcome)`` per run in the plan's order. Returns 0 instead when the command
     returns without waiting (``--no-wait``) and jobs remain, 130 when Ctrl-C stopped the waiting (the jobs go
     on)."""
-    from experiments.reproduce import Outcome, completed_run, report, run_tag
-
     kind = args.launcher
     folder = root / "jobs" / args.table / args.scale / args.backend
     folder.mkdir(parents=True, exist_ok=True)

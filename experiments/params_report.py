@@ -13,7 +13,7 @@ import sys
 
 import pandas as pd
 
-from experiments.reproduce import available_tables, compose_row, table_rows
+from experiments.table_plan import available_tables, compose_row, table_rows
 from pcaf_core.params import count_params
 
 
@@ -41,7 +41,7 @@ def published_counts(table: str) -> dict[str, int]:
 
 def report(compose=None) -> pd.DataFrame:
     """One line per paper-scale row. ``compose(table, row)`` returns the row's resolved runs at paper scale
-    (default: :func:`experiments.reproduce.compose_row` on the torch backend)."""
+    (default: :func:`experiments.table_plan.compose_row` on the torch backend)."""
     if compose is None:
         def compose(table: str, row: str):
             return compose_row(table, row, "paper", "torch", [])

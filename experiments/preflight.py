@@ -6,26 +6,27 @@ checked to be writable, before the first one starts; every problem is one line, 
 naming the key and the fix, and the command exits with :data:`CONFIG_ERROR_EXIT` (2).
 
 Hydra's and OmegaConf's own errors (unknown key, wrong type, missing option, unparsable override) are
-several lines with a hint to set ``HYDRA_FULL_ERROR``; :func:`one_line` turns them into one.
+several lines with a hint to set ``HYDRA_FULL_ERROR``; :func:`experiments.hydra_setup.one_line` turns them
+into one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
+from hydra import compose
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import OmegaConfBaseException
 
 from experiments import app
-from experiments.schema import BackendConfig, ExperimentConfig, register
+from experiments.hydra_setup import ensure_hydra, failing_override, one_line, schema_keys
+from experiments.schema import BackendConfig, ExperimentConfig
 from pcaf_core.config import ConfigError
 from pcaf_core.config_io import SECTIONS
 
@@ -35,88 +36,13 @@ CONFIG_ERROR_EXIT = 2
 _NOT_A_RUN = ("help", "hydra_help", "cfg", "info", "shell_completion", "experimental_rerun")
 
 
-def ensure_hydra() -> None:
-    """Initialise Hydra's compose API on the suite's config directory once per process."""
-    register()
-    if not GlobalHydra.instance().is_initialized():
-        initialize_config_dir(config_dir=str(app.CONF_DIR), version_base="1.3", job_name="pcaf")
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
-
-
-def _omegaconf_cause(exc: BaseException) -> OmegaConfBaseException | None:
-    node: BaseException | None = exc
-    while node is not None:
-        if isinstance(node, OmegaConfBaseException) and getattr(node, "full_key", None):
-            return node
-        node = node.__cause__ or node.__context__
-    return None
-
-
-def _schema_keys(full_key: str) -> list[str]:
-    section = full_key.split(".")[0]
-    cls = SECTIONS.get(section) or {"backend": BackendConfig}.get(section)
-    if cls is None:
-        return [f.name for f in dataclasses.fields(ExperimentConfig)]
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def one_line(exc: BaseException, override: str = "") -> str:
-    """One line naming the key (or the override) at fault and what to do, for a composition error."""
-    cause = _omegaconf_cause(exc)
-    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
-        key = cause.full_key
-        parent = key.rsplit(".", 1)[0] if "." in key else "the config"
-        # Hydra's own settings (hydra.launcher.*) are not in the suite's schema: the node says what it holds.
-        node = getattr(cause, "parent_node", None)
-        keys = [str(k) for k in node.keys()] if key.startswith("hydra.") and node is not None else _schema_keys(key)
-        return (f"{key} is not a setting (unknown key); the keys of {parent} are {', '.join(keys)}: "
-                "fix the spelling or drop the override")
-    if isinstance(cause, ValidationError):
-        return f"{cause.full_key}: {_first_line(cause.msg)}; give it a value of that type"
-    text = str(exc)
-    if isinstance(exc, MissingConfigException):
-        lines = [line.strip() for line in text.splitlines()]
-        options = []
-        if any(line.startswith("Available options") for line in lines):
-            start = next(i for i, line in enumerate(lines) if line.startswith("Available options")) + 1
-            options = [line for line in lines[start:] if line and not line.startswith(("Config search", "provider="))]
-        missing = re.search(r"Could not find '([^']+)'", text)
-        if missing and "/" in missing.group(1):
-            group, option = missing.group(1).split("/", 1)
-            head = f"{group}={option}: no such option in the config group {group}"
-        else:
-            head = _first_line(text).replace("In 'config': ", "")
-        return head + (f"; available: {', '.join(options)}" if options else "; check the group and option name")
-    if isinstance(exc, OverrideParseException):
-        return (f"cannot parse the override {override or '(one of them)'} ({_first_line(text)}): write key=value, "
-                "see https://hydra.cc/docs/advanced/override_grammar/basic")
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("See https")]
-    return ("; ".join(lines) or type(exc).__name__) + (f" (override {override})" if override else "")
-
-
-def _failing_override(overrides: list[str]) -> str:
-    """The first override Hydra's grammar rejects (its parse error does not say which)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parser = OverridesParser.create()
-    for item in overrides:
-        try:
-            parser.parse_overrides([item])
-        except HydraException:
-            return item
-    return ""
-
-
 def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
     """Compose ``config_name`` with ``overrides``; a composition error is a one-line :class:`ConfigError`."""
     ensure_hydra()
     try:
         return compose(config_name=config_name, overrides=list(overrides))
     except OverrideParseException as exc:
-        raise ConfigError(one_line(exc, _failing_override(list(overrides)))) from None
+        raise ConfigError(one_line(exc, failing_override(list(overrides)))) from None
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(one_line(exc)) from None
 
@@ -146,7 +72,7 @@ def resolve_job(overrides: list[str], config_name: str = "config",
     if extra:
         raise ConfigError(f"{extra[0]} is not a setting (unknown key): drop the override that adds it "
                           f"(+{extra[0]}=...); the keys of {extra[0].rsplit('.', 1)[0]} are "
-                          f"{', '.join(_schema_keys(extra[0]))}")
+                          f"{', '.join(schema_keys(extra[0]))}")
     app.label_from_experiment(cfg, list(overrides))
     return app.resolve(cfg, list(overrides if user_overrides is None else user_overrides))
 
@@ -178,7 +104,7 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as exc:
-        raise ConfigError(one_line(exc, _failing_override(list(overrides)))) from None
+        raise ConfigError(one_line(exc, failing_override(list(overrides)))) from None
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 

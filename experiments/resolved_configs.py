@@ -33,7 +33,7 @@ SNAPSHOT = app.REPO_ROOT / "tests" / "fixtures" / "resolved_configs.json.gz"
 
 def all_rows() -> list[tuple[str, str]]:
     """``(table, row)`` of every experiment file, in the paper's order per table."""
-    from experiments.reproduce import available_tables, table_rows
+    from experiments.table_plan import available_tables, table_rows
 
     return [(t, r) for t in available_tables() for r in table_rows(t)]
 
@@ -51,9 +51,9 @@ def resolve_all(rows: Iterable[tuple[str, str]] | None = None, scales: Iterable[
     defined for its table (:func:`experiments.app.scale_covers`).
 
     ``compose(table, row, scale)`` returns the row's resolved runs (default: the table driver's
-    :func:`experiments.reproduce.compose_row` on the torch backend with :data:`PIN`)."""
+    :func:`experiments.table_plan.compose_row` on the torch backend with :data:`PIN`)."""
     if compose is None:
-        from experiments.reproduce import compose_row
+        from experiments.table_plan import compose_row
 
         def compose(table: str, row: str, scale: str) -> list[app.ResolvedRun]:
             return compose_row(table, row, scale, "torch", PIN)

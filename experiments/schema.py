@@ -67,6 +67,12 @@ PROCESS_TOKEN = uuid.uuid4().hex[:6]
 same second get different directories (every job of one sweep runs in the process that launched it)."""
 
 
+def gpus_for(device: str, world_size: int) -> int:
+    """GPUs a run asks for: none for ``backend.device=cpu``; else one per data-parallel process
+    (``backend.world_size``; JAX's ``0``, every device, asks for one)."""
+    return 0 if str(device) == "cpu" else max(1, int(world_size))
+
+
 def register() -> None:
     """Register the schema, the profiles and the ``pcaf_process_token`` and ``pcaf_gpus`` resolvers
     (idempotent; the config store once per process: storing builds each structured config again, 13% of a
@@ -74,8 +80,6 @@ def register() -> None:
     if not OmegaConf.has_resolver("pcaf_process_token"):
         OmegaConf.register_new_resolver("pcaf_process_token", lambda: PROCESS_TOKEN)
     if not OmegaConf.has_resolver("pcaf_gpus"):  # the launchers' GPUs a job (conf/hydra/launcher/*.yaml)
-        from experiments.cluster import gpus_for
-
         OmegaConf.register_new_resolver("pcaf_gpus", gpus_for)
     cs = ConfigStore.instance()
     # Hydra reads a deep copy of a stored node, never the node itself: what was stored once stays as stored.

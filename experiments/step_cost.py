@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.reproduce import compose_row, select_rows
+from experiments.table_plan import compose_row, select_rows
 from pcaf_core.config import ConfigError
 from pcaf_core.data import load_corpus
 from pcaf_core.results import SCALES

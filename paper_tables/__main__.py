@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
 def _expected_per_backend(table: str, scale: str, rows: str | None, overrides: list[str],
                           backends: tuple[str, ...] = ("torch", "jax")) -> dict | None:
     """Per backend, the identities of the rows composed with ``overrides`` (those prefixed ``<backend>:`` for that
-    backend only; :func:`experiments.reproduce.expected_identities`); None after printing a config error."""
-    from experiments.reproduce import expected_identities  # Hydra composition, only when asked for
+    backend only; :func:`experiments.table_plan.expected_identities`); None after printing a config error."""
+    from experiments.table_plan import expected_identities  # Hydra composition, only when asked for
     from pcaf_core.config import ConfigError
 
     out = {}

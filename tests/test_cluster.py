@@ -132,7 +132,7 @@ def _sbatch(executor) -> list[str]:
 
 def test_the_slurm_job_of_a_two_gpu_row_asks_for_two_gpus_on_one_node_and_its_estimated_time(tmp_path, monkeypatch):
     from experiments import cluster, cluster_jobs
-    from experiments.reproduce import compose_row
+    from experiments.table_plan import compose_row
 
     monkeypatch.setenv("PATH", _slurm_tools(tmp_path))
     (resolved,) = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch", ["backend.world_size=2"])

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from experiments import app, preflight, resolved_configs
-from experiments.reproduce import EXPERIMENT_DIR, available_tables, compose_row, table_rows
+from experiments.table_plan import EXPERIMENT_DIR, available_tables, compose_row, table_rows
 from paper_tables.published import load_published
 from paper_tables.specs import TABLES
 from pcaf_core.config import ConfigError

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from experiments import app
-from experiments.reproduce import compose_row
+from experiments.table_plan import compose_row
 from pcaf_core.results import read_metrics
 from tests.entry_points import run_app
 

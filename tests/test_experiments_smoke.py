@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from experiments.reproduce import main as reproduce
-from experiments.reproduce import table_rows
+from experiments.table_plan import table_rows
 from paper_tables.collect import load_runs
 from paper_tables.published import load_published
 from paper_tables.specs import get_table

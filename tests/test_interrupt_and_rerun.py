@@ -375,7 +375,7 @@ def test_a_diverged_run_continues_from_its_last_finite_checkpoint_with_the_print
 def test_weights_are_0644_bad_weights_are_refused_by_name_and_a_mistyped_runs_root_is_an_error(tmp_path, capsys):
     import safetensors.numpy
 
-    from experiments import app, reproduce
+    from experiments import app, table_plan
     from paper_tables.__main__ import main as tables_main
     from pcaf_core.checkpoints import LOOP_STATE_FILE, dump_json, load_json, sha256_file
 
@@ -383,8 +383,8 @@ def test_weights_are_0644_bad_weights_are_refused_by_name_and_a_mistyped_runs_ro
                         "--runs", str(tmp_path / "ouputs"), "--out", str(tmp_path / "tables")]) == 1
     assert "no run found: --runs" in capsys.readouterr().err and not (tmp_path / "tables").exists()
 
-    resolved = reproduce.compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch",
-                                     ["train.steps=2", "eval.protocol=reference"])[0]
+    resolved = table_plan.compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch",
+                                      ["train.steps=2", "eval.protocol=reference"])[0]
     run_dir = tmp_path / "run"
     assert app.run_one(resolved, run_dir, progress=False).status == "completed"
     modes = {p.relative_to(run_dir).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in run_dir.rglob("*")

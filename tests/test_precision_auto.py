@@ -7,7 +7,7 @@ import pytest
 
 from backends.jax import backend as jax_backend
 from backends.torch import backend as torch_backend
-from experiments.reproduce import compose_row
+from experiments.table_plan import compose_row
 from pcaf_core import sysinfo
 from pcaf_core.loop import run_training
 from pcaf_core.results import read_metrics

@@ -73,7 +73,7 @@ def test_table_renders_from_records_of_two_gpus(tmp_path: Path) -> None:
 def test_backend_scoped_overrides_compose_each_backend_s_rows() -> None:
     """``python -m paper_tables backends ... torch:k=v jax:k=v``: an override prefixed with a backend applies to
     that backend's rows only, the others to both."""
-    from experiments.reproduce import expected_identities
+    from experiments.table_plan import expected_identities
     from paper_tables.__main__ import _expected_per_backend
 
     common, scoped = "eval.eval_sample_seed=20002", "train.lr=0.001"
