@@ -20,9 +20,10 @@ from backends.torch.kernels.ops import triton_enabled
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HALF = (torch.bfloat16, torch.float16)
-SHAPES = [(5, 7), (19, 2100), (130, 129), (1, 1)]
-"""(N, V): one partial tile; V over two forward column steps; N over two backward row blocks and V one past a
-backward column block; a single logit."""
+SHAPES = [(5, 7), (19, 2100), (130, 257), (1, 1)]
+"""(N, V): one partial tile; V over three forward column steps and N over two backward row steps, the second
+partial; N over three backward programs, the last a partial row step, and V one past a backward column block; a
+single logit."""
 
 
 def _logits(N: int, V: int, dtype: torch.dtype, seed: int = 0):

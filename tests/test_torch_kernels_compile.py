@@ -2,7 +2,8 @@
 
 Without a GPU the kernel tests run under Triton's interpreter, which accepts some programs the compiler
 rejects. The first test therefore compiles every kernel variant ahead of time for Hopper (sm_90) with
-Triton's own toolchain (bundled ptxas; no device needed) and checks ptxas reports no register spills.
+Triton's own toolchain (bundled ptxas; no device needed) and checks ptxas reports no register spills: the routing
+kernels, the gather_dot key gradient and the head loss's passes over 16-bit logits.
 The second runs the compiled kernels on a real CUDA device when one is present.
 """
 
@@ -28,6 +29,8 @@ _AOT_SCRIPT = textwrap.dedent(
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from backends.torch.kernels import gather_grad as gg
+    from backends.torch.kernels import head_softmax as hs
     from backends.torch.kernels import triton_impl as ti
     from pcaf_core.hashing import BUCKET_ADD, HASH_MULT
 
@@ -66,6 +69,20 @@ _AOT_SCRIPT = textwrap.dedent(
         for flag in (False, True):
             check(ti._ar_select_kernel, ar, {"FIRST": flag, "BLOCK_P": block, "K_PAD": k_pad})
             check(ti._bucket_table_kernel, table, {"RECENT": flag, "BLOCK_P": block, "K_PAD": k_pad})
+    # The gather_dot key gradient, at the widest feature tile and a narrow one (d = 224 and 16).
+    segments = {"perm_ptr": "*i64", "crow_ptr": "*i64", "grad_ptr": "*fp32", "x_ptr": "*fp32", "out_ptr": "*fp32",
+                "d": "i32", "C": "i32"}
+    for block_d in (gg.MAX_BLOCK_D, 16):
+        check(gg._segment_rows_kernel, segments, {"BLOCK_S": gg.BLOCK_SLOTS, "BLOCK_D": block_d})
+    # The head loss's passes over 16-bit logits, for each 16-bit dtype.
+    for half in ("bf16", "fp16"):
+        check(hs._log_normaliser_kernel, {"logits_ptr": f"*{half}", "y_ptr": "*i64", "lse_ptr": "*fp32",
+                                          "target_ptr": "*fp32", "N": "i32", "V": "i32", "stride": "i32"},
+              {"BLOCK_N": hs.LSE_BLOCK_N, "BLOCK_V": hs.LSE_BLOCK_V})
+        check(hs._logit_grad_kernel, {"logits_ptr": f"*{half}", "lse_ptr": "*fp32", "g_ptr": "*fp32", "y_ptr": "*i64",
+                                      "dlogits_ptr": f"*{half}", "partial_ptr": "*fp32", "N": "i32", "V": "i32",
+                                      "stride": "i32"},
+              {"ROWS": hs.GRAD_ROWS, "BLOCK_N": hs.GRAD_BLOCK_N, "BLOCK_V": hs.GRAD_BLOCK_V})
     print("compiled")
     """
 )
