@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import environment_labels, labels_line
-from experiments import app
+from experiments import runner
 from experiments.table_plan import compose_row
 from pcaf_core.results import SCALES, read_curve, read_metrics
 
@@ -31,7 +31,7 @@ def run(row: str, precision: str, steps: int, every: int, root: Path, scale: str
     overrides = [*(extra or []), f"train.precision={precision}", f"train.steps={steps}", f"eval.every={every}",
                  "train.warmup_steps=10", "train.checkpoint_every=0"]
     resolved = compose_row(table, row_id, scale, "torch", overrides)[0]
-    metrics = app.run_one(resolved, root / precision, progress=False)
+    metrics = runner.run_one(resolved, root / precision, progress=False)
     if metrics.status != "completed":
         raise SystemExit(f"{precision} run failed: {metrics.error}")
     return read_curve(root / precision), read_metrics(root / precision)

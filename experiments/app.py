@@ -1,4 +1,4 @@
-"""Turn a composed Hydra config into a validated run, and run it.
+"""Turn a composed Hydra config into a validated run (the run itself: :mod:`experiments.runner`).
 
 The flow for one run:
 
@@ -8,7 +8,7 @@ The flow for one run:
    value as a deviation from the paper's settings.
 3. :func:`to_run_config` converts to :class:`pcaf_core.config.RunConfig`, running every value check
    (impossible values fail here, before any data is read or any weight allocated).
-4. :func:`run_one` makes a collision-proof run directory, holds its lock (one process at a time
+4. :func:`experiments.runner.run_one` makes a collision-proof run directory, holds its lock (one process at a time
    trains in a run directory), writes the resolved config and the environment when it creates the run
    (``config.yaml`` is written once, never rewritten), and calls the backend's ``train``. A command that
    continues an existing run must have the run's own config (:func:`check_resume`, by
@@ -28,9 +28,7 @@ import re
 import shlex
 import subprocess
 import sys
-import traceback
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
@@ -45,10 +43,9 @@ from pcaf_core.checkpoints import RunRefused, checkpoint_backend, latest_checkpo
 from pcaf_core.config import ConfigError, RunConfig, validate
 from pcaf_core.fsutil import atomic_write_text
 from pcaf_core.profiles import resolve_matmul_precision
-from pcaf_core.results import CONFIG_FILE, RunMetrics, SchemaError, read_metrics
+from pcaf_core.results import CONFIG_FILE, SchemaError, read_metrics
 from pcaf_core.resume import previous_divergence
-from pcaf_core.run_identity import flatten, identity_digest, read_run_config, resume_diff
-from pcaf_core.run_record import mark_failed, run_lock
+from pcaf_core.run_identity import flatten, read_run_config, resume_diff
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "experiments" / "conf"
@@ -79,7 +76,7 @@ class ResolvedRun:
     backend: str
     deviations: list[str]
     overrides: list[str] = field(default_factory=list)  # what composes it besides experiment/scale/backend
-    row_identities: list[str] | None = None  # its row's identity digests (app.row_identities), once computed
+    row_identities: list[str] | None = None  # its row's identity digests (runner.row_identities), once computed
 
 
 def _section_values(cfg: DictConfig) -> dict[str, Any]:
@@ -97,7 +94,6 @@ def resolve_auto_precision(cfg: DictConfig) -> str:
     the precision was not ``auto``). Runs resolved differently on two machines are different configs."""
     if cfg.train.precision != "auto":
         return ""
-    import importlib
 
     module = importlib.import_module(f"backends.{cfg.backend.name}.backend")
     device = cfg.backend.device if cfg.backend.device != "auto" else None
@@ -358,146 +354,6 @@ def write_run_files(run_dir: Path, resolved: ResolvedRun) -> None:
     atomic_write_text(run_dir / "environment.json", json.dumps(env, indent=2, default=str))
 
 
-def initial_record(resolved: ResolvedRun, run_dir: Path | None = None) -> RunMetrics:
-    """The identity and provenance a backend stamps on every version of the run's record (with ``run_dir``:
-    ``extra.resume_command``, the command that continues it)."""
-    record = RunMetrics(table=resolved.table, row=resolved.row, status="running")
-    for key, value in labels(resolved).items():
-        setattr(record, key, value)
-    if run_dir is not None:
-        record.extra["resume_command"] = resume_command(resolved, run_dir)
-    # The run's identity is its config.yaml's (written once; a resume after a divergence may lower train.lr,
-    # recorded as a deviation); the row's is what the row composes to at this scale and backend.
-    existing = read_run_config(run_dir) if run_dir is not None else None
-    record.identity = {"config": identity_digest(existing if existing is not None else config_dict(resolved)),
-                       "row": row_identities(resolved)}
-    return record
-
-
-def row_identities(resolved: ResolvedRun) -> list[str]:
-    """Identity digests of ``resolved``'s table row as composed at its scale and backend without command-line
-    overrides, one per seed entry; ``[]`` for a run that is no paper row."""
-    if resolved.row_identities is None:
-        from experiments.table_plan import row_identities as compose_identities  # table_plan imports this module
-
-        resolved.row_identities = compose_identities(resolved.table, resolved.row, resolved.scale, resolved.backend)
-    return list(resolved.row_identities)
-
-
-def _record_bytes(run_dir: Path) -> bytes | None:
-    try:
-        return (run_dir / "metrics.json").read_bytes()
-    except OSError:
-        return None
-
-
-def _failed(run_dir: Path, resolved: ResolvedRun, error: str, *, resumable: bool = False,
-            before: bytes | None = None, trace: str = "") -> RunMetrics:
-    """The record of a run that raised: the loop's own ``failed`` record when it wrote one, else one
-    written here (the run failed before the loop could start, or a worker died without recording), with
-    ``trace`` appended to ``error.txt``. ``before``: the run's record before this command; when this command
-    failed without the loop touching it, the run's files are left as they were (the failure is the
-    command's, not the run's) and the returned record is not written."""
-    if before is not None and _record_bytes(run_dir) == before:
-        return RunMetrics(table=resolved.table, row=resolved.row, status="failed", error=error)
-    if trace:
-        _write_error_file(run_dir, trace)
-    try:
-        metrics = read_metrics(run_dir)
-        if metrics.status == "failed":
-            return metrics
-    except (FileNotFoundError, SchemaError):
-        pass
-    try:
-        return mark_failed(run_dir, initial_record(resolved, run_dir), error, cfg=resolved.run, resumable=resumable)
-    except OSError as exc:  # e.g. the disk is still full: say so rather than hide the run's own failure
-        say(f"could not write the failed record of {run_dir}: {exc}")
-        return RunMetrics(table=resolved.table, row=resolved.row, status="failed", error=error)
-
-
-def fmt(value: float | None, spec: str = ".2f") -> str:
-    """A metric for a log line: ``n/a`` when it was not measured."""
-    return "n/a" if value is None else format(value, spec)
-
-
-def summary_line(resolved: ResolvedRun, metrics: RunMetrics) -> str:
-    """One labelled line per finished run."""
-    tag = (f"[{resolved.table}/{resolved.row} scale={resolved.scale} backend={resolved.backend} "
-           f"profile={resolved.run.profile.name} seed={resolved.run.train.seed}]")
-    if metrics.status != "completed":
-        return f"{tag} FAILED: {metrics.error}"
-    return (f"{tag} best PPL {fmt(metrics.best_ppl)} / final {fmt(metrics.final_ppl)} (protocol=reference), "
-            f"full-split PPL {fmt(metrics.full_ppl)} (protocol=full), {fmt(metrics.tokens_per_sec, '.0f')} tok/s, "
-            f"{fmt(metrics.wall_time_s, '.0f')} s")
-
-
 def say(line: str) -> None:
     """A progress line on stderr (waiting for a lock, resuming), flushed at once."""
     print(line, file=sys.stderr, flush=True)
-
-
-def resume_note(run_dir: Path) -> str | None:
-    """``resuming <dir> from step N`` when ``run_dir`` holds an earlier, unfinished run, else None."""
-    try:
-        metrics = read_metrics(run_dir)
-    except (FileNotFoundError, SchemaError):
-        return None
-    if metrics.status == "completed":
-        return None
-    step = newest_step(run_dir)
-    return f"resuming {run_dir} from step {step}" + ("" if step else " (no checkpoint was written)")
-
-
-def _write_error_file(run_dir: Path, text: str) -> None:
-    """Append a failure's traceback to ``error.txt`` under a time stamp (earlier failures stay above it)."""
-    path = run_dir / "error.txt"
-    try:
-        old = path.read_text(encoding="utf-8") if path.exists() else ""
-        stamp = datetime.now(UTC).isoformat(timespec="seconds")
-        atomic_write_text(path, f"{old}=== {stamp} ===\n{text}")
-    except OSError as exc:  # the record still says why the run failed
-        say(f"could not write {path}: {exc}")
-
-
-def run_one(resolved: ResolvedRun, run_dir: Path | None = None, *, progress: bool | None = None,
-            restart_damaged: bool = False, on_wait: Callable[[str], None] | None = say) -> RunMetrics:
-    """Train one resolved run in ``run_dir`` (new if None), holding the directory's lock throughout
-    (another process running it is waited for, with ``on_wait`` told once). Never raises for a training
-    failure: the returned record (and ``metrics.json``) says ``failed`` with the error. Raises
-    :class:`~pcaf_core.checkpoints.RunRefused` (the directory untouched) when its checkpoints are all
-    damaged (``restart_damaged`` starts over instead, keeping them) or were written for another config,
-    and re-raises an interruption (Ctrl-C, SIGTERM) after it is recorded."""
-    run_dir = Path(run_dir) if run_dir is not None else new_run_dir(resolved)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with run_lock(run_dir, on_wait=on_wait):
-        return _run_locked(resolved, run_dir, progress, restart_damaged)
-
-
-def _run_locked(resolved: ResolvedRun, run_dir: Path, progress: bool | None, restart_damaged: bool) -> RunMetrics:
-    existing = read_run_config(run_dir)
-    if existing is None and not (run_dir / CONFIG_FILE).exists():
-        write_run_files(run_dir, resolved)
-    else:
-        check_resume(resolved, run_dir, existing or {})
-    before = _record_bytes(run_dir)
-    try:
-        backend = importlib.import_module(f"backends.{resolved.backend}.train")
-    except ImportError as exc:
-        return _failed(run_dir, resolved, f"backend {resolved.backend!r} is not available: {exc}", before=before)
-    from pcaf_core.loop import RESTART_DAMAGED, RunInterrupted
-
-    try:
-        # The loop writes metrics.json (labels from the template, its own deviations added) and is its only
-        # writer; nothing below rewrites a record the loop has written.
-        return backend.train(resolved.run, run_dir, progress=progress, record=initial_record(resolved, run_dir),
-                             resume=RESTART_DAMAGED if restart_damaged else True,
-                             device=resolved.cfg.backend.device, world_size=int(resolved.cfg.backend.world_size))
-    except RunRefused:
-        raise
-    except (KeyboardInterrupt, RunInterrupted):
-        _failed(run_dir, resolved, f"interrupted before training started; run the same command again to resume "
-                                   f"{run_dir}", resumable=True, before=before)
-        raise
-    except Exception as exc:  # noqa: BLE001 - recorded, the table shows the row as failed
-        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        return _failed(run_dir, resolved, detail, before=before, trace=traceback.format_exc())

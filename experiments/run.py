@@ -25,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from experiments import app
+from experiments import app, runner
 from experiments.preflight import CONFIG_ERROR_EXIT, check_command_line
 from experiments.schema import register
 from pcaf_core.checkpoints import RunRefused
@@ -79,10 +79,10 @@ def main(cfg: DictConfig) -> None:
     run_dir = run_dir or app.new_run_dir(resolved)
     try:
         app.check_resume(resolved, run_dir)  # before saying "resuming": the run may not be this command's
-        note = app.resume_note(run_dir)
+        note = runner.resume_note(run_dir)
         if note:
             app.say(note)
-        metrics = app.run_one(resolved, run_dir, restart_damaged=bool(cfg.restart_damaged))
+        metrics = runner.run_one(resolved, run_dir, restart_damaged=bool(cfg.restart_damaged))
     except RunRefused as exc:
         print(f"refused: {exc}", file=sys.stderr)
         if not multirun:
@@ -90,7 +90,7 @@ def main(cfg: DictConfig) -> None:
         return
     except (KeyboardInterrupt, RunInterrupted) as exc:
         _interrupted(run_dir, exc)
-    print(app.summary_line(resolved, metrics), file=sys.stdout if metrics.status == "completed" else sys.stderr)
+    print(runner.summary_line(resolved, metrics), file=sys.stdout if metrics.status == "completed" else sys.stderr)
     if metrics.status != "completed" and not multirun:
         sys.exit(1)
 

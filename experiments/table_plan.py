@@ -52,7 +52,7 @@ def select_rows(table: str, rows: str) -> list[str]:
 def compose_row(table: str, row: str, scale: str, backend: str, overrides: list[str]) -> list[app.ResolvedRun]:
     """Compose, scale and validate every run (one per seed entry) of a row (a one-line ConfigError if not).
     Without overrides the runs are the row itself and carry its identity digests (``row_identities``); with
-    overrides those are composed when a run records them (:func:`experiments.app.row_identities`)."""
+    overrides those are composed when a run records them (:func:`experiments.runner.row_identities`)."""
     base = [f"experiment={table}/{row}", f"scale={scale}", f"backend={backend}"]
     cfg = preflight.compose_config(base + overrides)
     seed_runs = OmegaConf.to_container(cfg.seed_runs) or [{}]

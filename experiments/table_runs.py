@@ -14,7 +14,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments import app
+from experiments import app, runner
 from pcaf_core.checkpoints import RunRefused
 from pcaf_core.record_check import DAMAGED, check_run
 from pcaf_core.results import RunMetrics, read_metrics
@@ -119,7 +119,7 @@ def run_planned(resolved: app.ResolvedRun, root: Path, *, fresh: bool, restart_d
                 say: Callable[[str], None], run_dir: Path | None = None,
                 on_claim: Callable[[Path], None] | None = None) -> Outcome:
     """Run one planned run of a table: claim its directory by identity (:func:`claim_run`: reuse, resume or new),
-    train it (:func:`experiments.app.run_one`) and say how it ended. The one code path of every launcher: the
+    train it (:func:`experiments.runner.run_one`) and say how it ended. The one code path of every launcher: the
     serial loop of ``experiments.reproduce`` and a cluster job (:mod:`experiments.cluster_jobs`) call it alike.
 
     ``run_dir``: continue this directory instead of claiming one (a requeued cluster job continues the run it
@@ -139,12 +139,12 @@ def run_planned(resolved: app.ResolvedRun, root: Path, *, fresh: bool, restart_d
             if action == "reuse":
                 say(f"reusing completed run {claimed}")
                 return Outcome("reused", str(claimed), f"reusing completed run {claimed}")
-            say(app.resume_note(claimed) or f"running in {claimed}")
-            metrics = app.run_one(resolved, claimed, restart_damaged=restart_damaged, on_wait=say)
+            say(runner.resume_note(claimed) or f"running in {claimed}")
+            metrics = runner.run_one(resolved, claimed, restart_damaged=restart_damaged, on_wait=say)
     except RunRefused as exc:
         return Outcome("refused", str(claimed) if claimed else None, f"refused: {exc}")
     status = "completed" if metrics.status == "completed" else "failed"
-    return Outcome(status, str(claimed), app.summary_line(resolved, metrics))
+    return Outcome(status, str(claimed), runner.summary_line(resolved, metrics))
 
 
 def interrupted_line(run_dir: Path | str | None) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import app
+from experiments import app, runner
 from experiments.table_plan import compose_row
 from pcaf_core.results import read_metrics
 from tests.entry_points import run_app
@@ -119,7 +119,7 @@ def test_a_failing_run_leaves_a_failed_record(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch_train, "train", boom)
     resolved = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch", [])[0]
-    metrics = app.run_one(resolved, tmp_path / "run")
+    metrics = runner.run_one(resolved, tmp_path / "run")
     assert metrics.status == "failed" and "simulated device failure" in metrics.error
     on_disk = read_metrics(tmp_path / "run")
     assert on_disk.status == "failed" and on_disk.table == "wt2-nt-1024" and on_disk.scale == "smoke"
@@ -136,14 +136,14 @@ def test_a_command_that_fails_before_the_loop_leaves_an_existing_run_as_it_was(t
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     app.write_run_files(run_dir, resolved)
-    write_metrics(run_dir, app.initial_record(resolved, run_dir))  # a run stopped before its first checkpoint
+    write_metrics(run_dir, runner.initial_record(resolved, run_dir))  # a run stopped before its first checkpoint
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
 
     def cannot_start(*args, **kwargs):
         raise RuntimeError("could not spawn the workers")
 
     monkeypatch.setattr(torch_train, "train", cannot_start)
-    metrics = app.run_one(resolved, run_dir)
+    metrics = runner.run_one(resolved, run_dir)
     assert metrics.status == "failed" and "could not spawn" in metrics.error
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.name != ".lock"} == before
 
@@ -152,7 +152,7 @@ def test_the_loop_writes_the_completed_record_and_its_deviation_lines_survive(tm
     """The app's deviations are the record's first lines, the loop's own (a capped full evaluation) follow,
     and nothing rewrites the record after the loop (the file on disk is the record the loop returned)."""
     resolved = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch", [])[0]
-    metrics = app.run_one(resolved, tmp_path / "run", progress=False)
+    metrics = runner.run_one(resolved, tmp_path / "run", progress=False)
     assert metrics.status == "completed", metrics.error
     assert read_metrics(tmp_path / "run") == metrics
     n = len(resolved.deviations)
@@ -168,14 +168,14 @@ def test_a_worker_that_died_mid_run_is_marked_failed_without_losing_its_record(t
     from pcaf_core.results import write_metrics
 
     resolved = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch", [])[0]
-    partial = dataclasses.replace(app.initial_record(resolved), status="running", steps_done=3, best_ppl=812.5)
+    partial = dataclasses.replace(runner.initial_record(resolved), status="running", steps_done=3, best_ppl=812.5)
 
     def died(cfg, run_dir, **kwargs):
         write_metrics(run_dir, partial)  # what a worker leaves when it is killed mid-run
         raise RuntimeError("worker 1 exited with signal 9")
 
     monkeypatch.setattr(torch_train, "train", died)
-    metrics = app.run_one(resolved, tmp_path / "run")
+    metrics = runner.run_one(resolved, tmp_path / "run")
     assert metrics.status == "failed" and "signal 9" in metrics.error
     assert metrics.steps_done == 3 and metrics.best_ppl == 812.5  # kept, not replaced by a blank record
     assert read_metrics(tmp_path / "run") == metrics

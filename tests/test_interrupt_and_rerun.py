@@ -375,7 +375,7 @@ def test_a_diverged_run_continues_from_its_last_finite_checkpoint_with_the_print
 def test_weights_are_0644_bad_weights_are_refused_by_name_and_a_mistyped_runs_root_is_an_error(tmp_path, capsys):
     import safetensors.numpy
 
-    from experiments import app, table_plan
+    from experiments import runner, table_plan
     from paper_tables.__main__ import main as tables_main
     from pcaf_core.checkpoints import LOOP_STATE_FILE, dump_json, load_json, sha256_file
 
@@ -386,7 +386,7 @@ def test_weights_are_0644_bad_weights_are_refused_by_name_and_a_mistyped_runs_ro
     resolved = table_plan.compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch",
                                       ["train.steps=2", "eval.protocol=reference"])[0]
     run_dir = tmp_path / "run"
-    assert app.run_one(resolved, run_dir, progress=False).status == "completed"
+    assert runner.run_one(resolved, run_dir, progress=False).status == "completed"
     modes = {p.relative_to(run_dir).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in run_dir.rglob("*")
              if p.is_file() and p.name != ".lock"}
     assert modes and set(modes.values()) == {0o644}, modes
@@ -404,5 +404,5 @@ def test_weights_are_0644_bad_weights_are_refused_by_name_and_a_mistyped_runs_ro
         state["files"]["model.safetensors"] = {"bytes": weights.stat().st_size, "sha256": sha256_file(weights)}
         (ckpt / LOOP_STATE_FILE).write_text(dump_json(state))  # an intact checkpoint holding bad weights
         write_metrics(run_dir, dataclasses.replace(read_metrics(run_dir), status="running"))
-        rec = app.run_one(resolved, run_dir, progress=False)
+        rec = runner.run_one(resolved, run_dir, progress=False)
         assert rec.status == "failed" and str(weights) in rec.error and expected in rec.error, (name, rec.error)
