@@ -36,6 +36,7 @@ import torch
 
 from backends.torch import build_model
 from backends.torch.streaming import TorchStream
+from benchmarks.bench_plots import log_panel
 from benchmarks.common import text_tokens, write_csv
 from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.profiles import get_profile
@@ -137,13 +138,7 @@ def write_results(rows: list[dict], results_dir: Path, env: str, command: str) -
             axes[0][j].plot(xs, [r["per_token_ms"] for _, r in pts], "o-", label=label)
             axes[1][j].plot(xs, [r["state_mb_per_seq"] for _, r in pts], "o-", label=label)
         for i, ylabel in enumerate(("ms per decode step", "state MB per sequence")):
-            ax = axes[i][j]
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("context (tokens)")
-            ax.set_ylabel(ylabel)
-            ax.set_title(f"batch {b}", fontsize=9)
-            ax.legend(fontsize=7)
+            log_panel(axes[i][j], "context (tokens)", ylabel, f"batch {b}")
     fig.suptitle(f"decode cost, cpu-scale shapes ({env})", fontsize=9)
     fig.tight_layout()
     png = results_dir / "decode_cpu.png"

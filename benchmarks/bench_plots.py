@@ -27,13 +27,7 @@ def plot_routing(rows: list[dict], paths: list[Path]) -> None:
             if mem:
                 axes[1][j].plot([m[0] for m in mem], [m[1] for m in mem], "o-", label=route)
         for i, ylabel in enumerate(("forward + backward ms", "peak MB (intermediates)")):
-            ax = axes[i][j]
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("T (tokens, batch 1)")
-            ax.set_ylabel(ylabel)
-            ax.set_title(f"{b}: full-AR routing, d=224, K=32", fontsize=9)
-            ax.legend(fontsize=7)
+            log_panel(axes[i][j], "T (tokens, batch 1)", ylabel, f"{b}: full-AR routing, d=224, K=32")
     fig.suptitle(_machine_title(rows), fontsize=9)
     _save(fig, paths)
 
@@ -84,6 +78,16 @@ def plot_models(rows: list[dict], paths: list[Path]) -> None:
                      fontsize=10)
     fig.suptitle(_machine_title(rows), fontsize=9)
     _save(fig, paths)
+
+
+def log_panel(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """A cost-against-length panel: base-2 log x (lengths double), log y, labels, a small title and legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
 
 
 def _save(fig, paths: list[Path]) -> None:
