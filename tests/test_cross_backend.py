@@ -24,7 +24,7 @@ from backends.jax.precision import matmul_precision as jax_matmul_precision
 from backends.torch.precision import matmul_precision as torch_matmul_precision
 from pcaf_core.config import MODEL_VARIANTS
 from pcaf_core.params import param_shapes
-from tests.test_jax_vs_spec import PLAIN_CASES, RHO, configs, spec_params, window
+from tests.spec_helpers import PLAIN_CASES, RHO, configs, spec_params, window
 
 PROFILES = ("reference_jax", "reference_torch", "corrected")
 CROSS_CASES = [

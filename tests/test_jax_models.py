@@ -23,7 +23,8 @@ from pcaf_core import reference
 from pcaf_core.config import MODEL_VARIANTS, MemoryConfig, ModelConfig
 from pcaf_core.params import param_shapes
 from pcaf_core.profiles import get_profile
-from tests.test_jax_vs_spec import RHO, assert_matches, configs, spec_params, window
+from tests.spec_helpers import RHO, configs, spec_params, window
+from tests.test_jax_vs_spec import assert_matches
 from tests.test_spec_params import PAPER_COUNTS
 
 

@@ -13,7 +13,7 @@ from pcaf_core import reference
 from pcaf_core.config import MODEL_VARIANTS
 from pcaf_core.params import init_params, param_shapes
 from pcaf_core.weights import load_canonical, read_metadata
-from tests.test_jax_vs_spec import configs, spec_params, window
+from tests.spec_helpers import configs, spec_params, window
 
 
 @pytest.mark.parametrize("profile_name", ["reference_jax", "reference_torch", "corrected"])

@@ -14,10 +14,8 @@ import pytest
 from pcaf_core import reference, streaming
 from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.profiles import get_profile
-from tests.spec_helpers import spec_params
+from tests.spec_helpers import SMALL, spec_params
 
-SMALL = dict(vocab_size=40, d_model=12, d_hidden=24, n_layers=2, kernel_size=3, n_heads=3, window=5, n_global=2,
-             linear_chunk=5, max_seq_len=32)
 T = 24
 
 STREAM_CASES = [  # (variant, route, semantic_index, candidate_policy, profile, context_order)

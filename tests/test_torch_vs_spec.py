@@ -18,57 +18,11 @@ import torch
 from backends.torch import build_model, load_canonical
 from backends.torch.models import TorchForwardOutput
 from pcaf_core import hashing, reference
-from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.params import init_params
 from pcaf_core.profiles import get_profile
-from tests.spec_helpers import spec_params
+from tests.spec_helpers import CACHE_CASES, MODES, PLAIN_CASES, PROFILES, RHO, configs, spec_params, window
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-PROFILES = ("reference_jax", "reference_torch", "corrected")
-MODES = ("nt", "ar")
-SMALL = dict(vocab_size=40, d_model=12, d_hidden=24, n_layers=2, kernel_size=3, n_heads=3, window=5, n_global=2,
-             linear_chunk=5, max_seq_len=32)
-# ρ per profile: large (the sparse topk proof holds), negative (the dense fallback), moderate (both).
-RHO = {"reference_jax": 25.0, "reference_torch": -0.4, "corrected": 0.7}
-
-CACHE_CASES = [  # (variant, route, semantic_index, candidate_policy)
-    ("pcaf", "context", "dense", "topk_score"),
-    ("pcaf", "context", "dense", "recent"),
-    ("pcaf", "context", "dense", "first"),
-    ("pcaf", "semantic", "dense", "topk_score"),
-    ("pcaf", "semantic", "bucketed", "topk_score"),
-    ("pcaf", "hybrid", "dense", "topk_score"),
-    ("pcaf", "hybrid", "bucketed", "recent"),
-    ("pcaf", "hybrid", "dense", "first"),
-    ("pcaf_no_gate", "context", "dense", "topk_score"),
-    ("pcaf_no_gate", "semantic", "dense", "topk_score"),
-    ("pcaf_no_gate", "hybrid", "bucketed", "first"),
-]
-PLAIN_CASES = [(v, "semantic", "dense", "topk_score") for v in
-               ("pcaf_no_cache", "local_conv", "transformer_dense", "transformer_local", "transformer_global_local",
-                "linear_attention")]
-
-
-def configs(variant: str, route: str = "context", index: str = "dense", policy: str = "topk_score",
-            profile: str = "corrected", **memory_overrides) -> tuple[ModelConfig, MemoryConfig, object]:
-    model = ModelConfig(variant=variant, **SMALL)
-    memory = MemoryConfig(route=route, semantic_index=index, candidate_policy=policy, num_buckets=7, top_k=3,
-                          semantic_buckets=7, semantic_temperature=0.2, semantic_score_scale=0.5, fixed_gate=0.3,
-                          **memory_overrides)
-    return model, memory, get_profile(profile)
-
-
-
-def window(T: int, mode: str, *, B: int = 2, seed: int = 0, distinct: int = 10, vocab: int = 40):
-    """Tokens drawn from few distinct ids (long buckets) and matching targets."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, distinct, (B, T))
-    shape = (B,) if mode == "nt" else (B, T)
-    # Half the targets come from the window's ids, so the cache holds some of them.
-    targets = np.where(rng.random(shape) < 0.5, rng.integers(0, distinct, shape), rng.integers(0, vocab, shape))
-    return tokens, targets
-
 
 def torch_forward(params, model, memory, profile, tokens, targets, mode, *, dtype=torch.float64,
                   **attrs) -> TorchForwardOutput:
