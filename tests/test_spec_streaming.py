@@ -17,6 +17,7 @@ from pcaf_core.profiles import get_profile
 from tests.spec_helpers import SMALL, spec_params
 
 T = 24
+WIDTHS = {**SMALL, "linear_chunk": 5}  # T = 24 in chunks of 5: the linear-attention case ends in a partial chunk
 
 STREAM_CASES = [  # (variant, route, semantic_index, candidate_policy, profile, context_order)
     ("pcaf", "context", "dense", "recent", "corrected", 1),
@@ -37,7 +38,7 @@ STREAM_CASES = [  # (variant, route, semantic_index, candidate_policy, profile, 
 
 
 def configs(variant, route="context", index="dense", policy="recent", profile="corrected", order=1, **mem):
-    model = ModelConfig(variant=variant, **SMALL)
+    model = ModelConfig(variant=variant, **WIDTHS)
     base = dict(num_buckets=7, top_k=3, semantic_buckets=5, semantic_temperature=0.2, semantic_score_scale=0.5,
                 fixed_gate=0.3)
     memory = MemoryConfig(route=route, semantic_index=index, candidate_policy=policy, context_order=order,
