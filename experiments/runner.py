@@ -10,6 +10,7 @@ directory as it was.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import traceback
 from collections.abc import Callable
@@ -77,12 +78,10 @@ def _failed(run_dir: Path, resolved: ResolvedRun, error: str, *, resumable: bool
         return RunMetrics(table=resolved.table, row=resolved.row, status="failed", error=error)
     if trace:
         _write_error_file(run_dir, trace)
-    try:
+    with contextlib.suppress(FileNotFoundError, SchemaError):  # no record yet, or an unreadable one: write ours
         metrics = read_metrics(run_dir)
         if metrics.status == "failed":
             return metrics
-    except (FileNotFoundError, SchemaError):
-        pass
     try:
         return mark_failed(run_dir, initial_record(resolved, run_dir), error, cfg=resolved.run, resumable=resumable)
     except OSError as exc:  # e.g. the disk is still full: say so rather than hide the run's own failure
