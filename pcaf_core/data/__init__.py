@@ -34,7 +34,6 @@ from .corpora import (
     cache_root,
     data_search_dirs,
     locate_source,
-    verify_source,
 )
 from .errors import DataError, DataNotFoundError
 from .samplers import EvalBatch, FullEvalWindows, WindowSampler
@@ -50,6 +49,7 @@ from .tokenizer import (
     regex_tokenize,
     whitespace_tokenize,
 )
+from .verify import verify_source
 
 __all__ = [
     "CORPORA", "ENV_CACHE_DIR", "ENV_DATA_DIR", "EOS_ID", "PAD_ID", "SPECIALS", "SPLITS", "TOKEN_PATTERN",

@@ -52,7 +52,6 @@ from .corpora import (
     fingerprints_match,
     get_spec,
     locate_source,
-    verify_source,
 )
 from .errors import DataError, DataNotFoundError
 from .files import file_digest
@@ -65,6 +64,7 @@ from .tokenizer import (
     get_tokenizer,
     rank_by_count,
 )
+from .verify import verify_source
 
 if TYPE_CHECKING:
     from pcaf_core.config import DataConfig

@@ -25,9 +25,10 @@ from typing import Any
 from pcaf_core.config import ConfigError, DataConfig
 
 from .cache import TokenizedCorpus, load_corpus, resolve_settings
-from .corpora import cache_root, get_spec, locate_source, verify_source
+from .corpora import cache_root, get_spec, locate_source
 from .errors import DataError, DataNotFoundError
 from .tokenizer import get_tokenizer
+from .verify import verify_source
 
 _ROWS_TEXT = {"lines": "every line (blank ones too) + <eos>", "nonempty": "each non-empty row + <eos>"}
 _LAYOUT_TEXT = {("wikitext", "tokens"): "the pre-tokenized wiki.*.tokens release",

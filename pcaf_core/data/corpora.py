@@ -1,4 +1,5 @@
-"""Corpora: where they live, how they are verified, and how their documents are read.
+"""Corpora: where they live, how each is located, and how their documents are read (their files are checked by
+:mod:`pcaf_core.data.verify`, their bytes read by :mod:`pcaf_core.data.files`).
 
 Supported corpora and layouts (docs/REFERENCE_CODE.md §5.1):
 
@@ -23,8 +24,6 @@ of the classic word-language-model code, which appends ``<eos>`` to every line).
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,7 +34,6 @@ from .errors import DataError, DataNotFoundError
 from .files import (
     ARCHIVE_SUFFIXES,
     ENV_CACHE_DIR,
-    KNOWN_ARCHIVE_SHA256,
     archive_stem,
     extract_archive,
     file_digest,
@@ -50,13 +48,6 @@ LAYOUTS = ("tokens", "raw", "hf")
 ROWS = ("nonempty", "lines")
 
 ENV_DATA_DIR = "PCAF_DATA_DIR"
-
-# md5 of the unpacked WikiText-2 v1 token files (identical to the official wikitext-2-v1.zip).
-WIKITEXT2_TOKENS_MD5: dict[str, str] = {
-    "train": "34a77ebe59551b3a3b3d8c0a2797c976",
-    "validation": "d756d22ab2310e7e60c094bea5c5a8eb",
-    "test": "781c9418ab9414bd09e4aad825aae752",
-}
 
 _WIKI_FILE_SPLIT = {"train": "train", "validation": "valid", "test": "test"}
 
@@ -468,62 +459,3 @@ def locate_source(name: str, layout: str, data_dir: str | os.PathLike | None = N
             break
     raise DataNotFoundError(f"{spec.title} (layout {layout!r}) not found: looked for {looked} in {where}{hint}. "
                             f"To fix: {spec.how_to_get[layout]}")
-
-
-# --------------------------------------------------------------------------------------------
-# Verification beyond archive checksums
-# --------------------------------------------------------------------------------------------
-
-def verify_source(source: Source, root: Path) -> list[str]:
-    """Check the unpacked files against what is published about them; return what was checked.
-
-    WikiText-2 token files: md5 of each split. pg19-mini style ``metadata.csv`` (with
-    ``id, split, sha256`` columns): every book present, in its split, with its sha256.
-    """
-    checks: list[str] = []
-    if source.origin == "archive":
-        known = KNOWN_ARCHIVE_SHA256.get(Path(source.location).name)
-        checks.append(f"archive sha256 {'matches the published value' if known else 'recorded (none published)'}")
-    if source.origin == "hf":
-        return checks + ["hub dataset (integrity is the hub client's job)"]
-    if source.spec.name == "wikitext2" and source.layout == "tokens":
-        for split, md5 in WIKITEXT2_TOKENS_MD5.items():
-            (p,) = source.split_files(split, root)
-            got = file_digest(p, "md5")
-            if got != md5:
-                raise DataError(f"{p} has md5 {got}, expected {md5} (WikiText-2 v1 release): the file is damaged "
-                                f"or from another release. Restore it (delete its folder and run `make data`)")
-        checks.append("WikiText-2 token files match the release md5s")
-    if source.spec.family == "pg19":
-        base = source.materialize(root)
-        meta = base / "metadata.csv"
-        if meta.is_file():
-            n = _verify_pg19_metadata(source, base, meta, root)
-            if n:
-                checks.append(f"metadata.csv: {n} books present with matching sha256")
-            else:
-                checks.append("metadata.csv has no per-book checksums (not verified)")
-        else:
-            checks.append("no metadata.csv (books not verified)")
-    return checks
-
-
-def _verify_pg19_metadata(source: Source, base: Path, meta: Path, root: Path) -> int:
-    rows = list(csv.DictReader(io.StringIO(read_text(meta))))
-    if not rows or not {"id", "split", "sha256"} <= set(rows[0]):
-        return 0
-    for split in SPLITS:
-        listed = {r["id"] for r in rows if r["split"] == split}
-        present = {p.stem for p in source.split_files(split, root)}
-        if listed != present:
-            missing = sorted(listed - present)[:5]
-            extra = sorted(present - listed)[:5]
-            raise DataError(f"{base / split} does not match metadata.csv (missing {missing}, unexpected {extra}): "
-                            f"the corpus folder is incomplete; re-unpack it (delete it and run `make data`)")
-    for r in rows:
-        p = base / r["split"] / f"{r['id']}.txt"
-        got = file_digest(p)
-        if got != r["sha256"]:
-            raise DataError(f"{p} has sha256 {got[:16]}…, metadata.csv says {r['sha256'][:16]}…: the book is "
-                            f"damaged; re-unpack the corpus (delete its folder and run `make data`)")
-    return len(rows)
