@@ -76,7 +76,7 @@ ROUTING_ROUTES = ("recent", "recent_kernel", "topk_score", "semantic_bucketed", 
 def _build(case: GpuCase, cpu_case, device: str, smoke: bool = False):
     """``(config, policy note, backend, state)`` of one case: ``TorchBackend(device)`` or ``JaxBackend`` on JAX's
     device of the same kind (``gpu`` for ``cuda``); the note says what a CPU ran instead (:func:`device_config`).
-    ``smoke``: the row at :data:`SMOKE_SCALE`."""
+    ``smoke``: the row at :data:`benchmarks.bench_cuda_cases.SMOKE_SCALE`."""
     cfg, note = device_config(case_config(case, cpu_case, SMOKE_SCALE if smoke else "paper"), device)
     if case.backend == "jax":
         from backends.jax.backend import JaxBackend
@@ -199,8 +199,9 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
                    smoke: bool = False, compiles: tuple[str, ...] = STEPS,
                    only_windowed: bool = False) -> tuple[list[dict], list[dict]]:
     """The timed rows of the cases whose ``compile`` is in ``compiles`` (``xla``: the JAX cases; ``only_windowed``:
-    of :func:`windowed_cases`), and the compiled cases that failed to build or compile (an eager failure is a bug
-    and stops the run; a compiled case's is recorded so that one case cannot cost the whole run)."""
+    of :func:`benchmarks.bench_cuda_cases.windowed_cases`), and the compiled cases that failed to build or compile
+    (an eager failure is a bug and stops the run; a compiled case's is recorded so that one case cannot cost the
+    whole run)."""
     import torch
 
     from benchmarks.bench_models import Case, _batch, finish

@@ -23,7 +23,7 @@ from benchmarks.bench_cuda_report import COMPILES
 def profile_section(out: Path, device: str = "cuda", smoke: bool = False,
                     compiles: tuple[str, ...] = COMPILES) -> tuple[list[dict], list[dict]]:
     """The profiled rows (and op tables under ``out``) of the eager, compiled and CUDA-graph steps in ``compiles``,
-    and the compiled cases that failed (as in :func:`models_section`)."""
+    and the compiled cases that failed (as in :func:`benchmarks.bench_cuda.models_section`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
