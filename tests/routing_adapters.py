@@ -420,7 +420,7 @@ def topk_case(T: int, mode: str, seed: int, *, nb: int = 2, kind: str = "random"
 
 def band_case(T: int = 75, W: int = 8, d: int = 6, seed: int = 11):
     """Addresses in 3 buckets (each holding more than W records, T not a multiple of W), rows, and the
-    ``recent`` slots of every position: the layout :func:`banded_dot` reads."""
+    ``recent`` slots of every position: the layout each backend's ``ops.banded_dot`` reads."""
     rng = np.random.default_rng(seed)
     addr = rng.integers(0, 3, (2, T))
     x, y = rng.normal(size=(2, T, d)), rng.normal(size=(2, T, d))
