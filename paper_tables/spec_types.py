@@ -26,7 +26,7 @@ class ColumnSpec:
     """One quantity shown as a (paper, measured) pair of columns.
 
     ``key``: short id (``best_ppl``, ``tok_s``...); ``header``: heading as the paper prints it;
-    ``metric``: the measured field (a :class:`RunMetrics` field, ``"acc"`` for the row's accuracy
+    ``metric``: the measured field (a :class:`pcaf_core.results.RunMetrics` field, ``"acc"`` for the row's accuracy
     definition, or ``"n_runs"`` for the number of completed runs); ``published`` /
     ``published_std``: columns of the published CSV (``None``: the paper has no such number);
     ``scale``: paper unit = measured value x scale; ``decimals``: digits printed; ``thousands``:
