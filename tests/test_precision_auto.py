@@ -11,7 +11,7 @@ from experiments.table_plan import compose_row
 from pcaf_core import sysinfo
 from pcaf_core.loop import run_training
 from pcaf_core.results import read_metrics
-from tests.test_loop import BigramBackend, markov_corpus, small_cfg
+from tests.bigram_backend import BigramBackend, markov_corpus, small_cfg
 
 
 @pytest.mark.parametrize(("has_unit", "want"), [(True, "bf16"), (False, "fp32")])
