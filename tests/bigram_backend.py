@@ -26,16 +26,19 @@ from pcaf_core.config import (
 V = 24
 
 
-def markov_corpus(n_train: int = 4000, n_valid: int = 1200, vocab: int = V, seed: int = 0) -> SimpleNamespace:
-    """Tokens from a sparse first-order Markov chain (3 successors per token): learnable structure."""
+def markov_corpus(n_train: int = 4000, n_valid: int = 1200, vocab: int = V, seed: int = 0,
+                  successors: int = 3) -> SimpleNamespace:
+    """Tokens of a sparse first-order Markov chain (``successors`` successors per token, ids from 3 up, so the
+    specials never occur): learnable structure. ``train`` and ``valid`` ``[n] int32``, ``vocab_size``."""
     rng = np.random.default_rng(seed)
-    succ = rng.integers(3, vocab, size=(vocab, 3))
+    succ = rng.integers(3, vocab, size=(vocab, successors))
 
     def chain(n: int) -> np.ndarray:
         out = np.empty(n, dtype=np.int32)
         out[0] = 3
+        picks = rng.integers(0, successors, size=n)
         for i in range(1, n):
-            out[i] = succ[out[i - 1], rng.integers(0, 3)]
+            out[i] = succ[out[i - 1], picks[i]]
         return out
 
     return SimpleNamespace(train=chain(n_train), valid=chain(n_valid), vocab_size=vocab)

@@ -1,7 +1,8 @@
 """The JAX trainer (backends.jax.train / backend / optim / checkpoint) on a small synthetic corpus.
 
 Small shapes (V = 40, d = 16, T = 12, batch 8, tens of steps) so every test runs in seconds on a CPU.
-:func:`markov_corpus` and :func:`tiny_cfg` are shared with the resume, sharding and cross-backend tests.
+Its corpus (:data:`CORPUS`, from :func:`tests.bigram_backend.markov_corpus`) and :func:`tiny_cfg` are shared with the
+resume, sharding and cross-backend tests.
 """
 
 from __future__ import annotations
@@ -38,27 +39,12 @@ from pcaf_core.params import count_params, decayed, param_shapes
 from pcaf_core.profiles import get_profile
 from pcaf_core.results import read_curve, read_metrics
 from pcaf_core.weights import load_canonical
+from tests.bigram_backend import markov_corpus
 
 V = 40
 
 
-def markov_corpus(n_train: int = 6000, n_valid: int = 1500, vocab: int = V, seed: int = 0) -> SimpleNamespace:
-    """Tokens of a sparse first-order Markov chain (2 successors per token): learnable structure."""
-    rng = np.random.default_rng(seed)
-    succ = rng.integers(3, vocab, size=(vocab, 2))
-
-    def chain(n: int) -> np.ndarray:
-        out = np.empty(n, dtype=np.int32)
-        out[0] = 3
-        picks = rng.integers(0, 2, size=n)
-        for i in range(1, n):
-            out[i] = succ[out[i - 1], picks[i]]
-        return out
-
-    return SimpleNamespace(train=chain(n_train), valid=chain(n_valid), vocab_size=vocab)
-
-
-CORPUS = markov_corpus()
+CORPUS = markov_corpus(6000, 1500, vocab=V, successors=2)
 
 
 def tiny_cfg(*, variant: str = "pcaf", profile: str = "corrected", route: str = "context",
