@@ -42,7 +42,10 @@ def context_hash(tokens: np.ndarray, order: int, *, int32_wraparound: bool = Fal
 
 
 def bucket_of(hashes: np.ndarray, num_buckets: int, *, int32_wraparound: bool = False) -> np.ndarray:
-    """Second hash to a bucket: ``(h * 1_000_003 + 97_531) mod B``; ``[...]`` int64 in ``[0, B)``."""
+    """Second hash to a bucket: ``(h * 1_000_003 + 97_531) mod B``; ``[...]`` int64 in ``[0, B)``.
+
+    ``num_buckets``: B >= 1; with ``int32_wraparound`` below 2^31 (B is an int32 there too).
+    """
     if num_buckets < 1:
         raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
     dtype = np.int32 if int32_wraparound else np.int64

@@ -1,6 +1,13 @@
 """Scores → cache weights → p_cache; gate masking; the mixture and its accuracy (docs/REFERENCE_CODE.md §4).
 
 Shapes: B sequences, Q queries per sequence (1 in NT mode, T in AR mode), C candidate slots, V vocab.
+
+Backends. The loss needs only the target entries, so the backends' ``target_cache_prob`` (``p_cache(y)`` at the
+targets) and ``target_log_prob`` work on ``[B, Q]`` values, and the ``[B, Q, V]`` arrays
+(:func:`cache_distribution`, :func:`mixture_log_probs`) are built only when a caller asks for full
+distributions. Logs of quantities that can be exactly 0 (an empty query's gate, a target the cache never saw)
+go through each backend's ``safe_log`` (``log 0 = -inf`` with a zero gradient), so their -inf never turns into
+a NaN gradient.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ def selection_score(query: np.ndarray, keys: np.ndarray, recency: np.ndarray, rh
     """Ranking score of every record for every query: ``q_t·k_s/√d + ρ·r_s``.
 
     query: ``[B, Q, d]``; keys: ``[B, T, d]``; recency: ``[T]``. Returns ``[B, Q, T]``. √d uses d_model.
+    The backends' routes never build this array; their ``selection_score`` is kept for tests.
     """
     d = query.shape[-1]
     return np.einsum("bqd,btd->bqt", query, keys) / np.sqrt(d) + rho * recency[None, None, :]
@@ -69,6 +77,12 @@ def candidate_scores(
 
     The route term is added for semantic and hybrid routes (``overlap`` ``[B, Q, T]`` given), to every
     slot including the hybrid's context slots. Returns ``[B, Q, C]`` (empty slots hold junk; mask them).
+
+    The backends take ``router_probs`` ``[B, T, S]`` and the queries' ``query_router_probs`` ``[B, Q, S]`` in
+    place of ``overlap`` and compute ``m_s = r̃_q·r̃_s`` for the selected slots only. Their recency may also be
+    ``[B, T]``, when the records of each sequence sit at their own positions (a receptive-field sub-sequence).
+    Their ``band``, a :class:`~pcaf_core.routing.ScoreBand` of the layout ``cand`` was read from (full-AR
+    queries), computes the products as blocked GEMMs instead of row gathers: the same values on the valid slots.
     """
     B, Q, d = query.shape
     idx = np.clip(cand.index, 0, None)
@@ -169,9 +183,16 @@ def target_log_prob(
 ) -> np.ndarray:
     """log p(y) of each target, ``[B, Q]``, as the loss uses it.
 
-    NT: the target entry of :func:`mixture_log_probs`, or with ``renormalise`` (reference PyTorch) the
-    target entry of its log-softmax over the vocabulary. AR with ``ar_floor`` (reference): computed in
-    probability space, ``log(max((1-λ)·exp(lp_y) + λ·p_cache(y), 1e-8))``; otherwise the exact log.
+    NT: the target entry of :func:`mixture_log_probs`, ``logaddexp(log(1-λ) + lp_y, log λ + log pc_y)``
+    (pc_y floored at 1e-6 under ``nt_floor``; gate terms per :func:`gate_log_weights`), or with
+    ``renormalise`` (reference PyTorch) the target entry of its log-softmax over the vocabulary. AR with
+    ``ar_floor`` (reference): computed in probability space, ``log(max((1-λ)·exp(lp_y) + λ·p_cache(y), 1e-8))``;
+    otherwise the exact log. ``gate``: ``[B, Q]`` masked λ (:func:`mask_gate`).
+
+    The backends take the target entries only: ``param_log_prob`` ``[B, Q]``, the parametric log-prob of the
+    target, and ``p_cache`` ``[B, Q]``, p_cache(target), in place of the ``[B, Q, V]`` arrays and ``targets``.
+    They have no ``renormalise``: the re-normalised NT loss needs the whole vocabulary
+    (:func:`renormalised_target_log_prob`).
     """
     if mode == "nt" and renormalise:
         mix = mixture_log_probs(param_log_probs, p_cache, gate, nt_floor=nt_floor, gate_per_term=gate_per_term)
@@ -188,7 +209,7 @@ def target_log_prob(
 
 
 def predictions(mixture_lp: np.ndarray, param_log_probs: np.ndarray, *, parametric_only: bool) -> np.ndarray:
-    """Predicted token per query, ``[B, Q]`` int64: argmax of the mixture, or of the parametric head
-    only (the reference's full-AR accuracy)."""
+    """Predicted token per query, ``[B, Q]`` int64: argmax (first maximum) of the mixture, or of the parametric
+    head only (the reference's full-AR accuracy). The backends take ``mixture_lp=None`` with ``parametric_only``."""
     src = param_log_probs if parametric_only else mixture_lp
     return np.argmax(src, axis=-1).astype(np.int64)

@@ -9,8 +9,49 @@ can be compared exactly:
 * dense semantic: descending ``m + 1e-4·ρ·r``, ties to the lower index;
 * empty slots last.
 
-The spec is written for clarity (dense loops over queries); backends compute the same candidates
-without T×T tensors where the route allows it.
+Selection yields integer indices only and is not differentiated; gradients flow through the scores of the
+selected slots, which the caller computes (:func:`pcaf_core.mixture.candidate_scores`).
+
+How the backends avoid T×T. The spec is written for clarity (dense loops over queries); the backends compute
+the same candidates, slot for slot, without T×T tensors where the route allows it (docs/KERNELS.md, "Sparse
+context routing: `recent` and `first`" and "`topk_score` without T×T, and why it is exact", gives the argument
+in full):
+
+* One sort per sequence by ``(address, position)`` lays every sequence out bucket by bucket, positions
+  ascending inside a bucket (a :class:`BucketLayout`). A query's earlier same-bucket records are exactly the
+  entries of its bucket segment before its own slot, so ``recent`` reads the K slots just before it and
+  ``first`` the first K slots of the segment: O(T log T) for the sort, O(Q·K) for the gathers. NT (one query
+  at T-1) and AR (every position) share the code, and the bucketed semantic route is the same over semantic
+  buckets.
+* ``topk_score`` scores only the M most recent same-bucket records of each query (:func:`topk_sparse_window`)
+  and keeps their top K. That is the spec's answer whenever the bucket holds at most M earlier records, or
+  when ρ >= 0 and the K-th best of the M scores strictly exceeds ``‖q‖·max‖k‖/√d + ρ·r_{s'}`` plus a rounding
+  margin, where s' is the most recent record left out: every record s'' older than the window scores at most
+  ``‖q‖·max‖k‖/√d + ρ·r_{s''} <= ‖q‖·max‖k‖/√d + ρ·r_{s'}`` (Cauchy-Schwarz; recency non-decreasing;
+  ``‖q‖·max‖k‖ <= 1`` for the models' unit vectors), so it ranks strictly below K records of the window. The
+  queries where neither holds are scored densely against all T records, in chunks of bounded size.
+* The dense semantic route is O(T²) by definition (every record is compared with every query); the backends
+  compute it a chunk of queries at a time.
+
+Backend keyword arguments. The backends' routes take keyword arguments the spec does not; they change how the
+candidates are computed, never which:
+
+* ``strategy`` (``topk_score``): ``"auto"`` (the default), the sparse window above with a dense pass for the
+  queries its proof does not cover; ``"dense"``, every query scored against all T records.
+* ``sparse_window``: M of the ``topk_score`` window (:func:`topk_sparse_window`: default 4K, at least K).
+* ``chunk_elements``: at most this many scores, overlaps or gathered elements exist at a time in a chunked
+  pass; ``None``: the device's default (each backend's ``ops.chunk_elements_for``).
+* ``query_layout``: ``"nt"`` states that ``query_pos`` is ``[T-1]``, ``"ar"`` that it is ``arange(T)`` (what
+  ``records.query_positions`` gives for the mode), checked against the number of queries; ``None`` states
+  nothing. With ``topk_score``, ``"ar"`` reads the window scores off blocked GEMMs in the sorted layout (each
+  backend's ``ops.banded_dot``) instead of gathering ``[Q, M, d]`` key rows; ``None`` or ``"nt"`` gathers, right
+  for any ``query_pos``.
+* ``layout``: a precomputed :class:`BucketLayout` of ``addresses`` (each backend's ``bucket_layout``), read
+  instead of sorting again.
+
+The backends' context route takes ``select`` (:class:`SelectionInputs`) in place of ``select_score``; their
+``route_context_topk_score`` routes the ``topk_score`` policy alone and also returns ``[B, Q]`` bool, True where
+a query took the dense pass.
 """
 
 from __future__ import annotations
@@ -58,7 +99,9 @@ class BucketLayout(NamedTuple):
     backends route from it.
 
     order: ``[B, T]`` position stored at each slot; rank: ``[B, T]`` slot of each position (the inverse
-    permutation); seg_start: ``[B, T]`` first slot of the bucket segment holding each slot.
+    permutation); seg_start: ``[B, T]`` first slot of the bucket segment holding each slot. Each backend's
+    ``bucket_layout`` builds it from ``[B, T]`` non-negative addresses: one O(T log T) sort per sequence by
+    ``(address, position)``.
     """
 
     order: Any
@@ -114,7 +157,9 @@ def route_context(
         top_k: K, the number of slots.
         policy: which K a full bucket keeps: ``topk_score`` (highest ``select_score``),
             ``recent`` (largest s) or ``first`` (smallest s).
-        select_score: ``[B, Q, T]`` float ranking score ``q_t·k_s/√d + ρ·r_s``; needed by ``topk_score``.
+        select_score: ``[B, Q, T]`` float ranking score ``q_t·k_s/√d + ρ·r_s``; needed by ``topk_score``. The
+            backends take ``select``, the :class:`SelectionInputs` it is computed from, and score only the
+            records the route needs (module docstring).
     Returns:
         :class:`Candidates` of width K.
     """
@@ -154,16 +199,20 @@ def route_semantic_dense(
 ) -> Candidates:
     """Dense semantic route: the K earlier records with the largest ``m_s + 1e-4·ρ·r_s``.
 
+    O(T²) by definition: every record is compared with every query.
+
     Args:
-        overlap: ``[B, Q, T]`` semantic overlap m (see :func:`semantic_overlap`).
+        overlap: ``[B, Q, T]`` semantic overlap m (see :func:`semantic_overlap`). The backends take the router
+            distributions ``router_probs`` ``[B, T, S]`` instead and compute m a chunk of queries at a time, at
+            most ``chunk_elements`` overlaps at once; ranking is not differentiated.
         recency: ``[T]`` recency of each record.
         rho: the learned recency scale ρ.
         query_pos: ``[Q]`` query positions.
         top_k: K.
         target_leak: reproduce the reference full-AR quirk (docs/REFERENCE_CODE.md §3.3): a query t < K, which has
             only t causal records, also receives the masked picks ``s = t, t+1, …, K-1`` (clipped to
-            T-1), marked valid. Slot ``s = t`` holds the target itself. Only meaningful in AR mode; in
-            NT mode every query has T-1 >= K records before it unless T is tiny.
+            T-1), marked valid: slot j >= t holds record j, so slot t holds the target itself. Only meaningful
+            in AR mode; in NT mode every query has T-1 >= K records before it unless T is tiny.
     Returns:
         :class:`Candidates` of width K.
     """

@@ -1,8 +1,5 @@
 """The address function in jnp, bit for bit equal to :mod:`pcaf_core.hashing`.
 
-``h_i = fold over the n tokens x_{i-n+1..i} (zero left-padding) of (h * 1_000_003 + v + 97) mod (2^31 - 1)``
-and the bucket ``a_i = (h_i * 1_000_003 + 97_531) mod B``.
-
 The backend runs with 32-bit integers (``jax_enable_x64`` off), so the normative int64 form cannot be
 written as in the spec. Every intermediate of the spec's formula is below 2^51, and the result only
 needs ``(x * 1_000_003 + c) mod m``, so it is computed exactly in uint32 by a modular multiply
@@ -67,15 +64,7 @@ def _shifted(x: jax.Array, shift: int) -> jax.Array:
 
 
 def context_hash(tokens: jax.Array, order: int, *, int32_wraparound: bool = False) -> jax.Array:
-    """Rolling context hash of every position.
-
-    Args:
-        tokens: ``[..., T]`` integer token ids in ``[0, 2^31)``.
-        order: context order n >= 1; position i hashes ``x_{i-n+1..i}`` oldest first, 0 left of the window.
-        int32_wraparound: compute in int32 with silent overflow (reference JAX) instead of exactly.
-    Returns:
-        ``[..., T]`` int32 hashes in ``[0, 2^31 - 1)``.
-    """
+    """See :func:`pcaf_core.hashing.context_hash`; token ids in ``[0, 2^31)``, int32 hashes."""
     if order < 1:
         raise ValueError(f"context order must be >= 1, got {order}")
     x = jnp.asarray(tokens).astype(jnp.int32)
@@ -95,14 +84,8 @@ def context_hash(tokens: jax.Array, order: int, *, int32_wraparound: bool = Fals
 
 
 def bucket_of(hashes: jax.Array, num_buckets: int, *, int32_wraparound: bool = False) -> jax.Array:
-    """Second hash to a bucket: ``(h * 1_000_003 + 97_531) mod B``.
-
-    Args:
-        hashes: ``[...]`` integer hashes in the int32 range (the output of :func:`context_hash`).
-        num_buckets: B, at most 2^31 (below 2^31 with ``int32_wraparound``).
-    Returns:
-        ``[...]`` int32 in ``[0, B)``.
-    """
+    """See :func:`pcaf_core.hashing.bucket_of`; ``hashes`` in the int32 range (the output of
+    :func:`context_hash`), ``num_buckets`` at most 2^31 (the 32-bit backend's limit), int32 buckets."""
     if num_buckets < 1:
         raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
     h = jnp.asarray(hashes).astype(jnp.int32)
@@ -116,6 +99,6 @@ def bucket_of(hashes: jax.Array, num_buckets: int, *, int32_wraparound: bool = F
 
 
 def addresses(tokens: jax.Array, order: int, num_buckets: int, *, int32_wraparound: bool = False) -> jax.Array:
-    """Bucket address of every position: ``[..., T]`` int32 in ``[0, B)``."""
+    """See :func:`pcaf_core.hashing.addresses`; int32."""
     h = context_hash(tokens, order, int32_wraparound=int32_wraparound)
     return bucket_of(h, num_buckets, int32_wraparound=int32_wraparound)

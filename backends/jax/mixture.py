@@ -1,13 +1,6 @@
-"""Scores → cache weights → p_cache; gate masking; the mixture and its accuracy (mirrors
-:mod:`pcaf_core.mixture` and :mod:`backends.torch.mixture`).
-
-Shapes: B sequences, Q queries per sequence (1 in NT mode, T in AR mode), C candidate slots, V vocab.
-The loss needs only the target entries, so :func:`target_cache_prob` and :func:`target_log_prob` work
-on ``[B, Q]`` values and the ``[B, Q, V]`` arrays (:func:`cache_distribution`,
-:func:`mixture_log_probs`) are built only when a caller asks for full distributions.
-
-Logs of quantities that can be exactly 0 (an empty query's gate, a target the cache never saw) go
-through :func:`safe_log`, so their -inf never turns into a NaN gradient.
+"""Scores → cache weights → p_cache; gate masking; the mixture and its accuracy in jnp, equal to
+:mod:`pcaf_core.mixture` (which also states the backends' target-entry loss path and :func:`safe_log`; mirrors
+:mod:`backends.torch.mixture`).
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ def safe_log(x: jax.Array) -> jax.Array:
 
 
 def selection_score(query: jax.Array, keys: jax.Array, recency: jax.Array, rho: float | jax.Array) -> jax.Array:
-    """Dense ranking score ``q_t·k_s/√d + ρ·r_s``, ``[B, Q, T]`` (the routes avoid it; kept for tests)."""
+    """See :func:`pcaf_core.mixture.selection_score`."""
     return jnp.einsum("bqd,btd->bqt", query, keys) / math.sqrt(query.shape[-1]) + rho * recency
 
 
@@ -46,16 +39,10 @@ def candidate_scores(
     *,
     band: ScoreBand | None = None,
 ) -> jax.Array:
-    """Score of each slot: ``q·k_s/√d + ρ·r_s [+ λ_sem·log(max(m_s, 1e-6))]``, ``[B, Q, C]``.
+    """See :func:`pcaf_core.mixture.candidate_scores` (the backends' form, with ``router_probs`` and ``band``).
 
-    query ``[B, Q, d]``, keys ``[B, T, d]``, recency ``[T]`` (or ``[B, T]`` when the records of each sequence
-    sit at their own positions, as in a receptive-field sub-sequence). The route term (semantic and hybrid
-    routes) needs ``router_probs`` ``[B, T, S]`` and the queries' ``query_router_probs`` ``[B, Q, S]``; the
-    overlap ``m_s = r̃_q·r̃_s`` is computed for the selected slots only. Empty slots hold junk; mask them.
-
-    ``band``: for full-AR queries, the :class:`ScoreBand` of the layout ``cand`` was read from; the products
-    are then blocked GEMMs (:func:`backends.jax.ops.banded_dot`, :func:`backends.jax.ops.band_gather_dot`)
-    instead of row gathers. Same values on the valid slots.
+    A band with a ``width`` (the ``topk_score`` window) reads the picks off the route's window
+    (:func:`backends.jax.ops.band_gather_dot`) at the route's ``HIGHEST`` precision.
     """
     idx = jnp.maximum(cand.index, 0)
     rec = recency[idx] if recency.ndim == 1 else batch_gather(recency, idx)
@@ -81,7 +68,7 @@ def candidate_scores(
 
 
 def cache_weights(scores: jax.Array, valid: jax.Array) -> jax.Array:
-    """α = softmax over the valid slots; all zeros where no slot is valid. ``[B, Q, C]``."""
+    """See :func:`pcaf_core.mixture.cache_weights`."""
     top = jax.lax.stop_gradient(jnp.max(jnp.where(valid, scores, MASKED_SCORE), axis=-1, keepdims=True))
     # exp(-inf) = 0 with a zero gradient: junk scores of empty slots never reach the softmax.
     e = jnp.exp(jnp.where(valid, scores - top, -jnp.inf))
@@ -90,7 +77,7 @@ def cache_weights(scores: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def cache_distribution(weights: jax.Array, cand_values: jax.Array, valid: jax.Array, vocab_size: int) -> jax.Array:
-    """``p_cache(y) = Σ_i α_i·1[v_i = y]``: ``[B, Q, V]`` from weights and slot values ``[B, Q, C]``."""
+    """See :func:`pcaf_core.mixture.cache_distribution`."""
     B, Q, _ = weights.shape
     b = jnp.arange(B)[:, None, None]
     q = jnp.arange(Q)[None, :, None]
@@ -99,18 +86,14 @@ def cache_distribution(weights: jax.Array, cand_values: jax.Array, valid: jax.Ar
 
 
 def target_cache_prob(weights: jax.Array, cand_values: jax.Array, valid: jax.Array, targets: jax.Array) -> jax.Array:
-    """``p_cache(y)`` at the targets only: ``[B, Q]``, without a ``[B, Q, V]`` array."""
+    """``p_cache(y)`` at the targets, ``[B, Q]`` (:mod:`pcaf_core.mixture`, "Backends")."""
     hit = valid & (cand_values == targets[..., None])
     return jnp.sum(jnp.where(hit, weights, 0.0), axis=-1)
 
 
 def mask_gate(raw_gate: jax.Array, any_valid: jax.Array, *, clip_when_empty: bool, per_term: bool = False
               ) -> jax.Array:
-    """Gate λ masked by "any valid candidate" and clipped to [1e-5, 1 - 1e-5]; ``[B, Q]``.
-
-    ``clip_when_empty`` (reference) clips after masking, so an empty query keeps λ = 1e-5; otherwise the
-    gate of an empty query is exactly 0. ``per_term``: returned unclipped (:func:`gate_log_weights`).
-    """
+    """See :func:`pcaf_core.mixture.mask_gate`."""
     lam = raw_gate * any_valid.astype(raw_gate.dtype)
     if per_term:
         return lam
@@ -119,8 +102,7 @@ def mask_gate(raw_gate: jax.Array, any_valid: jax.Array, *, clip_when_empty: boo
 
 
 def gate_log_weights(gate: jax.Array, *, per_term: bool) -> tuple[jax.Array, jax.Array]:
-    """``(log w_param, log w_cache)``: ``(log(1-λ), log λ)``, or with ``per_term`` (reference PyTorch NT)
-    ``(log1p(-min(λ, 1-1e-5)), log(max(λ, 1e-5)))``, each shaped like ``gate``."""
+    """See :func:`pcaf_core.mixture.gate_log_weights`."""
     if per_term:
         return jnp.log1p(-jnp.minimum(gate, 1.0 - GATE_CLIP)), jnp.log(jnp.maximum(gate, GATE_CLIP))
     return jnp.log1p(-gate), safe_log(gate)
@@ -128,18 +110,14 @@ def gate_log_weights(gate: jax.Array, *, per_term: bool) -> tuple[jax.Array, jax
 
 def mixture_log_probs(param_log_probs: jax.Array, p_cache: jax.Array, gate: jax.Array, *, nt_floor: bool,
                       gate_per_term: bool = False) -> jax.Array:
-    """``log[(1-λ)·p_param + λ·p_cache]`` over the vocabulary, ``[B, Q, V]``.
-
-    With ``nt_floor`` (reference NT) p_cache is floored at 1e-6 on every entry (unnormalised result).
-    """
+    """See :func:`pcaf_core.mixture.mixture_log_probs`."""
     log_keep, log_gate = gate_log_weights(gate[..., None], per_term=gate_per_term)
     cache = jnp.maximum(p_cache, NT_CACHE_FLOOR) if nt_floor else p_cache
     return jnp.logaddexp(log_keep + param_log_probs, log_gate + safe_log(cache))
 
 
 def renormalised_target_log_prob(mixture_lp: jax.Array, targets: jax.Array) -> jax.Array:
-    """``log_softmax(mixture_lp)[target]``, ``[B, Q]``: the reference PyTorch NT loss (a cross-entropy
-    over the unnormalised log-mixture ``[B, Q, V]``)."""
+    """See :func:`pcaf_core.mixture.renormalised_target_log_prob`."""
     picked = jnp.take_along_axis(mixture_lp, targets[..., None], axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(mixture_lp, axis=-1)
 
@@ -154,16 +132,7 @@ def target_log_prob(
     mode: str,
     gate_per_term: bool = False,
 ) -> jax.Array:
-    """log p(y) of each target as the loss uses it, ``[B, Q]``, from the target entries.
-
-    Args:
-        param_log_prob: ``[B, Q]`` parametric log-prob of the target; p_cache: ``[B, Q]`` p_cache(target);
-        gate: ``[B, Q]`` masked λ.
-    NT: ``logaddexp(log(1-λ) + lp_y, log λ + log pc_y)`` (pc_y floored at 1e-6 under ``nt_floor``; gate
-    terms per :func:`gate_log_weights`). AR with ``ar_floor`` (reference):
-    ``log(max((1-λ)·exp(lp_y) + λ·pc_y, 1e-8))``; otherwise the exact log. (The re-normalised NT loss
-    needs the whole vocabulary: :func:`renormalised_target_log_prob`.)
-    """
+    """See :func:`pcaf_core.mixture.target_log_prob` (the backends' form, from the target entries)."""
     if mode == "nt" and nt_floor:
         p_cache = jnp.maximum(p_cache, NT_CACHE_FLOOR)
     if mode == "ar" and ar_floor:
@@ -173,8 +142,7 @@ def target_log_prob(
 
 
 def predictions(mixture_lp: jax.Array | None, param_log_probs: jax.Array, *, parametric_only: bool) -> jax.Array:
-    """Predicted token per query, ``[B, Q]`` int32: argmax (first maximum) of the mixture, or of the
-    parametric head only (the reference's full-AR accuracy)."""
+    """See :func:`pcaf_core.mixture.predictions`; int32."""
     src = param_log_probs if parametric_only else mixture_lp
     if src is None:
         raise ValueError("mixture predictions need the mixture log-probs")

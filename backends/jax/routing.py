@@ -1,28 +1,19 @@
 """Candidate selection in jnp, equal to :mod:`pcaf_core.routing` slot for slot (mirrors :mod:`backends.torch.routing`).
 
-Every route returns :class:`Candidates`, ``index [B, Q, C]`` int32 (-1 = empty) and ``valid [B, Q, C]``
-bool, in the spec's slot order: ``topk_score`` by descending score with ties to the lower index,
-``recent`` most recent first, ``first`` earliest first, dense semantic by descending
-``m + 1e-4·ρ·r`` with ties to the lower index, empty slots last.
-
 All shapes are static: ``top_k``, ``policy``, ``strategy``, ``sparse_window``, ``chunk_elements`` and
 ``target_leak`` are Python values, the sequence length and the number of queries come from the array
 shapes, so every function traces once under ``jax.jit``. ``rho`` may be a traced scalar (a parameter).
+Candidate indices are int32.
 
-How the context route avoids T×T arrays (docs/KERNELS.md, "`topk_score` without T×T, and why it is exact",
-gives the argument in full; docs/JAX.md, "Routing with static shapes", the JAX form):
+The routes follow the backends' strategy that :mod:`pcaf_core.routing` states ("How the backends avoid T×T";
+docs/KERNELS.md, "`topk_score` without T×T, and why it is exact"), with the keyword arguments listed there; the
+JAX form (docs/JAX.md, "Routing with static shapes"):
 
-* One stable sort per sequence by ``(address, position)`` lays every sequence out bucket by bucket,
-  positions ascending inside a bucket (:func:`bucket_layout`). A query's earlier same-bucket records
-  are the entries of its bucket segment before its own slot, so ``recent`` reads the K slots just
-  before it and ``first`` the first K slots of the segment: O(T log T + Q·K).
-* ``topk_score`` scores only the M most recent same-bucket records and proves, query by query, that no
-  older record can enter the top K. If the proof fails for any query, ``jax.lax.cond`` runs a dense
-  pass over all T records for exactly those queries, compacted into fixed-size chunks (a loop of
-  ceil(n/chunk) steps; at most ``chunk_elements`` scores at a time).
-
-Selection yields integer indices only; its inputs pass through ``jax.lax.stop_gradient``, and
-gradients flow through the scores of the selected slots, computed by the caller.
+* the layout comes from one stable two-key sort per sequence by ``(address, position)`` (:func:`bucket_layout`);
+* if the ``topk_score`` proof fails for any query, ``jax.lax.cond`` runs a dense pass over all T records for
+  exactly those queries, compacted into fixed-size chunks (a loop of ceil(n/chunk) steps; at most
+  ``chunk_elements`` scores at a time);
+* selection inputs pass through ``jax.lax.stop_gradient``.
 """
 
 from __future__ import annotations
@@ -64,9 +55,8 @@ def _as_int32(x: jax.Array) -> jax.Array:
 
 
 def bucket_layout(addresses: jax.Array) -> BucketLayout:
-    """Sort ``[B, T]`` non-negative addresses by ``(address, position)``: one O(T log T) sort per sequence.
-
-    A two-key sort (positions are unique) rather than a combined ``address·T + position`` key, which
+    """The :class:`BucketLayout` of ``[B, T]`` non-negative addresses: one two-key sort per sequence by
+    ``(address, position)`` (positions are unique) rather than a combined ``address·T + position`` key, which
     would overflow int32 for large bucket counts.
     """
     addr = _as_int32(addresses)
@@ -210,28 +200,13 @@ def route_context_topk_score(
     chunk_elements: int | None = None,
     query_layout: str | None = None,
 ) -> tuple[Candidates, jax.Array]:
-    """``topk_score`` context route; also returns which queries took the dense path.
+    """The ``topk_score`` policy of :func:`route_context` alone, with the ``[B, Q]`` bool mask of the queries
+    that took the dense pass (:mod:`pcaf_core.routing`, "How the backends avoid T×T").
 
-    ``strategy="auto"``: score the M = ``sparse_window`` (default 4K, at least K) most recent
-    same-bucket records of each query and keep their top K. That is the spec's answer whenever the
-    bucket holds at most M earlier records, or when ρ >= 0 and the K-th best of the M scores strictly
-    exceeds ``‖q‖·max‖k‖/√d + ρ·r_{s'}`` plus a rounding margin, where s' is the most recent record
-    left out (Cauchy-Schwarz; recency non-decreasing). Queries where neither holds are routed densely:
-    if any exists, ``jax.lax.cond`` runs the dense pass over exactly those queries
-    (:func:`_dense_context_topk_for`, O(n·T) for n of them). ``strategy="dense"`` routes every query densely.
-
-    Args:
-        addresses: ``[B, T]`` int bucket addresses; query_pos: ``[Q]`` int query positions.
-        top_k: K (static); select: the ranking inputs (float32, or wider if given wider).
-        layout: a precomputed :func:`bucket_layout` of ``addresses`` (optional).
-        chunk_elements: at most this many scores / gathered elements exist at a time (None: the platform's,
-            :func:`backends.jax.ops.chunk_elements_for`).
-        query_layout: ``"ar"`` states that ``query_pos`` is ``arange(T)`` (the full-AR layout
-            ``records.query_positions`` gives); the window scores are then read off blocked GEMMs in the
-            sorted layout (:func:`backends.jax.ops.banded_dot`) instead of gathering ``[Q, M, d]`` key rows.
-            ``None`` or ``"nt"``: the gather path, right for any ``query_pos``.
-    Returns:
-        :class:`Candidates` of width K, and ``[B, Q]`` bool: True where the dense path was taken.
+    ``top_k``, ``strategy``, ``sparse_window`` and ``chunk_elements`` are static. ``select`` is scored in float32
+    (or wider if given wider) behind ``stop_gradient``. If any query is unproven, ``jax.lax.cond`` runs the dense
+    pass over exactly those queries (:func:`_dense_context_topk_for`, O(n·T) for n of them); ``strategy="dense"``
+    scores every query in fixed-size chunks.
     """
     if strategy not in TOPK_STRATEGIES:
         raise ValueError(f"topk_score strategy {strategy!r} is unknown: expected one of {list(TOPK_STRATEGIES)}")
@@ -309,19 +284,9 @@ def route_context(
     query_layout: str | None = None,
     layout: BucketLayout | None = None,
 ) -> Candidates:
-    """Context (exact-hash) route: earlier records in the query's bucket, at most K of them.
+    """See :func:`pcaf_core.routing.route_context`; keyword arguments as listed in :mod:`pcaf_core.routing`.
 
-    Args:
-        addresses: ``[B, T]`` int bucket address of every position (records and queries alike).
-        query_pos: ``[Q]`` int query positions; query t may read records s < t with ``a_s == a_t``.
-        top_k: K, the number of slots (static).
-        policy: which K a full bucket keeps (static): ``topk_score`` (highest ``q·k/√d + ρ·r``),
-            ``recent`` (largest s) or ``first`` (smallest s).
-        select: the ranking inputs; needed by ``topk_score``.
-        strategy, sparse_window, chunk_elements, query_layout, layout: see :func:`route_context_topk_score`.
-    Returns:
-        :class:`Candidates` of width K. No ``[T, T]`` array for ``recent``/``first``; for ``topk_score``
-        only the dense fallback branch scores all records, in bounded chunks.
+    ``top_k``, ``policy`` and every keyword argument but ``layout`` are static.
     """
     if policy not in CANDIDATE_POLICIES:
         raise ValueError(f"candidate policy {policy!r} is unknown: expected one of {list(CANDIDATE_POLICIES)}")
@@ -340,7 +305,7 @@ def route_context(
 
 
 def semantic_overlap(router_probs: jax.Array, query_pos: jax.Array) -> jax.Array:
-    """``m[b, q, s] = r̃_{t_q} · r̃_s``: ``[B, Q, T]`` from router probabilities ``[B, T, S]`` (dense)."""
+    """See :func:`pcaf_core.routing.semantic_overlap`; computed at ``HIGHEST`` precision."""
     return jnp.einsum("bqs,bts->bqt", jnp.take(router_probs, _as_int32(query_pos), axis=1), router_probs,
                       precision=_HIGHEST)
 
@@ -355,23 +320,10 @@ def route_semantic_dense(
     target_leak: bool = False,
     chunk_elements: int | None = None,
 ) -> Candidates:
-    """Dense semantic route: the K earlier records with the largest ``m_s + 1e-4·ρ·r_s``.
+    """See :func:`pcaf_core.routing.route_semantic_dense` (the backends' form, from ``router_probs``).
 
-    O(T²) work by definition (every record is compared with every query); computed in fixed-size
-    chunks of queries (``jax.lax.map``) so that at most ``chunk_elements`` overlaps exist at a time (None: the
-    platform's, :func:`backends.jax.ops.chunk_elements_for`).
-
-    Args:
-        router_probs: ``[B, T, S]`` router distributions (gradients are stopped: ranking is not
-            differentiated).
-        recency: ``[T]`` recency of each record.
-        rho: the recency scale ρ (float or scalar array).
-        query_pos: ``[Q]`` int query positions.
-        top_k: K (static).
-        target_leak: the reference full-AR quirk (static): a query t < K also receives the masked picks
-            ``s = t, t+1, …, min(K, T)-1`` in slots t.., marked valid (slot t holds the target itself).
-    Returns:
-        :class:`Candidates` of width K.
+    ``top_k``, ``target_leak`` and ``chunk_elements`` are static; ``rho`` may be a traced scalar. The inputs pass
+    through ``stop_gradient``, in at least float32; the chunks run in ``jax.lax.map``.
     """
     work = _work_dtype(jnp.result_type(router_probs))
     probs = jax.lax.stop_gradient(jnp.asarray(router_probs, work))
@@ -400,8 +352,7 @@ def route_semantic_dense(
 
 
 def semantic_buckets(router_probs: jax.Array) -> jax.Array:
-    """``[B, T]`` int32 semantic bucket of every position: argmax of the router distribution
-    (ties to the lower bucket: ``jnp.argmax`` returns the first maximum)."""
+    """See :func:`pcaf_core.routing.semantic_buckets`; int32 (``jnp.argmax`` returns the first maximum)."""
     return jnp.argmax(router_probs, axis=-1).astype(jnp.int32)
 
 
@@ -409,17 +360,13 @@ def route_semantic_bucketed(
     sem_buckets: jax.Array, query_pos: jax.Array, top_k: int, *, query_layout: str | None = None,
     layout: BucketLayout | None = None,
 ) -> Candidates:
-    """Bucketed semantic route: the K most recent earlier records with the query's semantic bucket
-    (``query_layout``, ``layout``: see :func:`route_context_topk_score`)."""
+    """See :func:`pcaf_core.routing.route_semantic_bucketed`; ``query_layout``, ``layout``: as in
+    :func:`route_context`."""
     return route_context(sem_buckets, query_pos, top_k, "recent", query_layout=query_layout, layout=layout)
 
 
 def combine_hybrid(context: Candidates, semantic: Candidates, *, dedup: bool) -> Candidates:
-    """Hybrid route: ``[context slots, semantic slots]`` (width 2K).
-
-    Without ``dedup`` (the reference) a record picked by both routes holds two slots. With ``dedup`` a
-    semantic slot whose record is already a valid context slot of the same query is emptied.
-    """
+    """See :func:`pcaf_core.routing.combine_hybrid`."""
     if not dedup:
         return Candidates(jnp.concatenate([context.index, semantic.index], axis=-1),
                           jnp.concatenate([context.valid, semantic.valid], axis=-1))
@@ -430,8 +377,5 @@ def combine_hybrid(context: Candidates, semantic: Candidates, *, dedup: bool) ->
 
 
 def gather_records(values: jax.Array, cand: Candidates) -> jax.Array:
-    """Gather per-position arrays at candidate slots.
-
-    values: ``[B, T, ...]``; returns ``[B, Q, C, ...]`` (empty slots read position 0; mask with ``valid``).
-    """
+    """See :func:`pcaf_core.routing.gather_records`."""
     return batch_gather(values, jnp.maximum(cand.index, 0))

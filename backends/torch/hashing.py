@@ -1,8 +1,5 @@
 """The address function in torch, bit for bit equal to :mod:`pcaf_core.hashing`.
 
-``h_i = fold over the n tokens x_{i-n+1..i} (zero left-padding) of (h * 1_000_003 + v + 97) mod (2^31 - 1)``
-and the bucket ``a_i = (h_i * 1_000_003 + 97_531) mod B``.
-
 The int32 wrap-around variant (the reference JAX code) is computed exactly in int64 and wrapped to
 int32 once per step: modular arithmetic makes "wrap after every operation" equal to "wrap the exact
 result", and this avoids relying on signed-overflow behaviour of any particular device kernel.
@@ -25,15 +22,7 @@ def wrap_int32(x: torch.Tensor) -> torch.Tensor:
 
 
 def context_hash(tokens: torch.Tensor, order: int, *, int32_wraparound: bool = False) -> torch.Tensor:
-    """Rolling context hash of every position.
-
-    Args:
-        tokens: ``[..., T]`` integer token ids.
-        order: context order n >= 1; position i hashes ``x_{i-n+1..i}`` oldest first, 0 left of the window.
-        int32_wraparound: reproduce int32 arithmetic with silent overflow (reference JAX).
-    Returns:
-        ``[..., T]`` int64 hashes in ``[0, 2^31 - 1)``.
-    """
+    """See :func:`pcaf_core.hashing.context_hash`."""
     if order < 1:
         raise ValueError(f"context order must be >= 1, got {order}")
     x = tokens.to(torch.int64)
@@ -53,7 +42,7 @@ def context_hash(tokens: torch.Tensor, order: int, *, int32_wraparound: bool = F
 
 
 def bucket_of(hashes: torch.Tensor, num_buckets: int, *, int32_wraparound: bool = False) -> torch.Tensor:
-    """Second hash to a bucket: ``(h * 1_000_003 + 97_531) mod B``; ``[...]`` int64 in ``[0, B)``."""
+    """See :func:`pcaf_core.hashing.bucket_of`."""
     if num_buckets < 1:
         raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
     h = hashes.to(torch.int64)
@@ -68,6 +57,6 @@ def bucket_of(hashes: torch.Tensor, num_buckets: int, *, int32_wraparound: bool 
 def addresses(
     tokens: torch.Tensor, order: int, num_buckets: int, *, int32_wraparound: bool = False
 ) -> torch.Tensor:
-    """Bucket address of every position: ``[..., T]`` int64 in ``[0, B)``."""
+    """See :func:`pcaf_core.hashing.addresses`."""
     h = context_hash(tokens, order, int32_wraparound=int32_wraparound)
     return bucket_of(h, num_buckets, int32_wraparound=int32_wraparound)

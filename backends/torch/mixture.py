@@ -1,13 +1,5 @@
-"""Scores → cache weights → p_cache; gate masking; the mixture and its accuracy (mirrors
-:mod:`pcaf_core.mixture`).
-
-Shapes: B sequences, Q queries per sequence (1 in NT mode, T in AR mode), C candidate slots, V vocab.
-The loss needs only the target entries, so :func:`target_cache_prob` and :func:`target_log_prob` work
-on ``[B, Q]`` values and the ``[B, Q, V]`` tensors (:func:`cache_distribution`,
-:func:`mixture_log_probs`) are built only when a caller asks for full distributions.
-
-Logs of quantities that can be exactly 0 (an empty query's gate, a target the cache never saw) go
-through :func:`safe_log`, so their -inf never turns into a NaN gradient.
+"""Scores → cache weights → p_cache; gate masking; the mixture and its accuracy in torch, equal to
+:mod:`pcaf_core.mixture` (which also states the backends' target-entry loss path and :func:`safe_log`).
 """
 
 from __future__ import annotations
@@ -30,7 +22,7 @@ def safe_log(x: torch.Tensor) -> torch.Tensor:
 
 def selection_score(query: torch.Tensor, keys: torch.Tensor, recency: torch.Tensor, rho: float | torch.Tensor
                     ) -> torch.Tensor:
-    """Dense ranking score ``q_t·k_s/√d + ρ·r_s``, ``[B, Q, T]`` (the routes avoid it; kept for tests)."""
+    """See :func:`pcaf_core.mixture.selection_score`."""
     return query @ keys.transpose(1, 2) / math.sqrt(query.shape[-1]) + rho * recency
 
 
@@ -46,17 +38,9 @@ def candidate_scores(
     *,
     band: ScoreBand | None = None,
 ) -> torch.Tensor:
-    """Score of each slot: ``q·k_s/√d + ρ·r_s [+ λ_sem·log(max(m_s, 1e-6))]``, ``[B, Q, C]``.
+    """See :func:`pcaf_core.mixture.candidate_scores` (the backends' form, with ``router_probs`` and ``band``).
 
-    query ``[B, Q, d]``, keys ``[B, T, d]``, recency ``[T]`` (or ``[B, T]`` when the records of each sequence
-    sit at their own positions, as in a receptive-field sub-sequence). The route term (semantic and hybrid
-    routes) needs ``router_probs`` ``[B, T, S]`` and the queries' ``query_router_probs`` ``[B, Q, S]``; the
-    overlap ``m_s = r̃_q·r̃_s`` is computed for the selected slots only. Empty slots hold junk; mask them.
-
-    ``band``: for full-AR queries whose slot c is each query's (c+1)-th sorted predecessor in the layout
-    ``cand`` was read from (the ``recent`` context and bucketed semantic routes: ``ScoreBand(layout)``), the
-    products are blocked GEMMs (:func:`backends.torch.ops.banded_dot`) instead of row gathers. Same values
-    on the valid slots. A band with a ``width`` (the ``topk_score`` window) is refused.
+    A band with a ``width`` (the ``topk_score`` window) is refused: torch scores those picks by gathering.
     """
     idx = cand.index.clamp(min=0)
     rec = recency[idx] if recency.dim() == 1 else batch_gather(recency, idx)
@@ -82,7 +66,7 @@ def candidate_scores(
 
 
 def cache_weights(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """α = softmax over the valid slots; all zeros where no slot is valid. ``[B, Q, C]``."""
+    """See :func:`pcaf_core.mixture.cache_weights`."""
     top = torch.where(valid, scores, torch.full_like(scores, MASKED_SCORE)).amax(-1, keepdim=True).detach()
     # exp(-inf) = 0 with a zero gradient: junk scores of empty slots never reach the softmax.
     e = torch.exp(torch.where(valid, scores - top, torch.full_like(scores, -math.inf)))
@@ -92,7 +76,7 @@ def cache_weights(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def cache_distribution(weights: torch.Tensor, cand_values: torch.Tensor, valid: torch.Tensor, vocab_size: int
                        ) -> torch.Tensor:
-    """``p_cache(y) = Σ_i α_i·1[v_i = y]``: ``[B, Q, V]`` from weights and slot values ``[B, Q, C]``."""
+    """See :func:`pcaf_core.mixture.cache_distribution`."""
     B, Q, _ = weights.shape
     p = weights.new_zeros(B, Q, vocab_size)
     return p.scatter_add(-1, cand_values.clamp(min=0), torch.where(valid, weights, torch.zeros_like(weights)))
@@ -100,18 +84,14 @@ def cache_distribution(weights: torch.Tensor, cand_values: torch.Tensor, valid: 
 
 def target_cache_prob(weights: torch.Tensor, cand_values: torch.Tensor, valid: torch.Tensor, targets: torch.Tensor
                       ) -> torch.Tensor:
-    """``p_cache(y)`` at the targets only: ``[B, Q]``, without a ``[B, Q, V]`` tensor."""
+    """``p_cache(y)`` at the targets, ``[B, Q]`` (:mod:`pcaf_core.mixture`, "Backends")."""
     hit = valid & (cand_values == targets[..., None])
     return torch.where(hit, weights, torch.zeros_like(weights)).sum(-1)
 
 
 def mask_gate(raw_gate: torch.Tensor, any_valid: torch.Tensor, *, clip_when_empty: bool, per_term: bool = False
               ) -> torch.Tensor:
-    """Gate λ masked by "any valid candidate" and clipped to [1e-5, 1 - 1e-5]; ``[B, Q]``.
-
-    ``clip_when_empty`` (reference) clips after masking, so an empty query keeps λ = 1e-5; otherwise the
-    gate of an empty query is exactly 0. ``per_term``: returned unclipped (:func:`gate_log_weights`).
-    """
+    """See :func:`pcaf_core.mixture.mask_gate`."""
     lam = raw_gate * any_valid.to(raw_gate.dtype)
     if per_term:
         return lam
@@ -120,8 +100,7 @@ def mask_gate(raw_gate: torch.Tensor, any_valid: torch.Tensor, *, clip_when_empt
 
 
 def gate_log_weights(gate: torch.Tensor, *, per_term: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log w_param, log w_cache)``: ``(log(1-λ), log λ)``, or with ``per_term`` (reference PyTorch NT)
-    ``(log1p(-min(λ, 1-1e-5)), log(max(λ, 1e-5)))``, each shaped like ``gate``."""
+    """See :func:`pcaf_core.mixture.gate_log_weights`."""
     if per_term:
         return torch.log1p(-torch.clamp(gate, max=1.0 - GATE_CLIP)), torch.log(torch.clamp(gate, min=GATE_CLIP))
     return torch.log1p(-gate), safe_log(gate)
@@ -129,18 +108,14 @@ def gate_log_weights(gate: torch.Tensor, *, per_term: bool) -> tuple[torch.Tenso
 
 def mixture_log_probs(param_log_probs: torch.Tensor, p_cache: torch.Tensor, gate: torch.Tensor, *, nt_floor: bool,
                       gate_per_term: bool = False) -> torch.Tensor:
-    """``log[(1-λ)·p_param + λ·p_cache]`` over the vocabulary, ``[B, Q, V]``.
-
-    With ``nt_floor`` (reference NT) p_cache is floored at 1e-6 on every entry (unnormalised result).
-    """
+    """See :func:`pcaf_core.mixture.mixture_log_probs`."""
     log_keep, log_gate = gate_log_weights(gate[..., None], per_term=gate_per_term)
     cache = torch.clamp(p_cache, min=NT_CACHE_FLOOR) if nt_floor else p_cache
     return torch.logaddexp(log_keep + param_log_probs, log_gate + safe_log(cache))
 
 
 def renormalised_target_log_prob(mixture_lp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(mixture_lp)[target]``, ``[B, Q]``: the reference PyTorch NT loss (a cross-entropy
-    over the unnormalised log-mixture ``[B, Q, V]``)."""
+    """See :func:`pcaf_core.mixture.renormalised_target_log_prob`."""
     return mixture_lp.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(mixture_lp, dim=-1)
 
 
@@ -154,16 +129,7 @@ def target_log_prob(
     mode: str,
     gate_per_term: bool = False,
 ) -> torch.Tensor:
-    """log p(y) of each target as the loss uses it, ``[B, Q]``, from the target entries.
-
-    Args:
-        param_log_prob: ``[B, Q]`` parametric log-prob of the target; p_cache: ``[B, Q]`` p_cache(target);
-        gate: ``[B, Q]`` masked λ.
-    NT: ``logaddexp(log(1-λ) + lp_y, log λ + log pc_y)`` (pc_y floored at 1e-6 under ``nt_floor``; gate
-    terms per :func:`gate_log_weights`). AR with ``ar_floor`` (reference):
-    ``log(max((1-λ)·exp(lp_y) + λ·pc_y, 1e-8))``; otherwise the exact log. (The re-normalised NT loss
-    needs the whole vocabulary: :func:`renormalised_target_log_prob`.)
-    """
+    """See :func:`pcaf_core.mixture.target_log_prob` (the backends' form, from the target entries)."""
     if mode == "nt" and nt_floor:
         p_cache = torch.clamp(p_cache, min=NT_CACHE_FLOOR)
     if mode == "ar" and ar_floor:
@@ -174,8 +140,7 @@ def target_log_prob(
 
 def predictions(mixture_lp: torch.Tensor | None, param_log_probs: torch.Tensor, *, parametric_only: bool
                 ) -> torch.Tensor:
-    """Predicted token per query, ``[B, Q]`` int64: argmax (first maximum) of the mixture, or of the
-    parametric head only (the reference's full-AR accuracy)."""
+    """See :func:`pcaf_core.mixture.predictions`."""
     src = param_log_probs if parametric_only else mixture_lp
     if src is None:
         raise ValueError("mixture predictions need the mixture log-probs")

@@ -1,23 +1,18 @@
 """Candidate selection in torch, equal to :mod:`pcaf_core.routing` slot for slot.
 
-Every route returns :class:`Candidates`, ``index [B, Q, C]`` int64 (-1 = empty) and ``valid [B, Q, C]``
-bool, in the spec's slot order: ``topk_score`` by descending score with ties to the lower index,
-``recent`` most recent first, ``first`` earliest first, dense semantic by descending
-``m + 1e-4·ρ·r`` with ties to the lower index, empty slots last.
+The routes follow the backends' strategy that :mod:`pcaf_core.routing` states ("How the backends avoid T×T";
+docs/KERNELS.md, "Sparse context routing: `recent` and `first`" and "`topk_score` without T×T, and why it is
+exact"), with the keyword arguments listed there. In torch:
 
-How the context route avoids T×T tensors (docs/KERNELS.md, "Sparse context routing" and "`topk_score` without
-T×T, and why it is exact", gives the argument in full):
+* the layout comes from one sort of the unique key ``address·T + position`` (:func:`bucket_layout`); on CUDA
+  tensors the Triton kernels of :mod:`backends.torch.kernels` select ``recent`` and ``first`` by default
+  (``kernels=`` of :func:`route_context`);
+* the ``topk_score`` dense pass loops over the unproven queries in bounded chunks and selects with
+  :func:`topk_rows`;
+* selection runs in at least float32 with autocast off, so bf16/fp16 rounding neither swamps the proof's
+  margins nor changes the ranking.
 
-* One sort of the key ``address·T + position`` lays every sequence out bucket by bucket, positions
-  ascending inside a bucket (:func:`bucket_layout`). A query's earlier same-bucket records are exactly
-  the entries of its bucket segment before its own slot, so ``recent`` reads the K slots just before
-  it and ``first`` the first K slots of the segment: O(T log T) for the sort, O(Q·K) for the gathers.
-  NT (one query at T-1) and AR (every position) share the code.
-* ``topk_score`` scores only the M most recent same-bucket records (M >= K) and proves, query by
-  query, that no older record can enter the top K; the queries where the proof fails are routed by a
-  dense computation over all T records, chunked over queries so memory stays bounded.
-
-Selection yields integer indices only; gradients flow through the scores of the selected slots.
+Candidate indices are int64.
 """
 
 from __future__ import annotations
@@ -57,7 +52,8 @@ def _empty(batch: int, n_queries: int, width: int, device: torch.device) -> Cand
 
 
 def bucket_layout(addresses: torch.Tensor) -> BucketLayout:
-    """Sort ``[B, T]`` non-negative addresses by ``(address, position)``: one O(T log T) sort per sequence."""
+    """The :class:`BucketLayout` of ``[B, T]`` non-negative addresses: one sort per sequence of the unique key
+    ``address·T + position``."""
     B, T = addresses.shape
     pos = torch.arange(T, device=addresses.device)
     # address·T + position is unique per sequence, so the sort is deterministic and keeps positions
@@ -209,24 +205,11 @@ def route_context_topk_score(
     chunk_elements: int | None = None,
     query_layout: str | None = None,
 ) -> tuple[Candidates, torch.Tensor]:
-    """``topk_score`` context route; also returns which queries took the dense path.
+    """The ``topk_score`` policy of :func:`route_context` alone, with the ``[B, Q]`` bool mask of the queries
+    that took the dense pass (:mod:`pcaf_core.routing`, "How the backends avoid T×T").
 
-    ``strategy="auto"``: score the M = ``sparse_window`` (default 4K, at least K) most recent
-    same-bucket records of each query and keep their top K. That is the spec's answer whenever the
-    bucket holds at most M earlier records, or when (ρ >= 0 and) the K-th best of the M scores
-    strictly exceeds ``‖q‖·max‖k‖/√d + ρ·r_{s'}`` plus a rounding margin, where s' is the most recent
-    record left out: every record s'' older than the window scores at most
-    ``‖q‖·max‖k‖/√d + ρ·r_{s''} <= ‖q‖·max‖k‖/√d + ρ·r_{s'}`` (Cauchy-Schwarz; recency non-decreasing;
-    ``‖q‖·max‖k‖ <= 1`` for the models' unit vectors), so it ranks strictly below K records of the window.
-    Queries where neither holds are routed densely. ``strategy="dense"`` routes every query densely.
-
-    ``layout``: a precomputed :func:`bucket_layout` of ``addresses`` (optional). ``query_layout="ar"`` states
-    that ``query_pos`` is ``arange(T)`` (what ``records.query_positions`` gives in full AR); the window scores
-    are then read off blocked GEMMs in the sorted layout (:func:`backends.torch.ops.banded_dot`) instead of
-    gathering ``[Q, M, d]`` key rows. ``None`` or ``"nt"``: the gather path, right for any ``query_pos``.
-
-    Returns:
-        :class:`Candidates` of width K, and ``[B, Q]`` bool: True where the dense path was taken.
+    ``select`` is promoted to at least float32 and scored with autocast off. The dense pass scores the unproven
+    queries in chunks of at most ``chunk_elements`` scores and selects with :func:`topk_rows`.
     """
     if strategy not in TOPK_STRATEGIES:
         raise ValueError(f"topk_score strategy {strategy!r} is unknown: expected one of {list(TOPK_STRATEGIES)}")
@@ -310,28 +293,15 @@ def route_context(
     query_layout: str | None = None,
     layout: BucketLayout | None = None,
 ) -> Candidates:
-    """Context (exact-hash) route: earlier records in the query's bucket, at most K of them.
+    """See :func:`pcaf_core.routing.route_context`; keyword arguments as listed in :mod:`pcaf_core.routing`.
 
     Args:
-        addresses: ``[B, T]`` int64 bucket address of every position (records and queries alike).
-        query_pos: ``[Q]`` int64 query positions; query t may read records s < t with ``a_s == a_t``.
-        top_k: K, the number of slots.
-        policy: which K a full bucket keeps: ``topk_score`` (highest ``q·k/√d + ρ·r``),
-            ``recent`` (largest s) or ``first`` (smallest s).
-        select: the ranking inputs; needed by ``topk_score``.
-        strategy, sparse_window: see :func:`route_context_topk_score`.
-        kernels: select ``recent``/``first`` candidates with the Triton kernels of
-            :mod:`backends.torch.kernels` (same candidates, tested); ``None`` = on CUDA tensors only.
-        query_layout: ``"nt"`` when ``query_pos`` is ``[T-1]``, ``"ar"`` when it is ``arange(T)`` (what
-            ``records.query_positions`` gives for the mode), so the kernels are chosen without reading
-            ``query_pos`` back from the device; ``None`` reads it. With ``topk_score``, ``"ar"`` also scores
-            the window with blocked GEMMs (:func:`route_context_topk_score`).
-        layout: a precomputed :func:`bucket_layout` of ``addresses``: the route reads it instead of sorting
-            again, and the kernels are not used (a caller that scores the candidates off the layout's band,
+        kernels: select ``recent``/``first`` candidates with the Triton kernels of :mod:`backends.torch.kernels`
+            (same candidates, tested); ``None`` = on CUDA tensors only (:func:`kernels_by_default`).
+        query_layout: also chooses the kernel without reading ``query_pos`` back from the device; ``None``
+            reads it (a device sync and, compiled, a graph break).
+        layout: when given, the kernels are not used (a caller that scores the candidates off the layout's band,
             :func:`backends.torch.ops.banded_dot`, needs the layout anyway).
-    Returns:
-        :class:`Candidates` of width K. No ``[T, T]`` tensor for ``recent``/``first``; for ``topk_score``
-        only the queries the sparse proof does not cover are scored densely, in bounded chunks.
     """
     if policy not in CANDIDATE_POLICIES:
         raise ValueError(f"candidate policy {policy!r} is unknown: expected one of {list(CANDIDATE_POLICIES)}")
@@ -389,7 +359,7 @@ def _kernel_candidates(
 
 
 def semantic_overlap(router_probs: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
-    """``m[b, q, s] = r̃_{t_q} · r̃_s``: ``[B, Q, T]`` from router probabilities ``[B, T, S]`` (dense)."""
+    """See :func:`pcaf_core.routing.semantic_overlap`."""
     return router_probs[:, query_pos] @ router_probs.transpose(1, 2)
 
 
@@ -403,21 +373,10 @@ def route_semantic_dense(
     target_leak: bool = False,
     chunk_elements: int | None = None,
 ) -> Candidates:
-    """Dense semantic route: the K earlier records with the largest ``m_s + 1e-4·ρ·r_s``.
+    """See :func:`pcaf_core.routing.route_semantic_dense` (the backends' form, from ``router_probs``).
 
-    O(T²) by definition (every record is compared with every query); computed in chunks of queries so
-    that at most ``chunk_elements`` overlaps exist at a time.
-
-    Args:
-        router_probs: ``[B, T, S]`` router distributions (detached: ranking is not differentiated).
-        recency: ``[T]`` recency of each record.
-        rho: the recency scale ρ.
-        query_pos: ``[Q]`` query positions.
-        top_k: K.
-        target_leak: the reference full-AR quirk: a query t < K also receives the masked picks
-            ``s = t, t+1, …, min(K, T)-1`` in slots t.., marked valid (slot t holds the target itself).
-    Returns:
-        :class:`Candidates` of width K.
+    ``router_probs`` come detached from the caller; selection runs in at least float32 with autocast off, and
+    ``rho`` is read as a Python float.
     """
     with _autocast_off(router_probs.device):
         work = torch.promote_types(router_probs.dtype, torch.float32)
@@ -458,8 +417,7 @@ def _route_semantic_dense(
 
 
 def semantic_buckets(router_probs: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` int64 semantic bucket of every position: argmax of the router distribution
-    (ties to the lower bucket: ``torch.argmax`` returns the first maximum)."""
+    """See :func:`pcaf_core.routing.semantic_buckets` (``torch.argmax`` returns the first maximum)."""
     return torch.argmax(router_probs, dim=-1).to(torch.int64)
 
 
@@ -467,17 +425,13 @@ def route_semantic_bucketed(
     sem_buckets: torch.Tensor, query_pos: torch.Tensor, top_k: int, *, query_layout: str | None = None,
     layout: BucketLayout | None = None,
 ) -> Candidates:
-    """Bucketed semantic route: the K most recent earlier records with the query's semantic bucket
-    (``query_layout``, ``layout``: see :func:`route_context`)."""
+    """See :func:`pcaf_core.routing.route_semantic_bucketed`; ``query_layout``, ``layout``: as in
+    :func:`route_context`."""
     return route_context(sem_buckets, query_pos, top_k, "recent", query_layout=query_layout, layout=layout)
 
 
 def combine_hybrid(context: Candidates, semantic: Candidates, *, dedup: bool) -> Candidates:
-    """Hybrid route: ``[context slots, semantic slots]`` (width 2K).
-
-    Without ``dedup`` (the reference) a record picked by both routes holds two slots. With ``dedup`` a
-    semantic slot whose record is already a valid context slot of the same query is emptied.
-    """
+    """See :func:`pcaf_core.routing.combine_hybrid`."""
     index = torch.cat([context.index, semantic.index], dim=-1)
     valid = torch.cat([context.valid, semantic.valid], dim=-1)
     if dedup:
@@ -490,8 +444,5 @@ def combine_hybrid(context: Candidates, semantic: Candidates, *, dedup: bool) ->
 
 
 def gather_records(values: torch.Tensor, cand: Candidates) -> torch.Tensor:
-    """Gather per-position arrays at candidate slots.
-
-    values: ``[B, T, ...]``; returns ``[B, Q, C, ...]`` (empty slots read position 0; mask with ``valid``).
-    """
+    """See :func:`pcaf_core.routing.gather_records`."""
     return batch_gather(values, cand.index.clamp(min=0))
