@@ -2,6 +2,18 @@
 
 ``forward(params, tokens, model, memory, profile, mode, targets)`` is the oracle every backend is tested
 against. NumPy, float64 unless the parameters are float32.
+
+The models of :data:`pcaf_core.config.MODEL_VARIANTS`:
+
+* conv backbone (:func:`conv_stack`): embedding + causal conv blocks + parametric head, and for ``pcaf`` /
+  ``pcaf_no_gate`` the associative memory (context, semantic or hybrid route, :func:`memory_read`) mixed in by
+  a gate. ``pcaf_no_cache`` and ``local_conv`` are the same network with the cache path off (their unused
+  memory/gate/router parameters exist where the profile says the reference carried them).
+* Transformers (:func:`transformer_stack`): dense / local / global-local softmax attention or linear attention.
+
+Training mode (backends only) adds the profile's dropout where the reference PyTorch code has it: after the
+GELU of the block MLP and of the head, on each residual branch, and on the softmax attention weights (linear
+attention forms no attention matrix and has none).
 """
 
 from __future__ import annotations
@@ -31,13 +43,14 @@ def gelu(x: np.ndarray, form: str) -> np.ndarray:
 
 
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """LayerNorm over the last axis: ``(x - mean) / sqrt(var + 1e-5)·weight + bias``, two-pass (biased) variance."""
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)
     return (x - mu) / np.sqrt(var + LN_EPS) * weight + bias
 
 
 def l2_normalize(x: np.ndarray, form: str) -> np.ndarray:
-    """``rsqrt_eps``: ``x·rsqrt(Σx² + 1e-6)`` (JAX); ``max_eps``: ``x / max(‖x‖, 1e-12)`` (torch)."""
+    """``rsqrt_eps``: ``x·rsqrt(Σx² + 1e-6)`` (JAX); ``max_eps``: ``x / max(‖x‖, 1e-12)`` (torch ``F.normalize``)."""
     sq = (x * x).sum(-1, keepdims=True)
     if form == "rsqrt_eps":
         return x / np.sqrt(sq + 1e-6)
@@ -54,13 +67,17 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def linear(p: dict[str, np.ndarray], name: str, x: np.ndarray) -> np.ndarray:
+    """``x @ weight + bias`` of the canonical Linear ``name``: weight ``[in, out]``, bias ``[out]`` optional."""
     y = x @ p[f"{name}.weight"]
     bias = p.get(f"{name}.bias")
     return y if bias is None else y + bias
 
 
 def causal_depthwise_conv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    """``out_t = Σ_lag w[lag]·x_{t-lag} + b`` with zeros left of the window. x ``[B, T, d]``, w ``[k, d]``."""
+    """Causal depthwise conv ``out_t = Σ_lag w[lag]·x_{t-lag} + b`` with zeros left of the window.
+
+    x ``[B, T, d]``; weight ``[k, d]`` indexed by lag (the canonical layout); bias ``[d]``. Returns ``[B, T, d]``.
+    """
     out = np.zeros_like(x) + bias
     T = x.shape[1]
     for lag in range(weight.shape[0]):
@@ -74,7 +91,18 @@ def mlp(p: dict[str, np.ndarray], prefix: str, x: np.ndarray, gelu_form: str) ->
 
 
 def conv_stack(p: dict[str, np.ndarray], x: np.ndarray, model: ModelConfig, gelu_form: str) -> np.ndarray:
-    """Pre-LN residual blocks ``x += W2·GELU(W1·conv(LN x))``. ``[B, T, d] -> [B, T, d]``."""
+    """Pre-LN residual blocks ``x += W2·GELU(W1·conv(LN x))``: ``[B, T, d] -> [B, T, d]``.
+
+    The conv is :func:`causal_depthwise_conv`. Receptive field: the final state at position t depends on the
+    tokens at ``t-R+1 .. t`` only, ``R = n_layers·(k - 1) + 1``; positions before the window's start feed zeros
+    to every conv (the left padding). Backends compute next-token forwards from receptive fields
+    (``nt_receptive_field``): a prediction reads the query's final state and the keys of its C candidate slots
+    (K, 2K for the hybrid route; none without a cache), so they compute ``B·(1 + C)·R`` positions instead of
+    ``B·T``. Routes that select from the tokens alone (``recent`` / ``first`` context routes) select first;
+    routes that rank by states (``topk_score``, the semantic routes) select on a full forward without
+    gradients, then recompute the selected states with gradients. Same outputs as the full forward up to float
+    rounding (dropout draws its masks for the computed positions only).
+    """
     for i in range(model.n_layers):
         pre = f"blocks.{i}"
         y = layer_norm(x, p[f"{pre}.norm.weight"], p[f"{pre}.norm.bias"])
@@ -117,7 +145,7 @@ def nt_attention_crop(model: ModelConfig, seq_len: int) -> tuple[int, int] | Non
     sub-window's last state equals the full window's (:func:`hidden_states` with ``positions``); the positions
     whose windows the cut truncates feed nothing the prediction reads. Next-token training and evaluation
     compute this sub-window only (``nt_receptive_field`` in the backends): the same loss and gradients, at
-    ``(g + R) / T`` of the work.
+    ``(g + R) / T`` of the work (up to float rounding; dropout draws its masks for the computed positions only).
     """
     if model.variant not in ("transformer_local", "transformer_global_local"):
         return None
@@ -149,11 +177,23 @@ def _split_heads(x: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def elu_plus_one(x: np.ndarray) -> np.ndarray:
+    """``φ(x) = elu(x) + 1``, as ``exp(x)`` for x <= 0: exact for very negative x (no ``expm1 + 1``)."""
     return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
 
 
 def attention(p: dict[str, np.ndarray], prefix: str, x: np.ndarray, model: ModelConfig) -> np.ndarray:
-    """Multi-head attention of one block (softmax, masked per variant; or normalised linear)."""
+    """Multi-head attention of one block: ``[B, T, d] -> [B, T, d]``.
+
+    The fused ``qkv`` projection gives q, k, v (columns ``[q | k | v]``, heads of ``head_dim`` contiguous
+    columns), split into ``[B, H, T, hd]``; the heads' outputs are joined and projected by ``out``.
+
+    * Softmax variants: ``softmax(q·kᵀ/√hd)`` with the logits ``-inf`` where :func:`attention_mask` is False.
+    * ``linear_attention``: normalised causal linear attention, φ = :func:`elu_plus_one`,
+      ``out_t = φ(q_t)·Σ_{s<=t} φ(k_s) v_sᵀ / max(φ(q_t)·Σ_{s<=t} φ(k_s), 1e-6)``, here as a masked ``[T, T]``
+      product. Backends compute it chunked (exact; chunk length c = ``model.linear_chunk``, at most T): inside a
+      chunk a lower-triangular (diagonal included) ``[c, c]`` product; across chunks exclusive prefix sums of
+      ``φ(k)ᵀv`` ``[hd, hd]`` and ``Σφ(k)``. Memory O(T·c + T/c·hd²).
+    """
     B, T, d = x.shape
     qkv = linear(p, f"{prefix}.qkv", x)
     q, k, v = (_split_heads(qkv[..., i * d : (i + 1) * d], model.n_heads) for i in range(3))
@@ -175,6 +215,7 @@ def attention(p: dict[str, np.ndarray], prefix: str, x: np.ndarray, model: Model
 def transformer_stack(
     p: dict[str, np.ndarray], x: np.ndarray, model: ModelConfig, gelu_form: str
 ) -> np.ndarray:
+    """Pre-LN blocks ``x += Attn(LN x)`` (:func:`attention`); ``x += W2·GELU(W1·LN x)``. ``[B, T, d] -> [B, T, d]``."""
     for i in range(model.n_layers):
         pre = f"blocks.{i}"
         x = x + attention(p, f"{pre}.attn", layer_norm(x, p[f"{pre}.attn_norm.weight"], p[f"{pre}.attn_norm.bias"]),
@@ -241,7 +282,18 @@ def memory_read(
     profile: ProfileConfig,
     mode: str,
 ) -> MemoryTrace:
-    """Records, routing, scores, cache weights, p_cache and the masked gate for every query."""
+    """Records, routing, scores, cache weights, p_cache and the masked gate for every query.
+
+    h ``[B, T, d]`` final states, h_q those at the Q query positions (:func:`pcaf_core.records.query_positions`).
+    Keys ``l2norm(h·W_k)`` ``[B, T, d]`` and queries ``l2norm(h_q·W_q)`` ``[B, Q, d]`` (no bias; ``profile.l2norm``).
+    The semantic and hybrid routes read ``router_probs = softmax(router(h)/τ)`` ``[B, T, S]``; router forms
+    ``linear_bias`` (``Linear(d, S)`` with bias) or ``layernorm_linear`` (``LN -> Linear(d, S)`` without bias,
+    the LayerNorm named ``router_norm``). The raw gate is ``σ(W_2·GELU(W_1·LN h_q))`` ``[B, Q]`` in (0, 1)
+    (hidden width d/2; ``pcaf_no_gate``: ``memory.fixed_gate``), then masked (:func:`pcaf_core.mixture.mask_gate`).
+
+    Selection (the integer candidates) is not differentiated: gradients reach W_q, W_k, ρ and the router
+    through the scores of the selected slots.
+    """
     B, T = tokens.shape
     qpos = records.query_positions(T, mode)
     rec = records.recency(T, mode)
@@ -298,6 +350,11 @@ def hidden_states(
 
     ``positions`` (Transformers): ``[T]`` the window positions of ``tokens``' columns when they are a
     sub-window (:func:`nt_attention_positions`), which their positional encodings follow; default ``0..T-1``.
+
+    Positions (Transformers), added to the embeddings: the trainable table ``pos.table`` ``[max_seq_len, d]``
+    (``trainable_jax``, initialised at ``positional_scale``·sinusoids; T is limited by its rows) or fixed
+    sinusoids (``fixed_torch``, any T) times ``positional_scale``, computed in float64 and cast to the
+    embeddings' dtype, not a parameter.
     """
     T = tokens.shape[1]
     x = p["embed.weight"][tokens]
@@ -324,9 +381,15 @@ def forward(
     mode: str,
     targets: np.ndarray | None = None,
 ) -> ForwardOutput:
-    """Evaluate a model on windows ``tokens`` ``[B, T]`` int.
+    """Evaluate a model on windows ``tokens`` ``[B, T]`` int, ids in ``[0, V)``.
 
-    targets: NT ``[B]`` (the token after the window) or AR ``[B, T]`` (``x_{t+1}``); optional.
+    mode: ``nt`` (one query, at T-1: Q = 1) or ``ar`` (every position: Q = T).
+    targets: NT ``[B]`` or ``[B, 1]`` (the token after the window) or AR ``[B, T]`` (``x_{t+1}``); optional.
+
+    Backends' forwards add two flags that leave outputs out: ``need_log_probs=False`` builds no ``log_probs``,
+    ``param_log_probs`` or ``p_cache`` (``[B, Q, V]`` each; a training step needs none of them: the loss reads
+    the target entries), ``need_predictions=False`` no ``prediction`` (which needs the head's ``[B, Q, V]``
+    log-probs).
     """
     check_params(params, param_shapes(model, memory, profile))
     tokens = np.asarray(tokens, dtype=np.int64)

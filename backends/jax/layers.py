@@ -1,5 +1,4 @@
-"""Building blocks of every model in flax.linen (mirrors :mod:`backends.torch.layers` and the building
-blocks of :mod:`pcaf_core.reference`).
+"""Building blocks of every model in flax.linen (mirrors the building blocks of :mod:`pcaf_core.reference`).
 
 Parameter names are the canonical ones of :func:`pcaf_core.params.param_shapes`: every module here
 stores ``weight``/``bias`` (``table`` for positions) in the canonical layout, Linear ``[in, out]``
@@ -10,9 +9,8 @@ Precision: ``dtype`` is the compute dtype of matmuls and convolutions (float32, 
 bf16 option); parameters keep their own dtype and are cast at use. LayerNorm statistics, softmax
 normalisers and the residual stream run in ``wide(dtype)`` (at least float32), as torch autocast does.
 
-Dropout sits where the reference PyTorch code has it: after the GELU of the block MLP and of the head,
-on each residual branch, and on the attention weights; it is active only with ``deterministic=False``
-and then draws from the ``"dropout"`` RNG stream.
+Dropout sits where :mod:`pcaf_core.reference` places it; it is active only with ``deterministic=False`` and
+then draws from the ``"dropout"`` RNG stream.
 """
 
 from __future__ import annotations
@@ -46,12 +44,12 @@ def wide(dtype: Dtype) -> jnp.dtype:
 
 
 def gelu(x: jax.Array, form: str) -> jax.Array:
-    """GELU: ``tanh`` approximation (jax.nn.gelu default) or exact ``erf`` (torch nn.GELU)."""
+    """See :func:`pcaf_core.reference.gelu`."""
     return jax.nn.gelu(x, approximate=form == "tanh")
 
 
 def l2_normalize(x: jax.Array, form: str) -> jax.Array:
-    """``rsqrt_eps``: ``x / sqrt(Σx² + 1e-6)`` (JAX); ``max_eps``: ``x / max(‖x‖, 1e-12)`` (F.normalize)."""
+    """See :func:`pcaf_core.reference.l2_normalize`."""
     sq = jnp.sum(x * x, axis=-1, keepdims=True)
     if form == "rsqrt_eps":
         return x / jnp.sqrt(sq + L2_RSQRT_EPS)
@@ -142,8 +140,8 @@ class Dense(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm over the last axis, eps 1e-5, exact two-pass variance, computed in ``wide(dtype)``;
-    returns ``dtype``. Parameters ``weight`` (gain, 1) and ``bias`` (0)."""
+    """Module form of :func:`pcaf_core.reference.layer_norm`, computed in ``wide(dtype)``; returns ``dtype``.
+    Parameters ``weight`` (initialised to 1) and ``bias`` (0)."""
 
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
@@ -176,10 +174,8 @@ class Embed(nn.Module):
 
 
 class CausalConv(nn.Module):
-    """Causal depthwise conv ``out_t = Σ_lag weight[lag]·x_{t-lag} + bias`` (zeros left of the window).
-
-    ``weight [k, d]`` by lag (the canonical layout, no tap reversal), ``bias [d]``. ``[B, T, d] -> [B, T, d]``.
-    """
+    """Module form of :func:`pcaf_core.reference.causal_depthwise_conv` in ``dtype``; ``weight`` and ``bias``
+    in the canonical layout (no tap reversal)."""
 
     kernel_size: int
     dtype: Dtype = jnp.float32
@@ -200,7 +196,7 @@ class CausalConv(nn.Module):
 
 
 class ConvBlock(nn.Module):
-    """Pre-LN residual block ``x += drop(W2·drop(GELU(W1·conv(LN x))))``: ``[B, T, d] -> [B, T, d]``.
+    """One block of :func:`pcaf_core.reference.conv_stack`, with dropout (:mod:`pcaf_core.reference`).
 
     The residual stream keeps its dtype (``wide(dtype)`` in the models); the branch runs in ``dtype``.
     """
@@ -220,9 +216,8 @@ class ConvBlock(nn.Module):
         self.drop = nn.Dropout(self.dropout)
 
     def __call__(self, x: jax.Array, deterministic: bool = True, valid: jax.Array | None = None) -> jax.Array:
-        """``valid`` ``[B, T]`` bool: positions before the window's start (receptive-field sub-windows,
-        :meth:`backends.jax.models.PCAFModel.states_at`) give the conv a zero input, as the full window's
-        left padding does."""
+        """``valid`` ``[B, T]`` bool: False before the window's start (receptive-field sub-windows,
+        :meth:`backends.jax.models.PCAFModel.states_at`), where the conv input is zero."""
         y = self.norm(x)
         if valid is not None:
             y = y * valid[..., None].astype(y.dtype)
@@ -253,7 +248,8 @@ class OutputLayer(nn.Module):
 
 
 class Head(nn.Module):
-    """Parametric head ``log_softmax(W_o·drop(GELU(W_h·LN h)))``: ``[..., d] -> [..., V]`` in ``wide(dtype)``.
+    """Module form of :func:`pcaf_core.reference.head_log_probs`, with dropout (:mod:`pcaf_core.reference`), in
+    ``wide(dtype)``.
 
     ``chunks``: ``(position chunk, vocabulary chunk)`` of the training loss's logit tiles
     (:func:`backends.jax.head_loss.chunked_target_log_softmax`), or None for the one-tile form.
@@ -299,7 +295,7 @@ class Head(nn.Module):
 
 
 class Gate(nn.Module):
-    """Learned gate ``σ(W_2·GELU(W_1·LN h))``: ``[..., d] -> [...]`` raw λ in (0, 1), in ``wide(dtype)``."""
+    """The learned gate of :func:`pcaf_core.reference.memory_read`: raw λ, before masking, in ``wide(dtype)``."""
 
     d_model: int
     gelu_form: str
@@ -316,8 +312,8 @@ class Gate(nn.Module):
 
 
 class PositionalTable(nn.Module):
-    """The trainable positional table ``table [max_seq_len, d]`` (reference JAX), initialised at
-    ``scale``·sinusoids (``trainable_jax`` form). Call with T to get rows ``[:T]``."""
+    """The trainable positional table of :func:`pcaf_core.reference.hidden_states` (parameter ``table``,
+    initialised at ``scale``·sinusoids). Call with T to get rows ``[:T]``."""
 
     max_seq_len: int
     d_model: int
@@ -337,7 +333,7 @@ class PositionalTable(nn.Module):
 
 
 def fixed_positions(seq_len: int, d: int, form: str, scale: float, dtype: Dtype) -> jax.Array:
-    """Non-trainable sinusoids (``fixed_torch``) ``[T, d]``: computed in float64 and cast, not a parameter."""
+    """The fixed sinusoids ``[T, d]`` of :func:`pcaf_core.reference.hidden_states`, in ``dtype``."""
     return jnp.asarray(sinusoidal_table(seq_len, d, form) * scale, dtype=dtype)
 
 
@@ -345,13 +341,12 @@ def fixed_positions(seq_len: int, d: int, form: str, scale: float, dtype: Dtype)
 
 
 def elu_plus_one(x: jax.Array) -> jax.Array:
-    """``φ(x) = elu(x) + 1`` as ``exp(x)`` for x <= 0, exact for very negative x (no ``expm1 + 1``)."""
+    """See :func:`pcaf_core.reference.elu_plus_one`."""
     return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
 
 
 def attention_mask(seq_len: int, variant: str, window: int, n_global: int) -> jax.Array:
-    """``[T, T]`` bool, True where query t may attend key s (the spec's rule,
-    :func:`pcaf_core.reference.attention_allowed`, traced so XLA builds it rather than embedding a constant)."""
+    """See :func:`pcaf_core.reference.attention_mask`; traced, so XLA builds it rather than embedding a constant."""
     pos = jnp.arange(seq_len)
     return attention_allowed(pos[:, None], pos[None, :], variant, window, n_global)
 
@@ -359,7 +354,8 @@ def attention_mask(seq_len: int, variant: str, window: int, n_global: int) -> ja
 def attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, drop: Callable[[jax.Array], jax.Array] | None = None
 ) -> jax.Array:
-    """Masked softmax attention. q, k, v ``[B, T, H, hd]``; mask ``[T, T]`` bool -> ``[B, T, H, hd]``.
+    """The softmax attention of :func:`pcaf_core.reference.attention` on split heads: q, k, v ``[B, T, H, hd]``;
+    mask ``[T, T]`` bool -> ``[B, T, H, hd]``.
 
     Logits and softmax in ``wide(q.dtype)`` (exact float64 when the inputs are float64, unlike
     ``jax.nn.dot_product_attention``, whose softmax is always float32); ``drop`` acts on the weights.
@@ -373,12 +369,7 @@ def attention(
 
 
 def causal_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
-    """Normalised causal linear attention, chunked (exact):
-    ``out_t = φ(q_t)·Σ_{s<=t} φ(k_s) v_sᵀ / max(φ(q_t)·Σ_{s<=t} φ(k_s), 1e-6)``.
-
-    q, k, v: ``[B, H, T, hd]``. Inside a chunk a lower-triangular (diagonal included) ``[c, c]`` product;
-    across chunks exclusive prefix sums of ``φ(k)ᵀv`` ``[hd, hd]`` and ``Σφ(k)``. Memory O(T·c + T/c·hd²).
-    """
+    """The linear attention of :func:`pcaf_core.reference.attention`, chunked as stated there, on split heads."""
     B, H, T, hd = q.shape
     fq, fk = elu_plus_one(q), elu_plus_one(k)
     c = max(1, min(chunk, T))
@@ -407,9 +398,8 @@ def causal_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int
 
 
 class Attention(nn.Module):
-    """Multi-head attention with a fused ``qkv`` projection (columns ``[q | k | v]``, heads contiguous)
-    and an ``out`` projection: softmax attention masked per variant, or normalised linear attention
-    (computed in ``wide(dtype)``: its running sums would lose too much in bfloat16).
+    """Module form of :func:`pcaf_core.reference.attention`, with dropout (:mod:`pcaf_core.reference`). Linear
+    attention runs in ``wide(dtype)``: its running sums would lose too much in bfloat16.
 
     Windowed variants (local, global-local) follow ``attention_impl`` (``model.attention_impl``): ``banded``
     (and ``auto``) is the blocked band of :func:`backends.jax.window_attention.banded_attention`, ``masked``
@@ -452,7 +442,7 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-LN block: ``x += drop(Attn(LN x))``; ``x += drop(W2·drop(GELU(W1·LN x)))``."""
+    """One block of :func:`pcaf_core.reference.transformer_stack`, with dropout (:mod:`pcaf_core.reference`)."""
 
     d_model: int
     d_hidden: int

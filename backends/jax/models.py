@@ -1,17 +1,11 @@
 """Every model of :data:`pcaf_core.config.MODEL_VARIANTS` as a ``flax.linen`` Module (mirrors
-:mod:`pcaf_core.reference` and :mod:`backends.torch.models`), behind one factory and one call signature.
-
-* :class:`PCAFModel`: embedding + causal conv blocks + parametric head, and for ``pcaf`` /
-  ``pcaf_no_gate`` the associative memory (context, semantic or hybrid route) mixed in by a gate.
-  ``pcaf_no_cache`` and ``local_conv`` are the same network with the cache path off (their unused
-  memory/gate/router parameters exist where the profile says the reference carried them).
-* :class:`TransformerLM`: dense / local / global-local softmax attention or linear attention.
+:mod:`pcaf_core.reference`, which describes the models), behind one factory and one call signature:
+:class:`PCAFModel` for the conv backbone, :class:`TransformerLM` for the Transformers.
 
 ``module.apply(variables, tokens [B, T] int, targets, mode, deterministic=..., need_log_probs=...,
-need_predictions=..., rngs=...)`` returns a :class:`JaxForwardOutput` whose fields mirror
-:class:`backends.torch.model_io.TorchForwardOutput`. ``mode`` and the ``need_*`` flags are static Python
-values. ``deterministic=True`` equals the spec; ``deterministic=False`` adds the profile's dropout
-(``rngs={"dropout": key}``).
+need_predictions=..., rngs=...)`` returns a :class:`JaxForwardOutput` (:mod:`backends.jax.model_io`).
+``mode`` and the ``need_*`` flags are static Python values. ``deterministic=True`` equals the spec;
+``deterministic=False`` adds the profile's dropout (``rngs={"dropout": key}``).
 
 Submodule and parameter names are the canonical names with list indices as ``blocks_0``
 (:mod:`backends.jax.weights` converts), and ``module.init`` creates every canonical parameter, the
@@ -171,15 +165,10 @@ class CanonicalLM(nn.Module):
         need_log_probs: bool = True,
         need_predictions: bool = True,
     ) -> JaxForwardOutput:
-        """Evaluate windows ``tokens [B, T]``.
+        """See :func:`pcaf_core.reference.forward`, flags included; ``mode`` and the flags are static.
 
-        Args:
-            targets: NT ``[B]`` / ``[B, 1]`` (the token after the window) or AR ``[B, T]``; optional.
-            mode: ``nt`` (one query at T-1) or ``ar`` (every position); static.
-            deterministic: dropout off (evaluation) when True.
-            need_log_probs: build ``log_probs`` and ``param_log_probs`` (and the memory's ``p_cache``),
-                ``[B, Q, V]`` each. A training step needs none of them: the loss uses the target entries.
-            need_predictions: compute the predictions (needs the ``[B, Q, V]`` head and mixture).
+        ``deterministic``: dropout off (evaluation) when True. ``need_predictions`` builds the mixture too
+        (for ``prediction_mixture``).
         """
         tokens, tgt = check_inputs(self.model_config, self.profile, tokens, targets, mode)
         T = tokens.shape[1]
@@ -232,11 +221,9 @@ class CanonicalLM(nn.Module):
 
 
 class AssociativeMemory(nn.Module):
-    """Query/key projections ``W_q, W_k`` (no bias), the optional semantic router and the recency scale ρ.
-
-    Router forms: ``linear_bias`` (``Dense(S)`` with bias) or ``layernorm_linear`` (``LN -> Dense(S)``
-    without bias, the LayerNorm named ``router_norm``). Projections run in ``dtype``; their outputs are
-    widened to at least float32 for normalisation, selection and scoring.
+    """The memory's parameters of :func:`pcaf_core.reference.memory_read`: ``W_q``, ``W_k``, the optional
+    semantic router and the recency scale ρ. Projections run in ``dtype``; their outputs are widened to at
+    least float32 for normalisation, selection and scoring.
     """
 
     d_model: int
@@ -262,7 +249,7 @@ class AssociativeMemory(nn.Module):
         return keys, query
 
     def router_probs(self, h: jax.Array, temperature: float) -> jax.Array:
-        """``softmax(router(h)/τ)``: ``[B, T, d] -> [B, T, S]`` in ``wide(dtype)``."""
+        """``router_probs`` of :func:`pcaf_core.reference.memory_read`, in ``wide(dtype)``."""
         x = self.router_norm(h) if self.router_form == "layernorm_linear" else h
         return jax.nn.softmax(self.router(x).astype(wide(self.dtype)) / temperature, axis=-1)
 
@@ -291,7 +278,7 @@ class PCAFModel(CanonicalLM):
             self.gate = Gate(d, profile.gelu, dtype=self.dtype)
 
     def hidden_states(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
-        """Final hidden states ``[B, T, d]`` (``wide(dtype)``) of the conv backbone."""
+        """See :func:`pcaf_core.reference.hidden_states`; in ``wide(dtype)``."""
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, deterministic)
@@ -305,12 +292,8 @@ class PCAFModel(CanonicalLM):
     def memory_read(
         self, tokens: jax.Array, h: jax.Array, mode: str, *, need_p_cache: bool = True
     ) -> tuple[JaxMemoryTrace, jax.Array]:
-        """Records, routing, scores, cache weights, p_cache and the masked gate for every query.
-
-        Returns the trace and the slot values ``[B, Q, C]`` (the successor token of each slot's record).
-        Selection (integer candidates) is not differentiated; gradients reach W_q, W_k, ρ and the router
-        through the scores of the selected slots.
-        """
+        """See :func:`pcaf_core.reference.memory_read`; returns the trace and the slot values ``[B, Q, C]`` (the
+        successor token of each slot's record)."""
         mcfg = self.memory_config
         T = tokens.shape[1]
         work = wide(self.dtype)
@@ -380,14 +363,12 @@ class PCAFModel(CanonicalLM):
 
     @property
     def receptive_field(self) -> int:
-        """Positions a final hidden state depends on: ``n_layers·(kernel_size - 1) + 1``."""
+        """R of :func:`pcaf_core.reference.conv_stack`."""
         return self.model_config.n_layers * (self.model_config.kernel_size - 1) + 1
 
     def states_at(self, tokens: jax.Array, positions: jax.Array, deterministic: bool = True) -> jax.Array:
-        """Final hidden states at ``positions`` ``[B, P]`` of windows ``tokens`` ``[B, T]``: ``[B, P, d]``,
-        equal to ``hidden_states(tokens)`` there, from each position's receptive field of R tokens (static
-        shapes: ``B·P·R`` positions instead of ``B·T``). Sub-window positions before the window's start feed
-        zeros to every conv, as the full window's left padding does."""
+        """Final hidden states ``[B, P, d]`` at ``positions`` ``[B, P]`` of windows ``tokens`` ``[B, T]``, from
+        each position's receptive field only (:func:`pcaf_core.reference.conv_stack`), in static shapes."""
         B, P = positions.shape
         R = self.receptive_field
         idx = positions[..., None] + jnp.arange(1 - R, 1)  # [B, P, R]
@@ -400,10 +381,10 @@ class PCAFModel(CanonicalLM):
     def nt_receptive_read(
         self, tokens: jax.Array, deterministic: bool = True, *, need_p_cache: bool = True
     ) -> tuple[jax.Array, tuple[JaxMemoryTrace, jax.Array] | None]:
-        """The next-token forward's states and memory read from receptive fields only (mirrors
-        :meth:`backends.torch.models.PCAFModel.nt_receptive_read`): ``[B, 1 + C, d]`` states (the query,
-        then the C candidate slots) and the (trace, slot values) of :meth:`memory_read` (None without a
-        cache). Routes that rank by states select on a full forward under ``stop_gradient`` first."""
+        """The next-token forward's states and memory read from receptive fields only
+        (:func:`pcaf_core.reference.conv_stack`): ``[B, 1 + C, d]`` states (the query, then the C candidate
+        slots) and the (trace, slot values) of :meth:`memory_read` (None without a cache). Routes that rank by
+        states select on a full forward under ``stop_gradient``."""
         mcfg, prof = self.memory_config, self.profile
         B, T = tokens.shape
         work = wide(self.dtype)
@@ -435,11 +416,8 @@ class PCAFModel(CanonicalLM):
 
 
 class TransformerLM(CanonicalLM):
-    """Transformer baselines: ``transformer_dense`` / ``_local`` / ``_global_local`` and ``linear_attention``.
-
-    Positions: the trainable table ``pos.table`` (``trainable_jax``; T is limited by its rows) or fixed
-    sinusoids (``fixed_torch``, any T, not a parameter), both scaled by ``profile.positional_scale``.
-    """
+    """Transformer baselines: ``transformer_dense`` / ``_local`` / ``_global_local`` and ``linear_attention``
+    (positions: :func:`pcaf_core.reference.hidden_states`)."""
 
     def setup(self) -> None:
         model, profile = self.model_config, self.profile
@@ -456,7 +434,7 @@ class TransformerLM(CanonicalLM):
         self.head = Head(hid, V, profile.gelu, p, dtype=self.dtype, chunks=self.head_chunks)
 
     def hidden_states(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
-        """Final hidden states ``[B, T, d]`` (``wide(dtype)``) of the Transformer."""
+        """See :func:`pcaf_core.reference.hidden_states`; in ``wide(dtype)``."""
         return self._blocks(self.embed(tokens), tokens.shape[1], None, deterministic)
 
     def _blocks(self, x: jax.Array, seq_len: int, crop: tuple[int, int] | None, deterministic: bool) -> jax.Array:
@@ -478,8 +456,8 @@ class TransformerLM(CanonicalLM):
     def nt_receptive_read(
         self, tokens: jax.Array, deterministic: bool = True, *, need_p_cache: bool = True
     ) -> tuple[jax.Array, None]:
-        """The next-token forward's final state ``[B, 1, d]`` from the sub-window it reads (mirrors
-        :meth:`backends.torch.models.TransformerLM.nt_receptive_read`); no memory read."""
+        """The next-token forward's final state ``[B, 1, d]`` from the sub-window of
+        :func:`pcaf_core.reference.nt_attention_crop`; no memory read."""
         T = tokens.shape[1]
         crop = nt_attention_crop(self.model_config, T)
         if crop is None:

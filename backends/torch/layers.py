@@ -5,9 +5,8 @@ Submodule and parameter names are the canonical names of :func:`pcaf_core.params
 name, transposing ``nn.Linear`` weights (torch stores ``[out, in]``) and reversing ``nn.Conv1d`` taps
 (torch correlates the left-padded input, the spec indexes by lag).
 
-Dropout sits where the reference PyTorch code has it: after the GELU of the block MLP and of the head,
-on each residual branch, and on the attention weights; it is active in training mode only. Outside the
-attention weights it is :class:`Dropout`, whose masks cost about half of ``nn.Dropout``'s on the CPU.
+Dropout sits where :mod:`pcaf_core.reference` places it, in training mode only. Outside the attention weights
+it is :class:`Dropout`, whose masks cost about half of ``nn.Dropout``'s on the CPU.
 """
 
 from __future__ import annotations
@@ -91,12 +90,12 @@ class _ScaledMask(torch.autograd.Function):
 
 
 def gelu(x: torch.Tensor, form: str) -> torch.Tensor:
-    """GELU: ``tanh`` approximation (jax.nn.gelu default) or exact ``erf`` (torch nn.GELU)."""
+    """See :func:`pcaf_core.reference.gelu`."""
     return F.gelu(x, approximate="tanh" if form == "tanh" else "none")
 
 
 def l2_normalize(x: torch.Tensor, form: str) -> torch.Tensor:
-    """``rsqrt_eps``: ``x / sqrt(Σx² + 1e-6)`` (JAX); ``max_eps``: ``x / max(‖x‖, 1e-12)`` (F.normalize)."""
+    """See :func:`pcaf_core.reference.l2_normalize`."""
     if form == "rsqrt_eps":
         return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2_RSQRT_EPS)
     return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=L2_MAX_EPS)
@@ -107,9 +106,9 @@ def layer_norm(d: int) -> nn.LayerNorm:
 
 
 def causal_depthwise_conv(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``out_t = b + Σ_j weight[:, 0, j]·y_{t-(k-1-j)}`` (zeros left of the window) as k shifted
-    multiply-adds in the ``[B, T, d]`` layout: y ``[B, T, d]``, weight ``[d, 1, k]`` (``nn.Conv1d``'s),
-    bias ``[d]``.
+    """See :func:`pcaf_core.reference.causal_depthwise_conv`. Here weight is ``nn.Conv1d``'s ``[d, 1, k]``, tap j
+    multiplying lag ``k-1-j`` (the canonical ``[k, d]`` reversed), and the sum runs as k shifted multiply-adds
+    in the ``[B, T, d]`` layout.
 
     The same sum as :meth:`ConvBlock.forward`'s ``nn.Conv1d``, in another summation order. Under
     ``torch.compile`` it fuses into one elementwise kernel with its neighbours, forward and backward:
@@ -130,7 +129,7 @@ def causal_depthwise_conv(y: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 class ConvBlock(nn.Module):
-    """Pre-LN residual block ``x += drop(W2·drop(GELU(W1·conv(LN x))))`` with a causal depthwise conv.
+    """One block of :func:`pcaf_core.reference.conv_stack`, with dropout (:mod:`pcaf_core.reference`).
 
     ``conv`` is an ``nn.Conv1d`` (groups = d) applied to the input left-padded with k-1 zeros, so its
     tap j multiplies lag ``k-1-j``: the canonical ``[k, d]`` weight is the taps reversed.
@@ -139,9 +138,8 @@ class ConvBlock(nn.Module):
     depthwise backward is 1.5-2.6x slower than the shifted form's at the training shapes, ``conv1d``
     elsewhere (its forward is faster, and on a GPU it is one kernel launch where the shifted form makes
     about ten).
-    The forms compute the same sum in different orders (float rounding). Eager next-token training steps,
-    ``auto`` against ``conv1d`` (interleaved processes, 2-core AMD EPYC): 108-109 against 147-152 ms at
-    d=128, T=1024, batch 32; 111-114 against 132-133 ms at the WikiText-2 paper shape; full-AR steps tie.
+    The forms compute the same sum in different orders (float rounding). Training-step timings:
+    docs/results/design_measurements.md, "The causal depthwise conv as shifted multiply-adds".
     """
 
     def __init__(self, d: int, d_hidden: int, kernel_size: int, gelu_form: str, dropout: float) -> None:
@@ -155,9 +153,8 @@ class ConvBlock(nn.Module):
         self.conv_form = "auto"
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, T, d] -> [B, T, d]``. ``valid`` ``[B, T]`` bool: positions that lie before the window's start
-        (receptive-field sub-windows, :meth:`backends.torch.models.PCAFModel.states_at`) give the conv a zero
-        input, which is what the full window's left padding gives it."""
+        """``valid`` ``[B, T]`` bool: False before the window's start (receptive-field sub-windows,
+        :meth:`backends.torch.models.PCAFModel.states_at`), where the conv input is zero."""
         y = self.norm(x)
         if valid is not None:
             y = y * valid[..., None].to(y.dtype)
@@ -172,7 +169,7 @@ class ConvBlock(nn.Module):
 
 
 class Head(nn.Module):
-    """Parametric head ``log_softmax(W_o·drop(GELU(W_h·LN h)))``: ``[..., d] -> [..., V]``."""
+    """Module form of :func:`pcaf_core.reference.head_log_probs`, with dropout (:mod:`pcaf_core.reference`)."""
 
     def __init__(self, d: int, d_hidden: int, vocab_size: int, gelu_form: str, dropout: float) -> None:
         super().__init__()
@@ -208,7 +205,7 @@ class Head(nn.Module):
 
 
 class Gate(nn.Module):
-    """Learned gate ``σ(W_2·GELU(W_1·LN h))``: ``[..., d] -> [...]`` raw λ in (0, 1)."""
+    """The learned gate of :func:`pcaf_core.reference.memory_read`: raw λ, before masking."""
 
     def __init__(self, d: int, gelu_form: str) -> None:
         super().__init__()
@@ -222,7 +219,7 @@ class Gate(nn.Module):
 
 
 class PositionalTable(nn.Module):
-    """The trainable positional table ``pos.table`` ``[max_seq_len, d]`` (reference JAX)."""
+    """The trainable positional table ``pos.table`` of :func:`pcaf_core.reference.hidden_states`."""
 
     def __init__(self, max_seq_len: int, d: int, scale: float = 1.0) -> None:
         super().__init__()
@@ -238,8 +235,7 @@ class PositionalTable(nn.Module):
 
 
 class FixedPositions(nn.Module):
-    """Non-trainable sinusoids (reference torch form) for any T, computed in float64 and cast, so every
-    dtype gets correctly rounded values; not part of the canonical parameters.
+    """The fixed sinusoids of :func:`pcaf_core.reference.hidden_states`.
 
     One table per (dtype, device) is kept, the longest requested so far: rows depend on the position
     only, so shorter windows read a prefix of it.
@@ -260,24 +256,18 @@ class FixedPositions(nn.Module):
 
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
-    """``φ(x) = elu(x) + 1`` as ``exp(x)`` for x <= 0, exact for very negative x (no ``expm1 + 1``)."""
+    """See :func:`pcaf_core.reference.elu_plus_one`."""
     return torch.where(x > 0, x + 1.0, torch.exp(torch.clamp(x, max=0.0)))
 
 
 def attention_mask(seq_len: int, variant: str, window: int, n_global: int, device: torch.device) -> torch.Tensor:
-    """``[T, T]`` bool, True where query t may attend key s (the spec's rule,
-    :func:`pcaf_core.reference.attention_allowed`, built on ``device``)."""
+    """See :func:`pcaf_core.reference.attention_mask`; built on ``device``."""
     pos = torch.arange(seq_len, device=device)
     return attention_allowed(pos[:, None], pos[None, :], variant, window, n_global)
 
 
 def causal_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Normalised causal linear attention, chunked (exact):
-    ``out_t = φ(q_t)·Σ_{s<=t} φ(k_s) v_sᵀ / max(φ(q_t)·Σ_{s<=t} φ(k_s), 1e-6)``.
-
-    q, k, v: ``[B, H, T, hd]``. Inside a chunk a lower-triangular (diagonal included) ``[c, c]`` product;
-    across chunks exclusive prefix sums of ``φ(k)ᵀv`` ``[hd, hd]`` and ``Σφ(k)``. Memory O(T·c + T/c·hd²).
-    """
+    """The linear attention of :func:`pcaf_core.reference.attention`, chunked as stated there, on split heads."""
     B, H, T, hd = q.shape
     fq, fk = elu_plus_one(q), elu_plus_one(k)
     c = max(1, min(chunk, T))
@@ -302,8 +292,7 @@ def causal_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 class Attention(nn.Module):
-    """Multi-head attention with a fused ``qkv`` projection (columns ``[q | k | v]``, heads contiguous)
-    and an ``out`` projection: softmax attention masked per variant, or normalised linear attention.
+    """Module form of :func:`pcaf_core.reference.attention`, with dropout (:mod:`pcaf_core.reference`).
 
     Windowed variants (local, global-local) follow ``impl`` (``model.attention_impl``): ``banded`` is
     FlexAttention over the window's block mask (:mod:`backends.torch.window_attention`), ``masked`` SDPA under
@@ -348,7 +337,7 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-LN block: ``x += drop(Attn(LN x))``; ``x += drop(W2·drop(GELU(W1·LN x)))``."""
+    """One block of :func:`pcaf_core.reference.transformer_stack`, with dropout (:mod:`pcaf_core.reference`)."""
 
     def __init__(self, d: int, d_hidden: int, n_heads: int, variant: str, window: int, n_global: int,
                  linear_chunk: int, gelu_form: str, dropout: float, attention_impl: str = "auto") -> None:

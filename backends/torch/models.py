@@ -1,11 +1,6 @@
 """Every model of :data:`pcaf_core.config.MODEL_VARIANTS` as an ``nn.Module`` (mirrors
-:mod:`pcaf_core.reference`), behind one factory and one forward signature.
-
-* :class:`PCAFModel`: embedding + causal conv blocks + parametric head, and for ``pcaf`` /
-  ``pcaf_no_gate`` the associative memory (context, semantic or hybrid route) mixed in by a gate.
-  ``pcaf_no_cache`` and ``local_conv`` are the same network with the cache path off (their unused
-  memory/gate/router parameters exist where the profile says the reference carried them).
-* :class:`TransformerLM`: dense / local / global-local softmax attention or linear attention.
+:mod:`pcaf_core.reference`, which describes the models), behind one factory and one forward signature:
+:class:`PCAFModel` for the conv backbone, :class:`TransformerLM` for the Transformers.
 
 ``model(tokens [B, T] int64, targets, mode)`` returns a :class:`TorchForwardOutput` whose fields mirror
 :class:`pcaf_core.reference.ForwardOutput`, plus ``loss`` (mean NLL, differentiable). Evaluation mode
@@ -65,7 +60,7 @@ class CanonicalLM(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Final hidden states ``[B, T, d]`` of the backbone (int64 tokens ``[B, T]``)."""
+        """See :func:`pcaf_core.reference.hidden_states` (int64 tokens)."""
 
     def check_inputs(
         self, tokens: torch.Tensor, targets: torch.Tensor | None, mode: str
@@ -107,15 +102,10 @@ class CanonicalLM(nn.Module, abc.ABC):
         need_log_probs: bool = True,
         need_predictions: bool = True,
     ) -> TorchForwardOutput:
-        """Evaluate windows ``tokens [B, T]``.
+        """See :func:`pcaf_core.reference.forward`, flags included; returns a :class:`TorchForwardOutput`.
 
-        Args:
-            targets: NT ``[B]`` (the token after the window) or AR ``[B, T]`` (``x_{t+1}``); optional.
-            mode: ``nt`` (one query at T-1) or ``ar`` (every position).
-            need_log_probs: build ``log_probs``, ``param_log_probs`` (and the memory's ``p_cache``),
-                ``[B, Q, V]`` each. A training step needs none of them: the loss uses the target entries.
-            need_predictions: compute ``prediction``; this needs the head's ``[B, Q, V]`` log-probs, and
-                under the mixture-argmax accuracy the mixture too, even when ``need_log_probs`` is False.
+        ``need_predictions`` under the mixture-argmax accuracy builds the mixture too, even when
+        ``need_log_probs`` is False.
         """
         tokens, tgt = self.check_inputs(tokens, targets, mode)
         T = tokens.shape[1]
@@ -163,11 +153,8 @@ class CanonicalLM(nn.Module, abc.ABC):
 
 
 class AssociativeMemory(nn.Module):
-    """Query/key projections ``W_q, W_k`` (no bias), the optional semantic router and the recency scale ρ.
-
-    Router forms: ``linear_bias`` (``Linear(d, S)`` with bias) or ``layernorm_linear``
-    (``LN(d) -> Linear(d, S)`` without bias, the LayerNorm named ``router_norm``).
-    """
+    """The memory's parameters of :func:`pcaf_core.reference.memory_read`: ``W_q``, ``W_k``, the optional
+    semantic router and the recency scale ρ."""
 
     def __init__(self, d: int, semantic_buckets: int, router_form: str, with_router: bool) -> None:
         super().__init__()
@@ -181,7 +168,7 @@ class AssociativeMemory(nn.Module):
         self.recency_scale = nn.Parameter(torch.tensor(1.0))
 
     def router_probs(self, h: torch.Tensor, temperature: float) -> torch.Tensor:
-        """``softmax(router(h)/τ)``: ``[B, T, d] -> [B, T, S]``."""
+        """``router_probs`` of :func:`pcaf_core.reference.memory_read`."""
         x = self.router_norm(h) if self.router_form == "layernorm_linear" else h
         return torch.softmax(self.router(x) / temperature, dim=-1)
 
@@ -220,10 +207,8 @@ class PCAFModel(CanonicalLM):
     def memory_read(
         self, tokens: torch.Tensor, h: torch.Tensor, mode: str, *, need_p_cache: bool = True
     ) -> tuple[TorchMemoryTrace, torch.Tensor]:
-        """Records, routing, scores, cache weights, p_cache and the masked gate for every query.
-
-        Returns the trace and the slot values ``[B, Q, C]`` (the successor token of each slot's record).
-        """
+        """See :func:`pcaf_core.reference.memory_read`; returns the trace and the slot values ``[B, Q, C]`` (the
+        successor token of each slot's record)."""
         mcfg, prof = self.memory_config, self.profile
         T = tokens.shape[1]
         qpos = records.query_positions(T, mode, tokens.device)
@@ -321,14 +306,12 @@ class PCAFModel(CanonicalLM):
 
     @property
     def receptive_field(self) -> int:
-        """Positions a final hidden state depends on: ``n_layers·(kernel_size - 1) + 1``."""
+        """R of :func:`pcaf_core.reference.conv_stack`."""
         return self.model_config.n_layers * (self.model_config.kernel_size - 1) + 1
 
     def states_at(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states at ``positions`` ``[B, P]`` (in ``[0, T)``) of windows ``tokens`` ``[B, T]``:
-        ``[B, P, d]``, equal to ``hidden_states(tokens)`` there, computed from each position's receptive
-        field of R tokens only (``B·P·R`` positions instead of ``B·T``). Positions of a sub-window before the
-        window's start feed zeros to every conv, as the full window's left padding does."""
+        """Final hidden states ``[B, P, d]`` at ``positions`` ``[B, P]`` (in ``[0, T)``) of windows ``tokens``
+        ``[B, T]``, from each position's receptive field only (:func:`pcaf_core.reference.conv_stack`)."""
         B, P = positions.shape
         R = self.receptive_field
         idx = positions[..., None] + torch.arange(1 - R, 1, device=tokens.device)  # [B, P, R]
@@ -341,14 +324,8 @@ class PCAFModel(CanonicalLM):
     def nt_receptive_read(
         self, tokens: torch.Tensor, *, need_p_cache: bool = True
     ) -> tuple[torch.Tensor, tuple[TorchMemoryTrace, torch.Tensor] | None]:
-        """The next-token forward's hidden states and memory read from receptive fields only.
-
-        A next-token prediction reads the query's final state and the keys of its K candidates (2K for the
-        hybrid route), and each depends on the last R tokens before it. Routes that select from the tokens
-        alone (``recent`` / ``first`` context routes) compute B·(1+C)·R positions instead of B·T; routes
-        that rank by states (``topk_score``, the semantic routes) first select on a full forward without
-        gradients, then recompute the selected states with gradients. Same outputs as the full forward up
-        to float rounding (dropout draws its masks for the computed positions only).
+        """The next-token forward's hidden states and memory read from receptive fields only
+        (:func:`pcaf_core.reference.conv_stack`).
 
         Returns ``[B, 1 + C, d]`` states (the query first, then the candidate slots; C = 0 without a cache)
         and the (trace, slot values) of :meth:`memory_read` (None without a cache).
@@ -385,11 +362,8 @@ class PCAFModel(CanonicalLM):
 
 
 class TransformerLM(CanonicalLM):
-    """Transformer baselines: ``transformer_dense`` / ``_local`` / ``_global_local`` and ``linear_attention``.
-
-    Positions: the trainable table ``pos.table`` (``trainable_jax``; T is limited by its rows) or fixed
-    sinusoids (``fixed_torch``, any T, not a parameter).
-    """
+    """Transformer baselines: ``transformer_dense`` / ``_local`` / ``_global_local`` and ``linear_attention``
+    (positions: :func:`pcaf_core.reference.hidden_states`)."""
 
     def __init__(self, model: ModelConfig, memory: MemoryConfig, profile: ProfileConfig) -> None:
         super().__init__(model, memory, profile)
@@ -429,10 +403,8 @@ class TransformerLM(CanonicalLM):
         return x
 
     def nt_receptive_read(self, tokens: torch.Tensor, *, need_p_cache: bool = True) -> tuple[torch.Tensor, None]:
-        """The next-token forward's final state ``[B, 1, d]`` from the sub-window it reads
-        (:func:`pcaf_core.reference.nt_attention_crop`: the global prefix and the last n_layers·(w-1)+1
-        positions; the whole window for dense and linear attention). Same outputs as the full forward up to
-        float rounding (dropout draws its masks for the computed positions only); no memory read."""
+        """The next-token forward's final state ``[B, 1, d]`` from the sub-window of
+        :func:`pcaf_core.reference.nt_attention_crop`; no memory read."""
         T = tokens.shape[1]
         crop = nt_attention_crop(self.model_config, T)
         if crop is None:
