@@ -154,7 +154,3 @@ class ScriptedEvalBackend(BigramBackend):
         return EvalOutputs(target_log_prob=np.full(y.shape, -loss), prediction=np.where(first < hits, y, miss),
                            prediction_param=np.where(first < hits_param, y, miss))
 
-
-QUALITY_FIELDS = ("final_ppl", "best_ppl", "best_step", "acc_at_best", "acc_param_at_best", "final_acc",
-                  "final_acc_param", "full_ppl", "full_acc", "full_acc_param", "full_windows", "steps_done",
-                  "params", "unigram_ppl", "train_tokens", "eval_tokens", "config_hash")

@@ -9,9 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import safetensors.numpy
@@ -19,8 +17,9 @@ import safetensors.numpy
 from pcaf_core.checkpoints import latest_checkpoint, read_loop_state
 from pcaf_core.config import DataConfig
 from pcaf_core.config_io import config_to_dict
-from pcaf_core.results import read_curve, read_metrics
+from pcaf_core.results import read_metrics
 from tests.env_helpers import xla_flags
+from tests.resume_helpers import curve_without_time, finish, quality, start_runner, wait_for_checkpoint
 from tests.test_jax_train import tiny_cfg
 
 RUNNER = """
@@ -47,42 +46,10 @@ class Paced(JaxBackend):
 run_training(cfg, Paced("cpu"), Path(sys.argv[2]), corpus=CORPUS, progress=False)
 """
 
-QUALITY = ("final_ppl", "best_ppl", "best_step", "acc_at_best", "acc_param_at_best", "final_acc", "final_acc_param",
-           "full_ppl", "full_acc", "full_acc_param", "full_windows", "steps_done", "params", "unigram_ppl",
-           "config_hash", "status")
-
-
 def _start(tmp_path: Path, cfg_file: Path, run_dir: Path, delay: float) -> subprocess.Popen:
     script = tmp_path / "runner.py"
     script.write_text(RUNNER)
-    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
-    return subprocess.Popen([sys.executable, str(script), str(cfg_file), str(run_dir), str(delay)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, min_step: int, timeout: float = 180) -> int:
-    pointer = run_dir / "checkpoints" / "latest"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pointer.exists():
-            step = int(pointer.read_text().strip().split("_")[1])
-            if step >= min_step:
-                return step
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before it could be interrupted:\n{proc.stdout.read()}")
-        time.sleep(0.01)
-    proc.kill()
-    pytest.fail("no checkpoint appeared in time")
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out
-    return out
-
-
-def _curve(run_dir: Path) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in read_curve(run_dir)]
+    return start_runner(script, cfg_file, run_dir, delay, env={**os.environ, "XLA_FLAGS": xla_flags(1)})
 
 
 @pytest.mark.slow
@@ -97,7 +64,7 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path):
 
     ref = _start(tmp_path, cfg_file, ref_dir, 0.0)
     victim = _start(tmp_path, cfg_file, run_dir, 0.1)
-    killed_after = _wait_for_checkpoint(victim, run_dir, min_step=8)
+    killed_after = wait_for_checkpoint(victim, run_dir, min_step=8, timeout=180)
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
     assert victim.returncode == -signal.SIGKILL
@@ -106,13 +73,13 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path):
     assert rec.status == "running" and rec.steps_done < 16
     assert read_loop_state(latest_checkpoint(run_dir)).step >= killed_after >= 8
 
-    _finish(_start(tmp_path, cfg_file, run_dir, 0.0))
-    _finish(ref)
+    finish(_start(tmp_path, cfg_file, run_dir, 0.0), timeout=240)
+    finish(ref, timeout=240)
     a, b = read_metrics(ref_dir), read_metrics(run_dir)
     assert b.status == "completed" and b.extra["segments"] == 2
-    assert {k: getattr(b, k) for k in QUALITY} == {k: getattr(a, k) for k in QUALITY}
-    assert _curve(run_dir) == _curve(ref_dir)
-    assert len(_curve(run_dir)) == 16
+    assert quality(b) == quality(a)
+    assert curve_without_time(run_dir) == curve_without_time(ref_dir)
+    assert len(curve_without_time(run_dir)) == 16
     ck_a, ck_b = latest_checkpoint(ref_dir), latest_checkpoint(run_dir)
     assert ck_a.name == ck_b.name == "step_16"
     for name in ("model.safetensors", "optimizer.safetensors"):

@@ -5,8 +5,6 @@ checkpoints and their pruning, bit-exact resume, failures (NaN, interrupts, bad 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +17,8 @@ from pcaf_core.config import (
 from pcaf_core.config_io import config_from_dict, config_to_dict
 from pcaf_core.loop import TrainingDiverged, run_training
 from pcaf_core.results import read_curve, read_metrics
-from tests.bigram_backend import QUALITY_FIELDS, BigramBackend, V, markov_corpus, small_cfg
+from tests.bigram_backend import BigramBackend, V, markov_corpus, small_cfg
+from tests.resume_helpers import curve_without_time, quality
 
 # --------------------------------------------------------------------------- checkpoints and resume
 
@@ -38,14 +37,6 @@ def test_checkpoint_cadence_layout_and_pruning(tmp_path):
     assert not any(p.name.startswith(".") for p in (tmp_path / "checkpoints").iterdir())
 
 
-def _quality(m) -> dict[str, Any]:
-    return {k: getattr(m, k) for k in QUALITY_FIELDS}
-
-
-def _curve_without_time(run_dir: Path) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in read_curve(run_dir)]
-
-
 def test_resume_after_failure_is_bit_exact(tmp_path):
     corpus = markov_corpus()
     cfg = small_cfg(steps=14, checkpoint_every=4, log_every=1, eval={"every": 5, "batches": 2})
@@ -62,8 +53,8 @@ def test_resume_after_failure_is_bit_exact(tmp_path):
     m = run_training(cfg, resumed_backend, run, corpus=corpus, progress=False)
     assert resumed_backend.calls[0] == ("train", 9)  # ...and the resumed run continued after step 8
     assert m.status == "completed" and m.extra["segments"] == 2
-    assert _quality(m) == _quality(ref)
-    assert _curve_without_time(run) == _curve_without_time(tmp_path / "ref")
+    assert quality(m) == quality(ref)
+    assert curve_without_time(run) == curve_without_time(tmp_path / "ref")
     np.testing.assert_array_equal(np.load(run / "checkpoints/step_14/W.npy"),
                                   np.load(tmp_path / "ref/checkpoints/step_14/W.npy"))
 
@@ -75,7 +66,7 @@ def test_resume_of_a_completed_run_reruns_nothing_but_the_record(tmp_path):
     again = BigramBackend()
     second = run_training(cfg, again, tmp_path, corpus=corpus, progress=False)
     assert not [c for c in again.calls if c[0] == "train"]
-    assert _quality(second) == _quality(first)
+    assert quality(second) == quality(first)
 
 
 def test_resume_with_a_different_config_names_the_fields(tmp_path):

@@ -5,13 +5,9 @@ bit for bit (CPU, fp32): metrics, learning curve, weights and optimiser state.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +18,8 @@ from backends.torch.train import TorchBackend
 from pcaf_core.checkpoints import latest_checkpoint, read_loop_state
 from pcaf_core.config_io import config_from_dict, config_to_dict
 from pcaf_core.loop import run_training
-from pcaf_core.results import read_curve, read_metrics
+from pcaf_core.results import read_metrics
+from tests.resume_helpers import curve_without_time, finish, quality, start_runner, wait_for_checkpoint
 from tests.test_torch_train import tiny_cfg, wt2_cache  # noqa: F401 - wt2_cache is a fixture
 
 RUNNER = """
@@ -51,41 +48,10 @@ class Paced(TorchBackend):
 run_training(cfg, Paced("cpu"), Path(sys.argv[2]), progress=False)
 """
 
-QUALITY = ("final_ppl", "best_ppl", "best_step", "acc_at_best", "acc_param_at_best", "final_acc", "final_acc_param",
-           "full_ppl", "full_acc", "full_acc_param", "full_windows", "steps_done", "params", "unigram_ppl",
-           "config_hash", "status")
-
-
 def _start(tmp_path: Path, cfg_file: Path, run_dir: Path, delay: float) -> subprocess.Popen:
     script = tmp_path / "runner.py"
     script.write_text(RUNNER)
-    return subprocess.Popen([sys.executable, str(script), str(cfg_file), str(run_dir), str(delay)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
-
-
-def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, min_step: int, timeout: float = 120) -> int:
-    pointer = run_dir / "checkpoints" / "latest"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pointer.exists():
-            step = int(pointer.read_text().strip().split("_")[1])
-            if step >= min_step:
-                return step
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before it could be interrupted:\n{proc.stdout.read()}")
-        time.sleep(0.01)
-    proc.kill()
-    pytest.fail("no checkpoint appeared in time")
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 180) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out
-    return out
-
-
-def _curve(run_dir: Path) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in read_curve(run_dir)]
+    return start_runner(script, cfg_file, run_dir, delay)
 
 
 def _optimizer_tensors(ck: Path) -> list[torch.Tensor]:
@@ -127,7 +93,7 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path, run_cfg):
     ref_dir, run_dir = tmp_path / "uninterrupted", tmp_path / "interrupted"
     victim = _start(tmp_path, run_cfg, run_dir, 0.1)
     _uninterrupted(run_cfg, ref_dir)  # while the victim starts
-    killed_after = _wait_for_checkpoint(victim, run_dir, min_step=6)
+    killed_after = wait_for_checkpoint(victim, run_dir, min_step=6, timeout=120)
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
     assert victim.returncode == -signal.SIGKILL
@@ -136,12 +102,12 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path, run_cfg):
     assert rec.status == "running" and rec.steps_done < STEPS
     assert read_loop_state(latest_checkpoint(run_dir)).step >= killed_after >= 6
 
-    _finish(_start(tmp_path, run_cfg, run_dir, 0.0))
+    finish(_start(tmp_path, run_cfg, run_dir, 0.0), timeout=180)
     a, b = read_metrics(ref_dir), read_metrics(run_dir)
     assert b.status == "completed" and b.extra["segments"] == 2
-    assert {k: getattr(b, k) for k in QUALITY} == {k: getattr(a, k) for k in QUALITY}
-    assert _curve(run_dir) == _curve(ref_dir)
-    assert len(_curve(run_dir)) == STEPS
+    assert quality(b) == quality(a)
+    assert curve_without_time(run_dir) == curve_without_time(ref_dir)
+    assert len(curve_without_time(run_dir)) == STEPS
     ck_a, ck_b = latest_checkpoint(ref_dir), latest_checkpoint(run_dir)
     assert ck_a.name == ck_b.name == f"step_{STEPS}"
     wa = safetensors.numpy.load_file(str(ck_a / "model.safetensors"))
@@ -159,14 +125,14 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path, run_cfg):
 def test_sigterm_leaves_an_interrupted_record_and_resumes(tmp_path, run_cfg):
     run_dir = tmp_path / "run"
     victim = _start(tmp_path, run_cfg, run_dir, 0.1)
-    _wait_for_checkpoint(victim, run_dir, min_step=3)
+    wait_for_checkpoint(victim, run_dir, min_step=3, timeout=120)
     victim.send_signal(signal.SIGTERM)
     out, _ = victim.communicate(timeout=30)
     assert victim.returncode != 0, out
     rec = read_metrics(run_dir)
     assert rec.status == "failed" and rec.error.startswith("interrupted by SIGTERM after step")
     assert f"resume {run_dir} from {run_dir / 'checkpoints'}/step_" in rec.error and rec.extra["resumable"]
-    _finish(_start(tmp_path, run_cfg, run_dir, 0.0))
+    finish(_start(tmp_path, run_cfg, run_dir, 0.0), timeout=180)
     done = read_metrics(run_dir)
     assert done.status == "completed" and done.error is None and done.steps_done == STEPS
     assert np.isfinite(done.final_ppl)
