@@ -102,6 +102,39 @@ def test_flex_dropout_drops_attention_weights(variant, T, w, g, flex_backward_on
         torch.testing.assert_close(got, exp, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_compiled_dropout_step_gives_every_flex_backward_an_output_gradient(variant, flex_backward_on_cpu) -> None:
+    """Under ``torch.compile`` the dropout form's backward graph hands each FlexAttention backward the gradient of
+    its output: inductor's CUDA lowering of that backward fails on a missing one (a discarded output), which would
+    stop every compiled training step with dropout. Captured with AOTAutograd's graphs, as inductor receives them;
+    the compiled form gives the eager values and gradients."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward_graphs = []
+
+    def keep_backward(gm, example_inputs):
+        backward_graphs.append(gm)
+        return gm
+
+    def attend(q, k, v, keep):
+        return wa.flex_window_attention(q, k, v, variant, 8, 3, 0.3, keep=keep)
+
+    q, k, v = _qkv(20)
+    keep = wa.draw_keep((2, 2, 20), 8, wa.n_global_keys(variant, 3), 0.3, q.device)
+    torch._dynamo.reset()
+    capture = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=keep_backward)
+    out = torch.compile(attend, backend=capture, fullgraph=True, dynamic=False)(q, k, v, keep)
+    grads = _grads(out, (q, k, v))
+    torch._dynamo.reset()
+    calls = [n for gm in backward_graphs for n in gm.graph.nodes if "flex_attention_backward" in str(n.target)]
+    assert len(calls) == 2  # the kept-key call and the full row's
+    assert all(n.args[5] is not None for n in calls), "a FlexAttention backward gets no output gradient"
+    want = wa.flex_window_attention(q, k, v, variant, 8, 3, 0.3, compiled=False, keep=keep)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for got, exp in zip(grads, _grads(want, (q, k, v)), strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-6)
+
+
 def test_dropout_masks_come_from_the_global_generator() -> None:
     """Fresh masks every call at the rate asked for, the same ones again under the same seed."""
     shape, w, g, p = (4, 2, 200), 32, 4, 0.1

@@ -136,6 +136,9 @@ def flex_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, var
 
     lse_request = AuxRequest(lse=True)
     kept, kept_aux = attend(q, k, v, score_mod=drop_scores, block_mask=block_mask, return_aux=lse_request)
-    _, full_aux = attend(q, k, v, block_mask=block_mask, return_aux=lse_request)
+    full, full_aux = attend(q, k, v, block_mask=block_mask, return_aux=lse_request)
     factor = torch.exp(kept_aux.lse - full_aux.lse) / (1.0 - dropout_p)  # 0 where every key was dropped
-    return kept * factor.unsqueeze(-1).to(kept.dtype)
+    # `+ 0 * full` changes no value (every query sees itself, so `full` is finite) and no gradient. It is there
+    # because a discarded output reaches FlexAttention's backward as a missing output gradient, which inductor's
+    # lowering of that backward (torch 2.11, CUDA) cannot take: a compiled step (train.compile=on) would fail.
+    return kept * factor.unsqueeze(-1).to(kept.dtype) + 0 * full
