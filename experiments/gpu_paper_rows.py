@@ -3,7 +3,7 @@
     python3 -m experiments.gpu_paper_rows --make-site          # here, once: .gpu_site/ from this environment
     python3 -m experiments.gpu_paper_rows --unpack records.tar.gz [--into docs/results/runs]   # here, after
     python3 -m experiments.gpu_paper_rows [--step-cost wt2-nt-1024,wt2-nt-2048] [--out DIR] [--budget-s S]
-                                          [--scale paper] [--device cuda] TABLE/ROW ...
+                                          [--scale paper] [--device cuda] [--override KEY=VALUE ...] TABLE/ROW ...
 
 On the GPU machine (docs/EXPERIMENTS.md, "Paper rows on a GPU"), in order:
 
@@ -96,11 +96,11 @@ def child_env() -> dict[str, str]:
 
 
 def step_cost_command(table: str, scale: str, device: str, csv_path: Path, python: str,
-                      backend: str = "torch", rows: tuple[str, ...] = ()) -> list[str]:
+                      backend: str = "torch", rows: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> list[str]:
     """``make step-cost`` for ``table`` (``rows``: only those rows; none: every row) with this interpreter (no
     virtualenv or data target is remade: the GPU machine has no ``.venv`` and prepares data on first use);
-    ``python -m experiments.step_cost`` without make."""
-    overrides = f"--device {device} --csv {csv_path} data.layout=tokens"
+    ``python -m experiments.step_cost`` without make. ``extra``: Hydra overrides after ``data.layout=tokens``."""
+    overrides = " ".join((f"--device {device} --csv {csv_path} data.layout=tokens", *extra))
     globs = ",".join(rows) or "*"
     if shutil.which("make"):
         return ["make", "-o", ".venv/.installed", "-o", "data", "step-cost", f"PY={python}", f"TABLE={table}",
@@ -110,10 +110,11 @@ def step_cost_command(table: str, scale: str, device: str, csv_path: Path, pytho
 
 
 def reproduce_command(table: str, row: str, scale: str, device: str, output_root: Path, python: str,
-                      backend: str = "torch") -> list[str]:
+                      backend: str = "torch", extra: tuple[str, ...] = ()) -> list[str]:
+    """``extra``: Hydra overrides after ``data.layout=tokens`` (the same as the step cost's)."""
     return [python, "-m", "experiments.reproduce", "--table", table, "--scale", scale, "--backend", backend,
             "--rows", row, "--output-root", str(output_root), "--no-render", f"backend.device={device}",
-            "data.layout=tokens"]
+            "data.layout=tokens", *extra]
 
 
 def copy_records(output_root: Path, table: str, scale: str, row: str, dest_root: Path,
@@ -226,7 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-root", default="outputs/gpu", help="the runs themselves, checkpoints included")
     parser.add_argument("--budget-s", type=float, default=0.0, help="skip rows predicted to train longer than the "
                         "seconds left (0: no budget)")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a Hydra override for every step cost and row, e.g. train.compile=on (repeatable); "
+                        "one that changes a row's numbers makes its runs extra runs, not the row's")
     args = parser.parse_args(argv)
+    extra = tuple(args.override)
+    for item in extra:
+        if "=" not in item or " " in item:
+            raise SystemExit(f"--override {item!r} is not KEY=VALUE without spaces: e.g. --override train.compile=on")
     if args.make_site:
         print(f"{SITE}: {', '.join(make_site())}")
         return 0
@@ -250,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         # its build and compile (10-20 s for a compiled one) of the machine's time.
         given = tuple(dict.fromkeys(r for t, r in rows if t == table))
         cmd = step_cost_command(table, args.scale, device, out / "step_cost" / f"{name}.csv", python, args.backend,
-                                given)
+                                given, extra)
         print(f"[gpu_paper_rows] {' '.join(cmd)}", flush=True)
         rc = subprocess.call(cmd, cwd=REPO, env=env)
         code = code or rc
@@ -262,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gpu_paper_rows] skipped {table}/{row}: predicted {need:.0f} s of training, {left:.0f} s left",
                   flush=True)
             continue
-        cmd = reproduce_command(table, row, args.scale, device, output_root, python, args.backend)
+        cmd = reproduce_command(table, row, args.scale, device, output_root, python, args.backend, extra)
         print(f"[gpu_paper_rows] {' '.join(cmd)}", flush=True)
         rc = subprocess.call(cmd, cwd=REPO, env=env)
         copied = copy_records(output_root, table, args.scale, row, out / "runs", args.backend)

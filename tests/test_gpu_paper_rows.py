@@ -27,6 +27,22 @@ def test_commands_name_the_device_scale_and_tokens_layout(tmp_path: Path) -> Non
     assert f"--device cuda --csv {tmp_path / 'c.csv'} data.layout=tokens" in text
 
 
+def test_overrides_reach_the_step_cost_and_every_row(tmp_path: Path, monkeypatch) -> None:
+    """``--override``: the same Hydra overrides after ``data.layout=tokens`` in the step cost and each row."""
+    launched = []
+    monkeypatch.setattr(gpr.subprocess, "call", lambda cmd, **kw: launched.append(cmd) or 0)
+    gpr.main(["--step-cost", "wt2-nt-1024", "--out", str(tmp_path), "--output-root", str(tmp_path / "outputs"),
+              "--override", "train.compile=on", "--override", "eval.eval_batches=5",
+              "wt2-nt-1024/transformer_local", "wt2-nt-1024/transformer_dense"])
+    cost, *runs = (" ".join(c) for c in launched)
+    assert "data.layout=tokens train.compile=on eval.eval_batches=5" in cost
+    assert "transformer_local,transformer_dense" in cost
+    assert len(runs) == 2 and all(r.endswith("data.layout=tokens train.compile=on eval.eval_batches=5") for r in runs)
+    for bad in ("train.compile", "train.compile=on eval.eval_batches=5"):
+        with pytest.raises(SystemExit, match="is not KEY=VALUE"):
+            gpr.main(["--override", bad, "wt2-nt-1024/transformer_local"])
+
+
 def test_site_goes_first_on_the_path(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(gpr, "SITE", tmp_path / "site")
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
