@@ -25,8 +25,9 @@ Back here, ``--unpack <out>/records.tar.gz --into docs/results/runs`` puts the r
 them: only record files at ``<table>/<scale>/<torch|jax>/<row>/<run>/`` are accepted, and a record that already
 exists with other contents is refused, not overwritten.
 
-``--budget-s``: a row whose training time predicted by step 1 (``train_s``, evaluation not included) exceeds the
-seconds left is skipped, with a line saying so. The tables render here, from the records alone:
+``--budget-s``: a row whose run predicted by step 1 (``wall_s``: its first step, training and evaluation; process
+start-up not included) exceeds the seconds left is skipped, with a line saying so. The tables render here, from the
+records alone:
 ``python -m paper_tables render --table <t> --scale paper --backend <b> --runs <records> --out <dir>
 backend.device=<device> data.layout=tokens``; ``python -m paper_tables backends`` sets torch and JAX side by side.
 
@@ -189,13 +190,15 @@ def unpack_records(archive: Path, into: Path) -> list[Path]:
 
 
 def predicted_seconds(out: Path, backend: str = "torch") -> dict[tuple[str, str], float]:
-    """``{(table, row): train_s}`` of ``backend`` from the step-cost CSVs under ``out/step_cost``."""
+    """``{(table, row): seconds}`` of ``backend`` from the step-cost CSVs under ``out/step_cost``: the whole run
+    (``wall_s``: first step, training and evaluation), or its training alone (``train_s``) in a CSV from before
+    ``experiments.step_cost`` predicted whole runs."""
     costs = {}
     for path in sorted((out / "step_cost").glob("*.csv")):
         with open(path, newline="") as fh:
             for r in csv.DictReader(fh):
                 if r.get("backend", "torch") == backend:
-                    costs[(r["table"], r["row"])] = float(r["train_s"])
+                    costs[(r["table"], r["row"])] = float(r.get("wall_s") or r["train_s"])
     return costs
 
 
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         left = args.budget_s - (time.monotonic() - start)
         need = costs.get((table, row))
         if args.budget_s and need is not None and need > left:
-            print(f"[gpu_paper_rows] skipped {table}/{row}: predicted {need:.0f} s of training, {left:.0f} s left",
+            print(f"[gpu_paper_rows] skipped {table}/{row}: predicted {need:.0f} s for its run, {left:.0f} s left",
                   flush=True)
             continue
         cmd = reproduce_command(table, row, args.scale, device, output_root, python, args.backend, extra)

@@ -10,7 +10,15 @@ After ``--warmup`` untimed steps (compilation, allocator) the median of ``--step
 ``Backend.train_step`` calls, each timed until its loss is on the host (so an accelerator's queued work is
 included, as in a run's tokens/s), is the step cost. Printed per row: the step, the cost per target (next-token:
 one target per window) or per token (full AR), and the training time the row's configured steps take at that
-cost; evaluation and start-up are not included. Run it alone on the machine, as any timing.
+cost (``train_s``).
+
+The row's whole run is predicted too (``wall_s``), since a command that must finish a row needs more than its
+training time: the first step as measured (``first_step_s``: compilation included; warm caches make a run's first
+step cheaper), the other steps at the step cost, and every evaluation batch the run scores (``eval_s``) at the
+median of ``--steps`` timed ``Backend.eval_batch`` calls on the row's eval batch (``eval_batch_ms``): the
+reference protocol's ``eval.batches`` at step 1, every ``eval.every`` steps and the last step, and the full
+protocol's deterministic pass (``eval_batches`` counts both). Data loading and process start-up are not in it.
+Run it alone on the machine, as any timing.
 """
 
 from __future__ import annotations
@@ -56,21 +64,72 @@ def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: 
     state = backend.init(cfg)
     B, T = cfg.train.batch_size, cfg.train.seq_len
     inputs, targets = row_windows(cfg, B, T)
-    times = []
+    times, first_step_s = [], 0.0
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         state, loss = backend.train_step(state, inputs, targets, cfg.train.lr)
         float(loss)  # the step ends when its loss is on the host: an accelerator's queued work is in the time
+        if i == 0:
+            first_step_s = time.perf_counter() - t0
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
+    eval_batch_s = median_eval_batch_s(backend, state, cfg, steps)
+    n_eval = eval_batch_count(cfg)
     unit = B if cfg.train.mode == "nt" else B * T
     return {"table": table, "row": row, "scale": scale, "backend": backend_name, "mode": cfg.train.mode, "T": T,
             "batch": B, "variant": cfg.model.variant, "route": cfg.memory.route, "top_k": cfg.memory.top_k,
             "policy": cfg.memory.candidate_policy, "profile": cfg.profile.name, "precision": cfg.train.precision,
             "step_ms": round(step_s * 1e3, 2), "unit": "target" if cfg.train.mode == "nt" else "token",
             "ms_per_unit": round(step_s * 1e3 / unit, 4), "steps": cfg.train.steps,
-            "train_s": round(step_s * cfg.train.steps, 1), "timed_steps": steps, "device": backend.device}
+            "train_s": round(step_s * cfg.train.steps, 1), "timed_steps": steps, "device": backend.device,
+            "first_step_s": round(first_step_s, 2), "eval_batch_ms": round(eval_batch_s * 1e3, 2),
+            "eval_batches": n_eval, "eval_s": round(eval_batch_s * n_eval, 1),
+            "wall_s": round(first_step_s + step_s * (cfg.train.steps - 1) + eval_batch_s * n_eval, 1)}
+
+
+def eval_batch_size(cfg) -> int:
+    """The batch a run evaluates with (``eval.batch_size``; 0: the training batch), as the loop takes it."""
+    return cfg.eval.batch_size or cfg.train.batch_size
+
+
+def eval_batch_count(cfg) -> int:
+    """How many batches a run of ``cfg`` scores: ``eval.batches`` at each reference evaluation (step 1, every
+    ``eval.every`` steps, the last step) and the full protocol's batches over the evaluation split, as
+    :mod:`pcaf_core.loop` runs them."""
+    from pcaf_core.evaluation import evaluation_tokens, full_windows
+
+    n = 0
+    steps, every = cfg.train.steps, cfg.eval.every
+    if cfg.eval.protocol in ("reference", "both"):
+        at = {1, steps} | (set(range(every, steps + 1, every)) if every > 0 else set())
+        n += len(at) * cfg.eval.batches
+    if cfg.eval.protocol in ("full", "both"):
+        tokens = evaluation_tokens(load_corpus(cfg.data))
+        n += len(full_windows(tokens, cfg, eval_batch_size(cfg), capped=True))
+    return n
+
+
+def median_eval_batch_s(backend, state, cfg, repeats: int) -> float:
+    """The median time of ``repeats`` ``Backend.eval_batch`` calls (after one untimed call) on the row's eval batch
+    of validation windows; each call returns its outputs on the host, so the time is complete."""
+    from pcaf_core.evaluation import evaluation_tokens
+
+    tokens = np.asarray(evaluation_tokens(load_corpus(cfg.data)))
+    B, T = eval_batch_size(cfg), cfg.train.seq_len
+    if len(tokens) < T + 1:
+        raise ConfigError(f"the evaluation split has {len(tokens)} tokens, fewer than T+1={T + 1}")
+    starts = (np.arange(B) * (len(tokens) // B)) % (len(tokens) - T)
+    windows = np.stack([tokens[s:s + T + 1] for s in starts]).astype(np.int32)
+    inputs = np.ascontiguousarray(windows[:, :-1])
+    targets = np.ascontiguousarray(windows[:, -1] if cfg.train.mode == "nt" else windows[:, 1:])
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        backend.eval_batch(state, inputs, targets, cfg.train.mode)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,15 +154,16 @@ def main(argv: list[str] | None = None) -> int:
                             args.device)
             results.append(r)
             print(f"{row:34} {r['mode']:2} T={r['T']:<5} B={r['batch']:<4} {r['step_ms']:9.1f} ms/step "
-                  f"{r['ms_per_unit']:8.3f} ms/{r['unit']:6} x {r['steps']} steps = {r['train_s']:8.1f} s",
-                  flush=True)
+                  f"{r['ms_per_unit']:8.3f} ms/{r['unit']:6} x {r['steps']} steps = {r['train_s']:8.1f} s; "
+                  f"run {r['wall_s']:.0f} s (first step {r['first_step_s']:.1f} s, {r['eval_batches']} eval "
+                  f"batches {r['eval_s']:.0f} s)", flush=True)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    total = sum(r["train_s"] for r in results)
+    total, wall = sum(r["train_s"] for r in results), sum(r["wall_s"] for r in results)
     label = f"{args.table} scale={args.scale} backend={args.backend} device={results[0]['device']}"
-    print(f"[{label}] training time at these costs: {total:.0f} s "
-          f"({total / 60:.1f} min; evaluation and start-up not included)")
+    print(f"[{label}] training time at these costs: {total:.0f} s ({total / 60:.1f} min); whole runs "
+          f"{wall:.0f} s ({wall / 60:.1f} min; first steps and evaluation included, process start-up not)")
     if args.csv:
         Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
         with open(args.csv, "w", newline="") as fh:

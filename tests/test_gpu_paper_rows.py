@@ -70,7 +70,17 @@ def test_a_row_predicted_past_the_budget_is_skipped(tmp_path: Path, monkeypatch,
     args = ["--step-cost", "", "--budget-s", "300", "--out", str(tmp_path), "wt2-nt-2048/transformer_local"]
     assert gpr.main(args) == 0
     assert launched == []
-    assert "skipped wt2-nt-2048/transformer_local: predicted 536 s of training" in capsys.readouterr().out
+    assert "skipped wt2-nt-2048/transformer_local: predicted 536 s for its run" in capsys.readouterr().out
+
+
+def test_the_budget_counts_the_whole_run_where_the_step_cost_predicts_it(tmp_path: Path) -> None:
+    """``wall_s`` (first step, training, evaluation) when the CSV has it; ``train_s`` in an older CSV."""
+    (tmp_path / "step_cost").mkdir()
+    for name, fields, row in (("a.csv", ["table", "row", "train_s", "wall_s"], ["t", "new", "120.0", "341.5"]),
+                              ("b.csv", ["table", "row", "train_s"], ["t", "old", "118.0"])):
+        with open(tmp_path / "step_cost" / name, "w", newline="") as fh:
+            csv.writer(fh).writerows([fields, row])
+    assert gpr.predicted_seconds(tmp_path) == {("t", "new"): 341.5, ("t", "old"): 118.0}
 
 
 def _completed_run(root: Path, table: str, row: str, run: str, status: str = "completed") -> Path:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import csv
 
-from experiments.step_cost import main
+from experiments.step_cost import eval_batch_count, main
+from experiments.table_plan import compose_row
 
 
 def test_step_cost_times_each_row_on_its_own_text_and_shapes(tmp_path, capsys):
@@ -14,12 +15,37 @@ def test_step_cost_times_each_row_on_its_own_text_and_shapes(tmp_path, capsys):
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("pcaf_context") and "ms/target x 7 steps" in lines[0]
-    assert "training time at these costs" in lines[-1] and "evaluation and start-up not included" in lines[-1]
+    assert "training time at these costs" in lines[-1] and "first steps and evaluation included" in lines[-1]
     [row] = list(csv.DictReader(open(out)))
     assert (row["mode"], row["unit"], row["steps"], row["profile"]) == ("nt", "target", "7", "reference_torch")
     assert float(row["step_ms"]) > 0
     assert row["device"].startswith("cpu") and "device=cpu" in lines[-1]  # the CPU unless told otherwise
     assert abs(float(row["ms_per_unit"]) * int(row["batch"]) - float(row["step_ms"])) < 0.01
+    # The whole run: the first step, 6 more at the step cost, and every batch the run evaluates.
+    assert int(row["eval_batches"]) == eval_batch_count(compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch",
+                                                                    ["train.steps=7"])[0].run)
+    assert float(row["eval_batch_ms"]) > 0 and float(row["first_step_s"]) > 0
+    want = float(row["first_step_s"]) + 6 * float(row["step_ms"]) / 1e3 + float(row["eval_s"])
+    assert abs(float(row["wall_s"]) - want) <= 0.1 + 1e-6
+
+
+def test_eval_batch_count_follows_the_loops_cadence_and_full_pass() -> None:
+    """Reference evaluations at step 1, every ``eval.every`` steps and the last step, ``eval.batches`` each; the
+    full protocol adds its deterministic pass, batched as the loop batches it."""
+    from pcaf_core.data import load_corpus
+    from pcaf_core.evaluation import evaluation_tokens, full_windows
+
+    def cfg(*overrides):
+        return compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch", list(overrides))[0].run
+
+    ref = cfg("train.steps=10", "eval.every=4", "eval.batches=3", "eval.protocol=reference")
+    assert eval_batch_count(ref) == 4 * 3  # steps 1, 4, 8, 10
+    full = cfg("train.steps=10", "eval.protocol=full", "eval.batch_size=5", "eval.full_max_windows=12")
+    n_full = len(full_windows(evaluation_tokens(load_corpus(full.data)), full, 5, capped=True))
+    assert n_full == 3 and eval_batch_count(full) == n_full  # 12 windows in batches of 5
+    both = cfg("train.steps=8", "eval.every=4", "eval.batches=2", "eval.protocol=both", "eval.batch_size=5",
+               "eval.full_max_windows=12")
+    assert eval_batch_count(both) == 3 * 2 + n_full  # steps 1, 4, 8
 
 
 def test_step_cost_rejects_rows_that_match_nothing(capsys):
