@@ -25,6 +25,8 @@ def test_step_cost_times_each_row_on_its_own_text_and_shapes(tmp_path, capsys):
     assert int(row["eval_batches"]) == eval_batch_count(compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch",
                                                                     ["train.steps=7"])[0].run)
     assert float(row["eval_batch_ms"]) > 0 and float(row["first_step_s"]) > 0
+    want_eval = float(row["first_eval_s"]) + (int(row["eval_batches"]) - 1) * float(row["eval_batch_ms"]) / 1e3
+    assert abs(float(row["eval_s"]) - want_eval) <= 0.05 + 1e-6
     want = float(row["first_step_s"]) + 6 * float(row["step_ms"]) / 1e3 + float(row["eval_s"])
     assert abs(float(row["wall_s"]) - want) <= 0.1 + 1e-6
 
