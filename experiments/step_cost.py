@@ -37,21 +37,23 @@ import numpy as np
 from experiments.table_plan import compose_row, select_rows
 from pcaf_core.config import ConfigError
 from pcaf_core.data import load_corpus
+from pcaf_core.evaluation import eval_batch_size, evaluation_tokens, full_windows, reference_due
 from pcaf_core.results import SCALES
 
 BACKEND_CLASSES = {"torch": ("backends.torch.backend", "TorchBackend"), "jax": ("backends.jax.backend", "JaxBackend")}
 
 
-def row_windows(cfg, batch: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """``batch`` consecutive windows of the row's training text spread over the split, ``[B, T]`` int32, and
-    their targets: the next token (next-token mode, ``[B]``) or the shifted window (full AR, ``[B, T]``)."""
-    train = np.asarray(load_corpus(cfg.data).train)
-    if len(train) < seq_len + 1:
-        raise ConfigError(f"the training split has {len(train)} tokens, fewer than T+1={seq_len + 1}")
-    starts = (np.arange(batch) * (len(train) // batch)) % (len(train) - seq_len)
-    windows = np.stack([train[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+def spread_windows(tokens: np.ndarray, batch: int, seq_len: int, mode: str,
+                   split: str = "training") -> tuple[np.ndarray, np.ndarray]:
+    """``batch`` windows of ``tokens`` spread over it, ``[B, T]`` int32, and their targets: the next token
+    (next-token mode, ``[B]``) or the shifted window (full AR, ``[B, T]``)."""
+    tokens = np.asarray(tokens)
+    if len(tokens) < seq_len + 1:
+        raise ConfigError(f"the {split} split has {len(tokens)} tokens, fewer than T+1={seq_len + 1}")
+    starts = (np.arange(batch) * (len(tokens) // batch)) % (len(tokens) - seq_len)
+    windows = np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)
     inputs = windows[:, :-1]
-    targets = windows[:, -1] if cfg.train.mode == "nt" else windows[:, 1:]
+    targets = windows[:, -1] if mode == "nt" else windows[:, 1:]
     return np.ascontiguousarray(inputs), np.ascontiguousarray(targets)
 
 
@@ -64,7 +66,7 @@ def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: 
     backend = getattr(importlib.import_module(module), cls)(device)
     state = backend.init(cfg)
     B, T = cfg.train.batch_size, cfg.train.seq_len
-    inputs, targets = row_windows(cfg, B, T)
+    inputs, targets = spread_windows(load_corpus(cfg.data).train, B, T, cfg.train.mode)
     times, first_step_s = [], 0.0
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -90,22 +92,13 @@ def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: 
             "wall_s": round(first_step_s + step_s * (cfg.train.steps - 1) + eval_s, 1)}
 
 
-def eval_batch_size(cfg) -> int:
-    """The batch a run evaluates with (``eval.batch_size``; 0: the training batch), as the loop takes it."""
-    return cfg.eval.batch_size or cfg.train.batch_size
-
-
 def eval_batch_count(cfg) -> int:
     """How many batches a run of ``cfg`` scores: ``eval.batches`` at each reference evaluation (step 1, every
     ``eval.every`` steps, the last step) and the full protocol's batches over the evaluation split, as
     :mod:`pcaf_core.loop` runs them."""
-    from pcaf_core.evaluation import evaluation_tokens, full_windows
-
     n = 0
-    steps, every = cfg.train.steps, cfg.eval.every
     if cfg.eval.protocol in ("reference", "both"):
-        at = {1, steps} | (set(range(every, steps + 1, every)) if every > 0 else set())
-        n += len(at) * cfg.eval.batches
+        n += sum(reference_due(step, cfg) for step in range(1, cfg.train.steps + 1)) * cfg.eval.batches
     if cfg.eval.protocol in ("full", "both"):
         tokens = evaluation_tokens(load_corpus(cfg.data))
         n += len(full_windows(tokens, cfg, eval_batch_size(cfg), capped=True))
@@ -116,16 +109,8 @@ def eval_batch_times(backend, state, cfg, repeats: int) -> tuple[float, float]:
     """The first ``Backend.eval_batch`` call's time (an evaluation graph's compilation included) and the median of
     ``repeats`` more, on the row's eval batch of validation windows; each call returns its outputs on the host, so
     the times are complete."""
-    from pcaf_core.evaluation import evaluation_tokens
-
-    tokens = np.asarray(evaluation_tokens(load_corpus(cfg.data)))
-    B, T = eval_batch_size(cfg), cfg.train.seq_len
-    if len(tokens) < T + 1:
-        raise ConfigError(f"the evaluation split has {len(tokens)} tokens, fewer than T+1={T + 1}")
-    starts = (np.arange(B) * (len(tokens) // B)) % (len(tokens) - T)
-    windows = np.stack([tokens[s:s + T + 1] for s in starts]).astype(np.int32)
-    inputs = np.ascontiguousarray(windows[:, :-1])
-    targets = np.ascontiguousarray(windows[:, -1] if cfg.train.mode == "nt" else windows[:, 1:])
+    inputs, targets = spread_windows(evaluation_tokens(load_corpus(cfg.data)), eval_batch_size(cfg),
+                                     cfg.train.seq_len, cfg.train.mode, "evaluation")
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()

@@ -42,6 +42,17 @@ class EvalResult:
         return asdict(self)
 
 
+def eval_batch_size(cfg: RunConfig) -> int:
+    """The global batch a run evaluates with: ``eval.batch_size``, or the training batch when it is 0."""
+    return cfg.eval.batch_size or cfg.train.batch_size
+
+
+def reference_due(step: int, cfg: RunConfig) -> bool:
+    """Whether a run evaluates with the reference protocol after ``step`` (1-based): at step 1, every
+    ``eval.every`` steps and at the last step (``train.steps``)."""
+    return step == 1 or step % cfg.eval.every == 0 or step == cfg.train.steps
+
+
 def capped_ppl(loss: float, cap_log: float) -> float:
     """The reference's ``exp(min(cap, loss))``; NaN stays NaN (``min`` would hide it)."""
     if math.isnan(loss):

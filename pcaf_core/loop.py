@@ -65,9 +65,11 @@ from pcaf_core.config_io import (
 from pcaf_core.contention import ContentionSampler
 from pcaf_core.evaluation import (
     EvalResult,
+    eval_batch_size,
     evaluate_full,
     evaluate_reference,
     evaluation_tokens,
+    reference_due,
     unigram_ppl,
 )
 from pcaf_core.fsutil import DiskFullError, is_disk_full
@@ -156,7 +158,7 @@ class TrainingLoop:
 
     @property
     def eval_batch_size(self) -> int:
-        return self.cfg.eval.batch_size or self.cfg.train.batch_size
+        return eval_batch_size(self.cfg)
 
     @property
     def corpus(self) -> Any:
@@ -433,7 +435,7 @@ class TrainingLoop:
                 self.ls.pending_loss_count += 1
 
                 ev = None
-                if do_ref and (step == 1 or step % cfg.eval.every == 0 or step == steps):
+                if do_ref and reference_due(step, cfg):
                     ev = self.evaluate_reference(step)
                     self.ls.final = ev.as_dict()
                     best = self.ls.best
