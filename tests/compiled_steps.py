@@ -48,33 +48,48 @@ def step_config(case, mode: str, compile_mode: str = "off") -> RunConfig:
         train=TrainConfig(mode=mode, seq_len=T, batch_size=B, steps=STEPS, compile=compile_mode))
 
 
+def attention_step_config(variant: str, mode: str) -> RunConfig:
+    """A one-block windowed Transformer (head dimension 16, window 4, 2 global keys) with the reference profile's
+    dropout, on the same batch and window as :func:`step_config`: on CUDA its attention is FlexAttention."""
+    return RunConfig(
+        model=ModelConfig(variant=variant, vocab_size=64, d_model=32, d_hidden=24, n_layers=1, n_heads=2, window=4,
+                          n_global=2, max_seq_len=32),
+        memory=MemoryConfig(num_buckets=8, top_k=4, semantic_buckets=4),
+        profile=get_profile("reference_torch"),
+        train=TrainConfig(mode=mode, seq_len=T, batch_size=B, steps=STEPS))
+
+
 def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
-def compare_steps(cfg: RunConfig, compiler: str):
+def compare_steps(cfg: RunConfig, compiler: str, device: str = "cpu"):
     """STEPS training steps in which the eager and the compiled training loss both run on the same weights
     and the same dropout masks (the generator state is replayed), then the optimiser steps once.
 
     Comparing two separately trained copies would also compare float drift through routes that select
     discretely (a top-K or argmax near a tie flips after a few updates); this compares the step itself.
-    Returns the model (for inspection).
+    Returns the model (for inspection). ``device``: where the step runs (``cuda``: its generator is replayed too).
     """
-    backend = TorchBackend("cpu")
+    backend = TorchBackend(device)
     state = backend.init(cfg)
     eager = TrainingLoss(state.module)
     compiled = compile_training(state.module, TrainingLoss(state.module), backend=compiler)
     rng = np.random.default_rng(0)
     state.module.train()
     for step in range(STEPS):
-        x = torch.as_tensor(rng.integers(3, 64, (B, T)))
-        y = torch.as_tensor(rng.integers(3, 64, (B,) if cfg.train.mode == "nt" else (B, T)))
+        x = torch.as_tensor(rng.integers(3, 64, (B, T)), device=device)
+        y = torch.as_tensor(rng.integers(3, 64, (B,) if cfg.train.mode == "nt" else (B, T)), device=device)
         generator = torch.get_rng_state()
+        on_cuda = torch.device(device).type == "cuda"
+        cuda_generator = torch.cuda.get_rng_state() if on_cuda else None
         state.optimizer.zero_grad(set_to_none=True)
         loss_e = eager(x, y, cfg.train.mode)
         loss_e.backward()
         grads_e = grads(state.module)
         torch.set_rng_state(generator)
+        if on_cuda:
+            torch.cuda.set_rng_state(cuda_generator)
         state.optimizer.zero_grad(set_to_none=True)
         loss_c = compiled(x, y, cfg.train.mode)
         loss_c.backward()

@@ -26,6 +26,7 @@ from backends.torch.layers import Attention, attention_mask
 from pcaf_core import reference
 from pcaf_core.config import ConfigError, MemoryConfig, ModelConfig
 from pcaf_core.profiles import get_profile
+from tests.compiled_steps import attention_step_config, compare_steps
 from tests.spec_helpers import spec_params
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
@@ -294,3 +295,17 @@ def _compiled_flex_matches_masked(variant) -> None:
         loss.backward()
         losses[impl] = (loss.item(), net.blocks[0].attn.qkv.weight.grad.norm().item())
     np.testing.assert_allclose(losses["auto"], losses["masked"], rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="inductor compiles FlexAttention's backward for CUDA only; on a CPU "
+                    "test_compiled_dropout_step_gives_every_flex_backward_an_output_gradient checks the graph it gets")
+@pytest.mark.parametrize("mode", ["nt", "ar"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_inductor_step_with_dropout_trains_like_eager_on_cuda(variant, mode) -> None:
+    """``train.compile=on`` on CUDA: the windowed Transformer's training step with dropout, compiled by inductor
+    (FlexAttention's forward and backward inside the step's graph), gives the eager step's losses and gradients
+    under the same dropout masks (what stopped the first compiled paper-scale row)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch._dynamo.reset()
+    compare_steps(attention_step_config(variant, mode), "inductor", device="cuda")
