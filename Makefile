@@ -30,6 +30,7 @@ help:
 	@echo "make test-fast - the fast tier: no slow and no gpu tests (the edit-test loop)"
 	@echo "make test-hermetic - the fast tier with XLA_FLAGS=...device_count=4, then with OMP_NUM_THREADS=1"
 	@echo "               (times of all three: docs/results/README.md, \"Test suite\")"
+	@echo "make test-gpu - the gpu tier on a CUDA machine (GPU_PY=python3 where there is no $(VENV))"
 	@echo "make lint    - ruff check"
 	@echo "make data    - verify the corpora and build the token caches (WikiText-2 vendored; pg19-mini when found)"
 	@echo "make data-summary - splits, documents, tokens, vocabulary, OOV rate, cache location"
@@ -80,6 +81,16 @@ test-fast: $(VENV)/.installed $(VENV)/.installed-cluster
 test-hermetic: $(VENV)/.installed $(VENV)/.installed-cluster
 	XLA_FLAGS=--xla_force_host_platform_device_count=4 $(MAKE) --no-print-directory test-fast
 	OMP_NUM_THREADS=1 $(MAKE) --no-print-directory test-fast
+
+# The gpu tier, on a machine with CUDA: every gpu-marked test (the files that hold one), each named as it ends (-v),
+# in one process. A GPU machine without this project's environment runs it as `make test-gpu GPU_PY=python3` with
+# .gpu_site (experiments/gpu_paper_rows.py --make-site) and the checkout on PYTHONPATH.
+GPU_PY ?= $(PY)
+GPU_TEST_FILES = $(shell grep -l 'pytest.mark.gpu' tests/test_*.py)
+.PHONY: test-gpu
+test-gpu:
+	@start=$$SECONDS; $(GPU_PY) -m pytest -v -p no:cacheprovider -m gpu $(GPU_TEST_FILES) $(PYTEST_ARGS); code=$$?; \
+	  echo "make test-gpu: $$((SECONDS - start)) s wall"; exit $$code
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check pcaf_core backends benchmarks experiments paper_tables tests
