@@ -66,7 +66,8 @@ def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: 
     backend = getattr(importlib.import_module(module), cls)(device)
     state = backend.init(cfg)
     B, T = cfg.train.batch_size, cfg.train.seq_len
-    inputs, targets = spread_windows(load_corpus(cfg.data).train, B, T, cfg.train.mode)
+    corpus = load_corpus(cfg.data)  # once: each load checks the source and the cache
+    inputs, targets = spread_windows(corpus.train, B, T, cfg.train.mode)
     times, first_step_s = [], 0.0
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -77,8 +78,8 @@ def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: 
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    first_eval_s, eval_batch_s = eval_batch_times(backend, state, cfg, steps)
-    n_eval = eval_batch_count(cfg)
+    first_eval_s, eval_batch_s = eval_batch_times(backend, state, cfg, steps, corpus)
+    n_eval = eval_batch_count(cfg, corpus)
     eval_s = first_eval_s + eval_batch_s * (n_eval - 1) if n_eval else 0.0
     unit = B if cfg.train.mode == "nt" else B * T
     return {"table": table, "row": row, "scale": scale, "backend": backend_name, "mode": cfg.train.mode, "T": T,
@@ -92,24 +93,24 @@ def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: 
             "wall_s": round(first_step_s + step_s * (cfg.train.steps - 1) + eval_s, 1)}
 
 
-def eval_batch_count(cfg) -> int:
+def eval_batch_count(cfg, corpus=None) -> int:
     """How many batches a run of ``cfg`` scores: ``eval.batches`` at each reference evaluation (step 1, every
-    ``eval.every`` steps, the last step) and the full protocol's batches over the evaluation split, as
-    :mod:`pcaf_core.loop` runs them."""
+    ``eval.every`` steps, the last step) and the full protocol's batches over the evaluation split of ``corpus``
+    (default: ``cfg``'s, loaded), as :mod:`pcaf_core.loop` runs them."""
     n = 0
     if cfg.eval.protocol in ("reference", "both"):
         n += sum(reference_due(step, cfg) for step in range(1, cfg.train.steps + 1)) * cfg.eval.batches
     if cfg.eval.protocol in ("full", "both"):
-        tokens = evaluation_tokens(load_corpus(cfg.data))
+        tokens = evaluation_tokens(corpus if corpus is not None else load_corpus(cfg.data))
         n += len(full_windows(tokens, cfg, eval_batch_size(cfg), capped=True))
     return n
 
 
-def eval_batch_times(backend, state, cfg, repeats: int) -> tuple[float, float]:
+def eval_batch_times(backend, state, cfg, repeats: int, corpus) -> tuple[float, float]:
     """The first ``Backend.eval_batch`` call's time (an evaluation graph's compilation included) and the median of
-    ``repeats`` more, on the row's eval batch of validation windows; each call returns its outputs on the host, so
-    the times are complete."""
-    inputs, targets = spread_windows(evaluation_tokens(load_corpus(cfg.data)), eval_batch_size(cfg),
+    ``repeats`` more, on the row's eval batch of windows of ``corpus``'s evaluation split; each call returns its
+    outputs on the host, so the times are complete."""
+    inputs, targets = spread_windows(evaluation_tokens(corpus), eval_batch_size(cfg),
                                      cfg.train.seq_len, cfg.train.mode, "evaluation")
     times = []
     for _ in range(repeats + 1):

@@ -76,12 +76,12 @@ def compare_steps(cfg: RunConfig, compiler: str, device: str = "cpu"):
     eager = TrainingLoss(state.module)
     compiled = compile_training(state.module, TrainingLoss(state.module), backend=compiler)
     rng = np.random.default_rng(0)
+    on_cuda = torch.device(device).type == "cuda"
     state.module.train()
     for step in range(STEPS):
         x = torch.as_tensor(rng.integers(3, 64, (B, T)), device=device)
         y = torch.as_tensor(rng.integers(3, 64, (B,) if cfg.train.mode == "nt" else (B, T)), device=device)
         generator = torch.get_rng_state()
-        on_cuda = torch.device(device).type == "cuda"
         cuda_generator = torch.cuda.get_rng_state() if on_cuda else None
         state.optimizer.zero_grad(set_to_none=True)
         loss_e = eager(x, y, cfg.train.mode)
