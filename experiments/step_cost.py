@@ -88,7 +88,7 @@ def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: 
             "step_ms": round(step_s * 1e3, 2), "unit": "target" if cfg.train.mode == "nt" else "token",
             "ms_per_unit": round(step_s * 1e3 / unit, 4), "steps": cfg.train.steps,
             "train_s": round(step_s * cfg.train.steps, 1), "timed_steps": steps, "device": backend.device,
-            "first_step_s": round(first_step_s, 2), "first_eval_s": round(first_eval_s, 2),
+            "first_step_s": round(first_step_s, 4), "first_eval_s": round(first_eval_s, 4),
             "eval_batch_ms": round(eval_batch_s * 1e3, 2), "eval_batches": n_eval, "eval_s": round(eval_s, 1),
             "wall_s": round(first_step_s + step_s * (cfg.train.steps - 1) + eval_s, 1)}
 
