@@ -29,6 +29,13 @@ def query_positions(seq_len: int, mode: str) -> np.ndarray:
     return np.array([seq_len - 1]) if mode == "nt" else np.arange(seq_len)
 
 
+def query_rows(x: np.ndarray, mode: str) -> np.ndarray:
+    """``x [B, T, ...]`` at the :func:`query_positions`: ``[B, 1, ...]`` (row T-1) in NT, ``x`` itself in AR.
+    The backends take it as a view (a slice, no gather), so its gradient is no scatter either."""
+    _check_mode(mode)
+    return x[:, -1:] if mode == "nt" else x
+
+
 def recency(seq_len: int, mode: str) -> np.ndarray:
     """``[T]`` float64 recency feature of every position as a record (NT: position T-1 gets 1 + 1/(T-2),
     but it is never a record)."""

@@ -301,7 +301,7 @@ def memory_read(
     addr = hashing.addresses(tokens, memory.context_order, memory.num_buckets,
                              int32_wraparound=profile.hash_int32_wraparound)
     keys = l2_normalize(h @ p["memory.key.weight"], profile.l2norm)
-    query = l2_normalize(h[:, qpos] @ p["memory.query.weight"], profile.l2norm)
+    query = l2_normalize(records.query_rows(h, mode) @ p["memory.query.weight"], profile.l2norm)
 
     router_probs = overlap = None
     if memory.route in ("semantic", "hybrid"):
@@ -331,7 +331,7 @@ def memory_read(
     if model.variant == "pcaf_no_gate":
         raw = np.full((B, len(qpos)), memory.fixed_gate)
     else:
-        g = layer_norm(h[:, qpos], p["gate.norm.weight"], p["gate.norm.bias"])
+        g = layer_norm(records.query_rows(h, mode), p["gate.norm.weight"], p["gate.norm.bias"])
         g = linear(p, "gate.out", gelu(linear(p, "gate.hidden", g), profile.gelu))[..., 0]
         raw = 1.0 / (1.0 + np.exp(-g))
     gate = mixture.mask_gate(raw, cand.valid.any(-1), clip_when_empty=profile.gate_clip_when_empty,
@@ -400,7 +400,7 @@ def forward(
     T = tokens.shape[1]
     qpos = records.query_positions(T, mode)
     h = hidden_states(params, tokens, model, profile)
-    param_lp = head_log_probs(params, h[:, qpos], profile.gelu)
+    param_lp = head_log_probs(params, records.query_rows(h, mode), profile.gelu)
 
     tgt = None
     if targets is not None:

@@ -110,6 +110,9 @@ def test_records_helpers_match_spec() -> None:
                 r64 = jrec.recency(T, mode, jnp.float64)
                 assert r64.dtype == jnp.float64
                 np.testing.assert_array_equal(np.asarray(r64), records.recency(T, mode))
+            h = np.arange(2 * T * 3, dtype=np.float32).reshape(2, T, 3)
+            np.testing.assert_array_equal(np.asarray(jrec.query_rows(jnp.asarray(h), mode)),
+                                          h[:, records.query_positions(T, mode)])
     tok = np.arange(12).reshape(2, 6) * 3 + 1
     got = jrec.successor_values(jnp.asarray(tok, jnp.int32))
     np.testing.assert_array_equal(np.asarray(got), records.successor_values(tok))

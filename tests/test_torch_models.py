@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.torch import PCAFModel, TransformerLM, build_model, load_canonical, to_canonical
 from backends.torch.layers import DROPOUT_LEVELS, Dropout
@@ -376,6 +377,37 @@ def test_bf16_autocast_training_step_is_finite() -> None:
     out.loss.backward()
     assert torch.isfinite(out.loss)
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in net.parameters())
+
+
+class _IndexPuts(TorchDispatchMode):
+    """Every ``index_put`` (the backward of indexing a tensor with a position tensor) an op sequence runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("index_put", "index_put_", "_index_put_impl_"):
+            self.calls.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["ar", "nt"])
+@pytest.mark.parametrize("route, index, policy", [("context", "dense", "recent"), ("context", "dense", "topk_score"),
+                                                  ("semantic", "bucketed", "topk_score"), ("hybrid", "dense", "first")])
+def test_training_step_reads_the_query_rows_without_a_scatter(route: str, index: str, policy: str, mode: str) -> None:
+    # The query rows are a slice of the hidden states (records.query_rows): indexing them with the query
+    # positions instead would add an accumulating index_put per use to the backward pass, a sort and a
+    # scatter kernel each on CUDA under deterministic algorithms, every step.
+    model, memory, prof = _configs("pcaf", route, index, policy, "reference_torch")
+    net = build_model(model, memory, prof).train()
+    tokens, targets = _window(12, mode)
+    seen = _IndexPuts()
+    with seen:
+        out = net(tokens, targets, mode, need_log_probs=False, need_predictions=False)
+        out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert seen.calls == []
 
 
 @pytest.mark.parametrize("profile", PROFILES)

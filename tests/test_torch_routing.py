@@ -69,10 +69,18 @@ def test_torch_records_helpers_match_spec() -> None:
         for mode in ("nt", "ar"):
             np.testing.assert_array_equal(trec.query_positions(T, mode).numpy(), records.query_positions(T, mode))
             np.testing.assert_array_equal(trec.recency(T, mode).numpy(), records.recency(T, mode))
+            h = np.arange(2 * T * 3, dtype=np.float32).reshape(2, T, 3)
+            ht = torch.from_numpy(h)
+            rows = trec.query_rows(ht, mode)
+            assert rows.untyped_storage().data_ptr() == ht.untyped_storage().data_ptr()  # a view, no copy
+            np.testing.assert_array_equal(rows.numpy(), h[:, records.query_positions(T, mode)])
+            np.testing.assert_array_equal(records.query_rows(h, mode), h[:, records.query_positions(T, mode)])
     tok = np.arange(6).reshape(2, 3)
     np.testing.assert_array_equal(trec.successor_values(torch.tensor(tok)).numpy(), records.successor_values(tok))
     with pytest.raises(ValueError, match="mode"):
         trec.query_positions(3, "bidirectional")
+    with pytest.raises(ValueError, match="mode"):
+        trec.query_rows(torch.zeros(1, 3, 2), "bidirectional")
 
 
 @settings(max_examples=40, deadline=None)

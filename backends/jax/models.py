@@ -171,7 +171,6 @@ class CanonicalLM(nn.Module):
         (for ``prediction_mixture``).
         """
         tokens, tgt = check_inputs(self.model_config, self.profile, tokens, targets, mode)
-        T = tokens.shape[1]
         rule = mixture_rule(self.profile, mode)
         # The re-normalised NT loss reads the whole (one-query) mixture, so it needs the full head.
         full_mixture = need_log_probs or (rule.renormalise and tgt is not None and self.uses_cache)
@@ -182,7 +181,7 @@ class CanonicalLM(nn.Module):
             h_q = h[:, :1]
         else:
             h = self.hidden_states(tokens, deterministic)
-            h_q = h[:, T - 1:] if mode == "nt" else h  # the query positions, sliced statically
+            h_q = records.query_rows(h, mode)
         if tgt is not None and not (full_mixture or need_predictions):
             param_lp = None
             lp_y = self.head.target_log_prob(h_q, tgt, deterministic)
@@ -298,7 +297,7 @@ class PCAFModel(CanonicalLM):
         T = tokens.shape[1]
         work = wide(self.dtype)
         rec = records.recency(T, mode, work)
-        h_q = h[:, T - 1:] if mode == "nt" else h
+        h_q = records.query_rows(h, mode)
         keys, query = self.memory.project(h, h_q, self.profile.l2norm)
         semantic = mcfg.route in ("semantic", "hybrid")
         router_probs = self.memory.router_probs(h, mcfg.semantic_temperature) if semantic else None

@@ -30,6 +30,12 @@ def query_positions(seq_len: int, mode: str) -> jax.Array:
     return jnp.asarray(spec_records.query_positions(seq_len, mode).astype(np.int32))
 
 
+def query_rows(x: jax.Array, mode: str) -> jax.Array:
+    """See :func:`pcaf_core.records.query_rows`: a static slice (``mode`` is static)."""
+    check_mode(mode)
+    return x[:, -1:] if mode == "nt" else x
+
+
 def recency(seq_len: int, mode: str, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """``[T]`` recency of every position as a record, computed in float64 (NumPy) and cast to ``dtype``."""
     check_mode(mode)

@@ -108,8 +108,6 @@ class CanonicalLM(nn.Module, abc.ABC):
         ``need_log_probs`` is False.
         """
         tokens, tgt = self.check_inputs(tokens, targets, mode)
-        T = tokens.shape[1]
-        qpos = records.query_positions(T, mode, tokens.device)
         rule = mixture_rule(self.profile, mode)
         # The re-normalised NT loss reads the whole (one-query) mixture, so it needs the full head.
         full_mixture = need_log_probs or (rule.renormalise and tgt is not None and self.uses_cache)
@@ -120,7 +118,7 @@ class CanonicalLM(nn.Module, abc.ABC):
             h_q = h[:, :1]
         else:
             h = self.hidden_states(tokens)
-            h_q = h[:, qpos]
+            h_q = records.query_rows(h, mode)
         if tgt is not None and not (full_mixture or need_predictions):
             # Training: the head at the targets only, without the [B, Q, V] log-softmax graph.
             param_lp = None
@@ -211,16 +209,16 @@ class PCAFModel(CanonicalLM):
         successor token of each slot's record)."""
         mcfg, prof = self.memory_config, self.profile
         T = tokens.shape[1]
-        qpos = records.query_positions(T, mode, tokens.device)
         rec = records.recency(T, mode, h.dtype, h.device)
+        h_q = records.query_rows(h, mode)  # [B, Q, d]
         keys = l2_normalize(self.memory.key(h), prof.l2norm)  # [B, T, d]
-        query = l2_normalize(self.memory.query(h[:, qpos]), prof.l2norm)  # [B, Q, d]
+        query = l2_normalize(self.memory.query(h_q), prof.l2norm)  # [B, Q, d]
         semantic = mcfg.route in ("semantic", "hybrid")
         router_probs = self.memory.router_probs(h, mcfg.semantic_temperature) if semantic else None
         addr, cand, topk_dense, band = self.select_candidates(tokens, mode, query, keys, router_probs)
         return self._read(tokens, addr, cand, topk_dense, query, keys, rec, router_probs,
-                          None if router_probs is None else router_probs[:, qpos], h[:, qpos], mode, need_p_cache,
-                          band=band)
+                          None if router_probs is None else records.query_rows(router_probs, mode), h_q, mode,
+                          need_p_cache, band=band)
 
     def select_candidates(
         self, tokens: torch.Tensor, mode: str, query: torch.Tensor | None, keys: torch.Tensor | None,
@@ -342,7 +340,7 @@ class PCAFModel(CanonicalLM):
             with torch.no_grad():
                 h_full = self.hidden_states(tokens)
                 keys_full = l2_normalize(self.memory.key(h_full), prof.l2norm)
-                query_full = l2_normalize(self.memory.query(h_full[:, qpos]), prof.l2norm)
+                query_full = l2_normalize(self.memory.query(records.query_rows(h_full, "nt")), prof.l2norm)
                 if semantic:
                     router_full = self.memory.router_probs(h_full, mcfg.semantic_temperature)
         addr, cand, topk_dense, _ = self.select_candidates(tokens, "nt", query_full, keys_full, router_full)

@@ -243,7 +243,9 @@ def gather_dot(
     """
     chunk_elements = chunk_elements_for(x, chunk_elements)
     if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
-        return _GatherDot.apply(x, y, index, chunk_elements)
+        # One tensor as both (full AR's router distributions score themselves): Dynamo cannot trace an
+        # autograd.Function given the same tensor twice and breaks the compiled graph there; a view it can.
+        return _GatherDot.apply(x, y.view_as(y) if y is x else y, index, chunk_elements)
     if _sparse_path(x, y, index):
         return _sparse_forward(x, y, index)
     return _gather_dot_forward(x, y, index, chunk_elements)

@@ -26,6 +26,14 @@ def query_positions(seq_len: int, mode: str, device: torch.device | str | None =
     return torch.arange(seq_len, dtype=torch.int64, device=device)
 
 
+def query_rows(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """See :func:`pcaf_core.records.query_rows`; a view. Not ``x[:, query_positions(...)]``: indexing with a
+    position tensor copies the rows, and its backward is an accumulating ``index_put_`` that CUDA runs as a sort
+    under deterministic algorithms (a sort and a scatter kernel per use, every step)."""
+    check_mode(mode)
+    return x[:, -1:] if mode == "nt" else x
+
+
 def recency(
     seq_len: int, mode: str, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None
 ) -> torch.Tensor:
