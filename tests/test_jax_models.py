@@ -191,11 +191,16 @@ def test_bf16_compute_is_close_to_fp32(case) -> None:
         assert leaf.dtype == np.float32 and np.isfinite(leaf).all()
 
 
+@pytest.mark.parametrize("bias_row", [True, False], ids=["bias-row", "column-sum"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_affine_vjp_matches_autodiff_of_the_plain_product(dtype) -> None:
-    """``layers.affine``'s own backward (``∂b`` as one more row of ``[x, 1]ᵀ @ g``) gives what autodiff of
-    ``x @ w + b`` gives, for a batched ``[B, T, in]`` input, in the compute dtype it was given."""
+def test_affine_vjp_matches_autodiff_of_the_plain_product(dtype, bias_row: bool, monkeypatch) -> None:
+    """``layers.affine``'s own backward in both its forms (``∂b`` as one more row of ``[x, 1]ᵀ @ g``, on a CPU;
+    the cotangent's column sum, on an accelerator) gives what autodiff of ``x @ w + b`` gives, for a batched
+    ``[B, T, in]`` input, in the compute dtype it was given."""
+    from backends.jax import layers
     from backends.jax.layers import affine
+
+    monkeypatch.setattr(layers, "bias_row_in_weight_product", lambda: bias_row)
 
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(size=(2, 5, 7)), dtype)

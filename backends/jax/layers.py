@@ -92,9 +92,17 @@ def affine(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
 
     A custom VJP because XLA:CPU's own backward for the bias, a column sum of the ``[N, out]`` cotangent,
     is slow for a large head: at the 41M shape (N=2,048, out=32,000) the head's gradient took 3.5 s with it
-    and 2.2 s without. Here ``∂b`` is one more row of the ``∂w`` product, ``[x, 1]ᵀ @ g``.
+    and 2.2 s without. There ``∂b`` is one more row of the ``∂w`` product, ``[x, 1]ᵀ @ g``
+    (:func:`bias_row_in_weight_product`); elsewhere it is the column sum.
     """
     return jnp.matmul(x, w, preferred_element_type=b.dtype) + b
+
+
+def bias_row_in_weight_product() -> bool:
+    """Whether :func:`affine`'s backward gets ``∂b`` as a row of the ``∂w`` product: on XLA:CPU, whose column
+    sum is the slow part. A GPU or TPU sums the columns at memory speed, fused with the cotangent's producer,
+    where the row would cost an ``[N, in + 1]`` copy of x per layer and an odd product width (``in + 1``)."""
+    return jax.default_backend() == "cpu"
 
 
 def _affine_fwd(x: jax.Array, w: jax.Array, b: jax.Array) -> tuple[jax.Array, tuple]:
@@ -105,9 +113,12 @@ def _affine_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arr
     x, w, b = res
     g = g.astype(x.dtype)  # the products run in the compute dtype, as the forward's do
     dx = jnp.matmul(g, w.T, preferred_element_type=b.dtype).astype(x.dtype)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    if not bias_row_in_weight_product():
+        dw = jnp.matmul(x2.T, g2, preferred_element_type=b.dtype)
+        return dx, dw.astype(w.dtype), jnp.sum(g2, axis=0, dtype=b.dtype)
     x1 = jnp.concatenate([x2, jnp.ones((x2.shape[0], 1), x.dtype)], axis=1)
-    dwb = jnp.matmul(x1.T, g.reshape(-1, g.shape[-1]), preferred_element_type=b.dtype)
+    dwb = jnp.matmul(x1.T, g2, preferred_element_type=b.dtype)
     return dx, dwb[:-1].astype(w.dtype), dwb[-1].astype(b.dtype)
 
 
