@@ -28,13 +28,15 @@ A next-token window predicts once. Two counts are defined for it:
   (``topk_score`` context, semantic, hybrid) add one forward (no backward) over the window of the backbone
   and of what ranks (the router ``2dS``, the key and query projections ``4d²``). Windowed attention
   computes the sub-window of :func:`pcaf_core.reference.nt_attention_crop` (the g global positions and the last
-  R = L·(w − 1) + 1) as a window of its own; dense and linear attention the full window.
+  R = L·(w − 1) + 1), each layer only the rows of :func:`pcaf_core.reference.nt_attention_rows`: the ``qkv``
+  projection ``6d²`` over the layer's input rows, the queries, the output projection ``2d²`` and the MLP over
+  the rows it keeps; dense and linear attention the full window.
 """
 
 from __future__ import annotations
 
 from pcaf_core.config import CACHE_VARIANTS, TRANSFORMER_VARIANTS, MemoryConfig, ModelConfig
-from pcaf_core.reference import nt_attention_crop
+from pcaf_core.reference import attention_mask, layer_rows, nt_attention_crop, nt_attention_rows
 
 NT_COUNTS = ("full_window", "receptive_field")
 
@@ -75,6 +77,25 @@ def attention_key_count(model: ModelConfig, seq_len: int, attention_keys: str = 
     return local
 
 
+def _attention_rows_flops(model: ModelConfig, seq_len: int, attention_keys: str) -> float:
+    """The blocks of a next-token window of windowed attention, layer by layer over the rows of
+    :func:`pcaf_core.reference.nt_attention_rows` (module docstring)."""
+    d, h = model.d_model, model.d_hidden
+    g, start = nt_attention_crop(model, seq_len)
+    n = g + seq_len - start
+    total = 0.0
+    for rows in nt_attention_rows(model, seq_len):
+        kept = layer_rows(n, rows)
+        m = len(kept)
+        if attention_keys == "computed":
+            keys = m * n
+        else:
+            keys = int(attention_mask(n, model.variant, model.window, model.n_global)[kept].sum())
+        total += 6 * d * d * n + (2 * d * d + 4 * d * h) * m + 4 * d * keys
+        n = m
+    return total
+
+
 def forward_flops(model: ModelConfig, memory: MemoryConfig, mode: str, seq_len: int, *,
                   nt_count: str = "full_window", attention_keys: str = "model") -> float:
     """Forward FLOPs of one window of ``seq_len`` tokens (module docstring). Returns FLOPs, not per token."""
@@ -86,7 +107,7 @@ def forward_flops(model: ModelConfig, memory: MemoryConfig, mode: str, seq_len: 
     if model.variant in TRANSFORMER_VARIANTS:
         crop = None if ar or nt_count == "full_window" else nt_attention_crop(model, T)
         if crop is not None:
-            T = crop[0] + T - crop[1]
+            return _attention_rows_flops(model, T, attention_keys) + heads * head_flops(model)
         per_pos = model.n_layers * (8 * d * d + 4 * d * model.d_hidden)
         attn = model.n_layers * 4 * d * attention_key_count(model, T, attention_keys)
         return T * per_pos + attn + heads * head_flops(model)

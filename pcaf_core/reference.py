@@ -166,6 +166,36 @@ def nt_attention_positions(model: ModelConfig, seq_len: int) -> np.ndarray:
     return np.concatenate([np.arange(g), np.arange(start, seq_len)])
 
 
+def nt_attention_rows(model: ModelConfig, seq_len: int) -> list[tuple[int, int]] | None:
+    """Per layer of a next-token forward on :func:`nt_attention_crop`'s sub-window, the rows of the layer's
+    input whose outputs the prediction reads: ``(first, last)``, the input's first ``first`` rows and its last
+    ``last`` rows (:func:`layer_rows`). The layer's output is those rows only, and it is the next layer's input.
+    None when there is no crop.
+
+    The top layer's output is read at the last position only: ``(0, 1)``. A layer's queries read keys up to
+    w - 1 rows back and the g global rows, so below the top, layer i of L keeps the g global rows and the last
+    ``(L-1-i)·(w-1) + 1``; the bottom layer's input is the whole sub-window (g + R rows). The sub-window's
+    positions stay in the rows' order, so the mask rule (:func:`attention_allowed`) in row coordinates gives
+    the same pairs: the global rows are the first g, every other row keeps its distance to the others. Each
+    row's state is the one the full window computes at that position, up to float rounding; backends compute a
+    next-token Transformer step this way, at ``Σ rows / (L·(g + R))`` of the sub-window's per-position work.
+    """
+    crop = nt_attention_crop(model, seq_len)
+    if crop is None:
+        return None
+    g, L, w = crop[0], model.n_layers, model.window
+    return [(g, (L - 1 - i) * (w - 1) + 1) for i in range(L - 1)] + [(0, 1)]
+
+
+def layer_rows(n: int, rows: tuple[int, int] | None) -> np.ndarray:
+    """The input rows ``[m]`` int64 ascending that ``rows`` = ``(first, last)`` keeps of a layer input of ``n``
+    rows (:func:`nt_attention_rows`; None: all n)."""
+    if rows is None:
+        return np.arange(n)
+    first, last = rows
+    return np.concatenate([np.arange(first), np.arange(n - last, n)])
+
+
 def attention_mask(seq_len: int, variant: str, window: int, n_global: int) -> np.ndarray:
     """``[T, T]`` bool, True where query t may attend key s (:func:`attention_allowed`)."""
     return attention_allowed(np.arange(seq_len)[:, None], np.arange(seq_len)[None, :], variant, window, n_global)
@@ -181,8 +211,10 @@ def elu_plus_one(x: np.ndarray) -> np.ndarray:
     return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
 
 
-def attention(p: dict[str, np.ndarray], prefix: str, x: np.ndarray, model: ModelConfig) -> np.ndarray:
-    """Multi-head attention of one block: ``[B, T, d] -> [B, T, d]``.
+def attention(p: dict[str, np.ndarray], prefix: str, x: np.ndarray, model: ModelConfig,
+              rows: tuple[int, int] | None = None) -> np.ndarray:
+    """Multi-head attention of one block: ``[B, T, d] -> [B, T, d]``; with ``rows`` (:func:`layer_rows`, softmax
+    variants) the queries are those m rows only and the result ``[B, m, d]``, each query masked at its row.
 
     The fused ``qkv`` projection gives q, k, v (columns ``[q | k | v]``, heads of ``head_dim`` contiguous
     columns), split into ``[B, H, T, hd]``; the heads' outputs are joined and projected by ``out``.
@@ -206,20 +238,27 @@ def attention(p: dict[str, np.ndarray], prefix: str, x: np.ndarray, model: Model
         o = num / den
     else:
         mask = attention_mask(T, model.variant, model.window, model.n_global)
+        if rows is not None:
+            kept = layer_rows(T, rows)
+            q, mask = q[:, :, kept], mask[kept]
         logits = np.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(model.head_dim)
         o = np.einsum("bhts,bhsd->bhtd", softmax(np.where(mask, logits, -np.inf)), v)
-    o = o.transpose(0, 2, 1, 3).reshape(B, T, d)
+    o = o.transpose(0, 2, 1, 3).reshape(B, o.shape[2], d)
     return linear(p, f"{prefix}.out", o)
 
 
 def transformer_stack(
-    p: dict[str, np.ndarray], x: np.ndarray, model: ModelConfig, gelu_form: str
+    p: dict[str, np.ndarray], x: np.ndarray, model: ModelConfig, gelu_form: str,
+    rows: list[tuple[int, int]] | None = None,
 ) -> np.ndarray:
-    """Pre-LN blocks ``x += Attn(LN x)`` (:func:`attention`); ``x += W2·GELU(W1·LN x)``. ``[B, T, d] -> [B, T, d]``."""
+    """Pre-LN blocks ``x += Attn(LN x)`` (:func:`attention`); ``x += W2·GELU(W1·LN x)``. ``[B, T, d] -> [B, T, d]``;
+    with ``rows`` (:func:`nt_attention_rows`) block i keeps the rows ``rows[i]`` of its input, ``-> [B, 1, d]``."""
     for i in range(model.n_layers):
         pre = f"blocks.{i}"
-        x = x + attention(p, f"{pre}.attn", layer_norm(x, p[f"{pre}.attn_norm.weight"], p[f"{pre}.attn_norm.bias"]),
-                          model)
+        r = None if rows is None else rows[i]
+        a = attention(p, f"{pre}.attn", layer_norm(x, p[f"{pre}.attn_norm.weight"], p[f"{pre}.attn_norm.bias"]),
+                      model, r)
+        x = (x if r is None else x[:, layer_rows(x.shape[1], r)]) + a
         x = x + mlp(p, pre, layer_norm(x, p[f"{pre}.mlp_norm.weight"], p[f"{pre}.mlp_norm.bias"]), gelu_form)
     return x
 
@@ -344,12 +383,14 @@ def memory_read(
 
 def hidden_states(
     p: dict[str, np.ndarray], tokens: np.ndarray, model: ModelConfig, profile: ProfileConfig,
-    positions: np.ndarray | None = None,
+    positions: np.ndarray | None = None, rows: list[tuple[int, int]] | None = None,
 ) -> np.ndarray:
     """Final hidden states ``[B, T, d]`` of the backbone (conv stack or Transformer).
 
     ``positions`` (Transformers): ``[T]`` the window positions of ``tokens``' columns when they are a
     sub-window (:func:`nt_attention_positions`), which their positional encodings follow; default ``0..T-1``.
+    ``rows`` (Transformers, with the sub-window's ``positions``): each block keeps the rows of
+    :func:`nt_attention_rows` only, so the result is the last position's state ``[B, 1, d]``.
 
     Positions (Transformers), added to the embeddings: the trainable table ``pos.table`` ``[max_seq_len, d]``
     (``trainable_jax``, initialised at ``positional_scale``·sinusoids; T is limited by its rows) or fixed
@@ -368,7 +409,7 @@ def hidden_states(
         else:
             pe = sinusoidal_table(span, model.d_model, profile.positional) * profile.positional_scale
             x = x + pe[pos].astype(x.dtype)
-        return transformer_stack(p, x, model, profile.gelu)
+        return transformer_stack(p, x, model, profile.gelu, rows)
     return conv_stack(p, x, model, profile.gelu)
 
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from pcaf_core import reference
 from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.flops import forward_flops, train_step_flops
 from pcaf_core.params import param_shapes
@@ -77,5 +78,13 @@ def test_next_token_receptive_field_of_attention_is_its_sub_window(variant: str)
         assert executed == forward_flops(model, memory, "nt", T)
         return
     g = 4 if variant == "transformer_global_local" else 0
-    assert executed == forward_flops(model, memory, "nt", g + 2 * 7 + 1)
+    # Layer 1 reads the sub-window's g + 15 rows and keeps g + 8 (w = 8), layer 2 reads those and keeps the last.
+    d, h, head = 32, 64, 2 * 32 * 64 + 2 * 64 * 500
+    allowed = reference.attention_mask(g + 15, variant, 8, 4)
+    keys1 = int(allowed[reference.layer_rows(g + 15, (g, 8))].sum())
+    keys2 = int(allowed[-1].sum())  # the last row sees the same keys in layer 2's row coordinates
+    layer1 = 6 * d * d * (g + 15) + (2 * d * d + 4 * d * h) * (g + 8) + 4 * d * keys1
+    layer2 = 6 * d * d * (g + 8) + (2 * d * d + 4 * d * h) * 1 + 4 * d * keys2
+    assert executed == layer1 + layer2 + head
+    assert executed < forward_flops(model, memory, "nt", g + 2 * 7 + 1)  # the sub-window as a window of its own
     assert executed < forward_flops(model, memory, "nt", T) / 2

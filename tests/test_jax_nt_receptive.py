@@ -86,12 +86,14 @@ def test_receptive_forward_under_jit_with_dropout_draws_finite_losses() -> None:
     assert np.isfinite(a) and np.isfinite(b) and a != b
 
 
+@pytest.mark.parametrize("impl", ["banded", "masked"])
 @pytest.mark.parametrize("variant", ["transformer_local", "transformer_global_local"])
-def test_attention_next_token_forward_from_its_sub_window_equals_the_full_window(x64, variant) -> None:
-    """Windowed attention from the global prefix and the last n_layers·(w-1)+1 positions (mirrors
+def test_attention_next_token_forward_from_its_sub_window_equals_the_full_window(x64, variant, impl) -> None:
+    """Windowed attention from the global prefix and the last n_layers·(w-1)+1 positions, each layer computing
+    the rows the prediction reads (pcaf_core.reference.nt_attention_rows), on both attention paths (mirrors
     tests/test_torch_nt_receptive.py, which also covers the profiles and dense and linear attention)."""
-    model = ModelConfig(variant=variant, vocab_size=40, d_model=12, d_hidden=16, n_layers=2, n_heads=2, window=4,
-                        n_global=2, max_seq_len=40)
+    model = ModelConfig(variant=variant, vocab_size=40, d_model=12, d_hidden=16, n_layers=3, n_heads=2, window=4,
+                        n_global=2, max_seq_len=40, attention_impl=impl)
     memory, prof = MemoryConfig(), get_profile("reference_jax")  # the trainable positional table
     rng = np.random.default_rng(2)
     params = {k: v + 0.1 * rng.standard_normal(v.shape) for k, v in init_params(model, memory, prof, seed=0).items()}

@@ -96,6 +96,17 @@ def test_next_token_state_of_windowed_attention_is_its_sub_window_s(variant, pro
     full = reference.hidden_states(params, tokens, model, prof)[:, -1]
     sub = reference.hidden_states(params, tokens[:, positions], model, prof, positions=positions)[:, -1]
     np.testing.assert_allclose(sub, full, rtol=1e-12, atol=1e-12)
+    # Layer by layer, only the rows the prediction reads (reference.nt_attention_rows): the same state.
+    for layers in (2, 3):
+        deep = tiny_model(variant, max_seq_len=T, n_layers=layers)
+        deep_params = init_params(deep, tiny_memory(), prof, seed=4)
+        at = reference.nt_attention_positions(deep, T)
+        rows = reference.nt_attention_rows(deep, T)
+        assert rows == [(g, 2 * 3 + 1), (g, 3 + 1), (0, 1)][3 - layers:]  # w = 4
+        last = reference.hidden_states(deep_params, tokens[:, at], deep, prof, positions=at, rows=rows)
+        assert last.shape == (3, 1, model.d_model)
+        np.testing.assert_allclose(last[:, 0], reference.hidden_states(deep_params, tokens, deep, prof)[:, -1],
+                                   rtol=1e-12, atol=1e-12)
     outside, inside = tokens.copy(), tokens.copy()
     outside[:, start - 1] = (outside[:, start - 1] + 1) % 40
     inside[:, start] = (inside[:, start] + 1) % 40
@@ -103,5 +114,8 @@ def test_next_token_state_of_windowed_attention_is_its_sub_window_s(variant, pro
     assert not np.allclose(reference.hidden_states(params, inside, model, prof)[:, -1], full)
     for other in ("transformer_dense", "linear_attention"):
         assert reference.nt_attention_crop(tiny_model(other), T) is None
+        assert reference.nt_attention_rows(tiny_model(other), T) is None
+    np.testing.assert_array_equal(reference.layer_rows(6, (2, 3)), [0, 1, 3, 4, 5])
+    np.testing.assert_array_equal(reference.layer_rows(6, None), np.arange(6))
     assert reference.nt_attention_crop(model, g + 2 * 3 + 1) is None  # nothing to cut
     np.testing.assert_array_equal(reference.nt_attention_positions(model, 5), np.arange(5))

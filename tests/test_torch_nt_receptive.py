@@ -109,7 +109,7 @@ ATTENTION = ["transformer_local", "transformer_global_local", "transformer_dense
 
 
 def _attention_model(variant: str, profile: str, impl: str = "auto"):
-    model = ModelConfig(variant=variant, vocab_size=40, d_model=12, d_hidden=16, n_layers=2, n_heads=2, window=4,
+    model = ModelConfig(variant=variant, vocab_size=40, d_model=12, d_hidden=16, n_layers=3, n_heads=2, window=4,
                         n_global=2, linear_chunk=4, max_seq_len=40, attention_impl=impl if variant in (
                             "transformer_local", "transformer_global_local") else "auto")
     net = build_model(model, MemoryConfig(), get_profile(profile), seed=0, dtype=torch.float64)
@@ -126,7 +126,8 @@ def _attention_model(variant: str, profile: str, impl: str = "auto"):
 def test_attention_next_token_forward_from_its_sub_window_equals_the_full_window(variant, T: int,
                                                                                  profile: str) -> None:
     """Windowed attention reads the global prefix and the last n_layers·(w-1)+1 positions (T=37 cuts, T=5 does
-    not); dense and linear attention read everything. Outputs and gradients equal the full window's. (The
+    not), each layer computing the rows the prediction reads (pcaf_core.reference.nt_attention_rows); dense and
+    linear attention read everything. Outputs and gradients equal the full window's. (The
     masked path; FlexAttention's block mask applies the same rule, pcaf_core.reference.attention_allowed, in the
     same sub-window coordinates.)"""
     rng = np.random.default_rng(T)

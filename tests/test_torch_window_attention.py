@@ -103,6 +103,39 @@ def test_flex_dropout_drops_attention_weights(variant, T, w, g, flex_backward_on
         torch.testing.assert_close(got, exp, rtol=1e-9, atol=1e-11)
 
 
+# (T, w, g, rows): query rows of pcaf_core.reference.layer_rows, as nt_attention_rows gives them: the global rows
+# and a suffix across block boundaries (T=300), the top layer's last row alone, a suffix shorter than the window.
+ROW_CASES = [(300, 20, 5, (5, 141)), (261, 128, 16, (0, 1)), (50, 7, 3, (3, 7))]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("T,w,g,rows", ROW_CASES)
+def test_flex_on_query_rows_is_those_rows_of_the_full_attention(variant, T, w, g, rows,
+                                                                 flex_backward_on_cpu) -> None:
+    """Queries of some rows only (a next-token layer, pcaf_core.reference.nt_attention_rows): FlexAttention's
+    values and gradients are those rows of the full attention (fp32), without dropout and, in float64, with the
+    weights dropped by the same masks as the dense formula's."""
+    q, k, v = _qkv(T)
+    kept = torch.as_tensor(reference.layer_rows(T, rows))
+    out = wa.flex_window_attention(q[:, :, kept], k, v, variant, w, g, compiled=False, rows=rows)
+    want = _masked(q, k, v, variant, w, g)[:, :, kept]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for got, exp in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v)), strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-5)
+    p = 0.4
+    q, k, v = _qkv(T, torch.float64)
+    keep = wa.draw_keep((2, 2, len(kept)), w, wa.n_global_keys(variant, g), p, q.device, keys=T)
+    full_keep = torch.ones(2, 2, T, keep.shape[-1], dtype=torch.bool)
+    full_keep[:, :, kept] = keep
+    out = wa.flex_window_attention(q[:, :, kept], k, v, variant, w, g, p, compiled=False, keep=keep, rows=rows)
+    want = _dropped_reference(q, k, v, variant, w, g, p, full_keep)[:, :, kept]
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    for got, exp in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v)), strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-9, atol=1e-11)
+    with pytest.raises(ValueError, match="rows"):
+        wa.flex_window_attention(q, k, v, variant, w, g, compiled=False, rows=rows)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_compiled_dropout_step_gives_every_flex_backward_an_output_gradient(variant, flex_backward_on_cpu) -> None:
     """Under ``torch.compile`` the dropout form's backward graph hands each FlexAttention backward the gradient of
@@ -250,6 +283,25 @@ def test_model_under_torch_compile_trains_like_masked(flex_backward_on_cpu) -> N
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_next_token_step_on_flex_rows_matches_the_masked_full_window(variant, flex_backward_on_cpu,
+                                                                       monkeypatch) -> None:
+    """A next-token training step of a ``banded`` model (the sub-window, each layer's rows through FlexAttention,
+    its eager implementation here) gives the ``masked`` model's full-window loss and gradients."""
+    monkeypatch.setattr(wa, "compiled_flex_attention", lambda: torch_flex.flex_attention)
+    x, y = _tokens()
+    results = {}
+    for impl, receptive in (("banded", True), ("masked", False)):
+        net = _model(impl).train()  # corrected profile: dropout 0
+        net.nt_receptive_field = receptive
+        loss = net(x, y[:, -1], "nt", need_log_probs=False, need_predictions=False).loss
+        loss.backward()
+        results[impl] = (loss, [p.grad for p in net.parameters()])
+    torch.testing.assert_close(results["banded"][0], results["masked"][0], rtol=1e-5, atol=1e-6)
+    for got, want in zip(results["banded"][1], results["masked"][1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_attention_impl_is_checked() -> None:
     assert ModelConfig(variant="transformer_local", attention_impl="banded").attention_impl == "banded"
     with pytest.raises(ConfigError, match=r"model\.attention_impl='flex' is invalid: expected one of"):
@@ -269,7 +321,7 @@ def test_compiled_flex_on_cuda_matches_masked(variant) -> None:
     ``score_mod``, compiles a graph of its own: more than Dynamo's 8 per function, past which FlexAttention would
     run unfused (with a warning), so the limit is raised here and every shape runs the compiled kernels."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    with torch._dynamo.config.patch(recompile_limit=4 * len(SHAPES) + 8):
+    with torch._dynamo.config.patch(recompile_limit=4 * (len(SHAPES) + len(ROW_CASES)) + 8):
         _compiled_flex_matches_masked(variant)
 
 
@@ -287,14 +339,24 @@ def _compiled_flex_matches_masked(variant) -> None:
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
         for got, exp in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v)), strict=True):
             torch.testing.assert_close(got, exp, rtol=1e-3, atol=1e-4)
+    for T, w, g, rows in ROW_CASES:  # queries of some rows only (next-token layers)
+        q, k, v = (x.detach().cuda().requires_grad_() for x in _qkv(T, head_dim=48))
+        kept = torch.as_tensor(reference.layer_rows(T, rows), device=q.device)
+        out = wa.flex_window_attention(q[:, :, kept], k, v, variant, w, g, rows=rows)
+        want = _masked(q, k, v, variant, w, g)[:, :, kept]
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+        for got, exp in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v)), strict=True):
+            torch.testing.assert_close(got, exp, rtol=1e-3, atol=1e-4)
     x, y = (t.cuda() for t in _tokens())
-    losses = {}
-    for impl in ("auto", "masked"):
-        net = _model(impl, variant, d_model=96).cuda().train()  # head_dim 48
-        loss = net(x, y, "ar").loss
-        loss.backward()
-        losses[impl] = (loss.item(), net.blocks[0].attn.qkv.weight.grad.norm().item())
-    np.testing.assert_allclose(losses["auto"], losses["masked"], rtol=1e-4)
+    for mode in ("ar", "nt"):
+        losses = {}
+        for impl in ("auto", "masked"):
+            net = _model(impl, variant, d_model=96).cuda().train()  # head_dim 48
+            net.nt_receptive_field = impl == "auto"  # the sub-window and its rows, against the full window
+            loss = net(x, y if mode == "ar" else y[:, -1], mode).loss
+            loss.backward()
+            losses[impl] = (loss.item(), net.blocks[0].attn.qkv.weight.grad.norm().item())
+        np.testing.assert_allclose(losses["auto"], losses["masked"], rtol=1e-4, err_msg=mode)
 
 
 @pytest.mark.gpu

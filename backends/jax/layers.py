@@ -362,11 +362,22 @@ def attention_mask(seq_len: int, variant: str, window: int, n_global: int) -> ja
     return attention_allowed(pos[:, None], pos[None, :], variant, window, n_global)
 
 
+def layer_rows(x: jax.Array, rows: tuple[int, int] | None, axis: int = 1) -> jax.Array:
+    """The rows of :func:`pcaf_core.reference.layer_rows` of ``x`` along ``axis`` (None: ``x``); static slices."""
+    if rows is None:
+        return x
+    first, last = rows
+    n = x.shape[axis]
+    tail = jax.lax.slice_in_dim(x, n - last, n, axis=axis)
+    return tail if first == 0 else jnp.concatenate([jax.lax.slice_in_dim(x, 0, first, axis=axis), tail], axis=axis)
+
+
 def attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, drop: Callable[[jax.Array], jax.Array] | None = None
 ) -> jax.Array:
     """The softmax attention of :func:`pcaf_core.reference.attention` on split heads: q, k, v ``[B, T, H, hd]``;
-    mask ``[T, T]`` bool -> ``[B, T, H, hd]``.
+    mask ``[T, T]`` bool -> ``[B, T, H, hd]`` (M query rows: q ``[B, M, H, hd]``, mask ``[M, T]``,
+    ``-> [B, M, H, hd]``).
 
     Logits and softmax in ``wide(q.dtype)`` (exact float64 when the inputs are float64, unlike
     ``jax.nn.dot_product_attention``, whose softmax is always float32); ``drop`` acts on the weights.
@@ -432,10 +443,14 @@ class Attention(nn.Module):
         self.out = Dense(self.d_model, dtype=self.dtype)
         self.drop = nn.Dropout(self.dropout)
 
-    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
-        """``[B, T, d] -> [B, T, d]``."""
+    def __call__(self, x: jax.Array, deterministic: bool = True, rows: tuple[int, int] | None = None) -> jax.Array:
+        """``[B, T, d] -> [B, T, d]``; with ``rows`` (windowed variants, static) the outputs of those M rows of x
+        only (:func:`pcaf_core.reference.layer_rows`), ``-> [B, M, d]``: the masked path's queries are those rows;
+        the band computes every row and keeps those."""
         B, T, d = x.shape
         H = self.n_heads
+        if rows is not None and self.variant not in WINDOWED_VARIANTS:
+            raise ValueError(f"query rows apply to {list(WINDOWED_VARIANTS)}, not {self.variant!r}")
         qkv = self.qkv(x)
         q, k, v = (qkv[..., i * d : (i + 1) * d].reshape(B, T, H, d // H) for i in range(3))
         if self.variant == "linear_attention":
@@ -444,12 +459,12 @@ class Attention(nn.Module):
             q, k, v = (y.astype(work).transpose(0, 2, 1, 3) for y in (q, k, v))
             o = causal_linear_attention(q, k, v, self.linear_chunk).transpose(0, 2, 1, 3)
         elif self.variant in WINDOWED_VARIANTS and self.attention_impl != "masked":
-            o = banded_attention(q, k, v, self.variant, self.window, self.n_global,
-                                 lambda p: self.drop(p, deterministic=deterministic))
+            o = layer_rows(banded_attention(q, k, v, self.variant, self.window, self.n_global,
+                                            lambda p: self.drop(p, deterministic=deterministic)), rows)
         else:
-            mask = attention_mask(T, self.variant, self.window, self.n_global)
-            o = attention(q, k, v, mask, lambda p: self.drop(p, deterministic=deterministic))
-        return self.out(o.reshape(B, T, d))
+            mask = layer_rows(attention_mask(T, self.variant, self.window, self.n_global), rows, axis=0)
+            o = attention(layer_rows(q, rows), k, v, mask, lambda p: self.drop(p, deterministic=deterministic))
+        return self.out(o.reshape(B, o.shape[1], d))
 
 
 class TransformerBlock(nn.Module):
@@ -476,8 +491,10 @@ class TransformerBlock(nn.Module):
         self.mlp_out = Dense(self.d_model, dtype=self.dtype)
         self.drop = nn.Dropout(self.dropout)
 
-    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
-        a = self.attn(self.attn_norm(x), deterministic)
-        x = x + self.drop(a, deterministic=deterministic).astype(x.dtype)
+    def __call__(self, x: jax.Array, deterministic: bool = True, rows: tuple[int, int] | None = None) -> jax.Array:
+        """``[B, T, d] -> [B, T, d]``; with ``rows`` (static) only those M rows of x go on (windowed attention's
+        next-token layers, :func:`pcaf_core.reference.nt_attention_rows`), ``-> [B, M, d]``."""
+        a = self.attn(self.attn_norm(x), deterministic, rows)
+        x = layer_rows(x, rows) + self.drop(a, deterministic=deterministic).astype(x.dtype)
         y = self.mlp_out(self.drop(gelu(self.mlp_in(self.mlp_norm(x)), self.gelu_form), deterministic=deterministic))
         return x + self.drop(y, deterministic=deterministic).astype(x.dtype)

@@ -46,7 +46,7 @@ from pcaf_core.config import (
 )
 from pcaf_core.mixture import mixture_rule
 from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
-from pcaf_core.reference import nt_attention_crop
+from pcaf_core.reference import nt_attention_crop, nt_attention_rows
 from pcaf_core.routing import ScoreBand, topk_sparse_window
 
 Dtype = Any
@@ -436,9 +436,11 @@ class TransformerLM(CanonicalLM):
         """See :func:`pcaf_core.reference.hidden_states`; in ``wide(dtype)``."""
         return self._blocks(self.embed(tokens), tokens.shape[1], None, deterministic)
 
-    def _blocks(self, x: jax.Array, seq_len: int, crop: tuple[int, int] | None, deterministic: bool) -> jax.Array:
+    def _blocks(self, x: jax.Array, seq_len: int, crop: tuple[int, int] | None, deterministic: bool,
+                rows: list[tuple[int, int]] | None = None) -> jax.Array:
         """The blocks over embeddings ``x`` plus the positional encodings of a window of ``seq_len``, or of its
-        :func:`~pcaf_core.reference.nt_attention_crop` sub-window (``crop``, static)."""
+        :func:`~pcaf_core.reference.nt_attention_crop` sub-window (``crop``, static); ``rows`` (static): block i
+        keeps ``rows[i]`` of its input (:func:`~pcaf_core.reference.nt_attention_rows`)."""
         model, profile = self.model_config, self.profile
         if has_positional_table(model, profile):
             pe = self.pos(seq_len).astype(x.dtype)
@@ -448,22 +450,24 @@ class TransformerLM(CanonicalLM):
             g, start = crop
             pe = jnp.concatenate([pe[:g], pe[start:]])
         x = x + pe
-        for block in self.blocks:
-            x = block(x, deterministic)
+        for i, block in enumerate(self.blocks):
+            x = block(x, deterministic, None if rows is None else rows[i])
         return x
 
     def nt_receptive_read(
         self, tokens: jax.Array, deterministic: bool = True, *, need_p_cache: bool = True
     ) -> tuple[jax.Array, None]:
         """The next-token forward's final state ``[B, 1, d]`` from the sub-window of
-        :func:`pcaf_core.reference.nt_attention_crop`; no memory read."""
+        :func:`pcaf_core.reference.nt_attention_crop`, each layer computing the rows of
+        :func:`pcaf_core.reference.nt_attention_rows` only; no memory read."""
         T = tokens.shape[1]
         crop = nt_attention_crop(self.model_config, T)
         if crop is None:
             return self.hidden_states(tokens, deterministic)[:, -1:], None
         g, start = crop
         sub = jnp.concatenate([tokens[:, :g], tokens[:, start:]], axis=1)
-        return self._blocks(self.embed(sub), T, crop, deterministic)[:, -1:], None
+        rows = nt_attention_rows(self.model_config, T)
+        return self._blocks(self.embed(sub), T, crop, deterministic, rows), None
 
 
 def _config_hash(self: CanonicalLM) -> int:

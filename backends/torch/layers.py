@@ -266,6 +266,16 @@ def attention_mask(seq_len: int, variant: str, window: int, n_global: int, devic
     return attention_allowed(pos[:, None], pos[None, :], variant, window, n_global)
 
 
+def layer_rows(x: torch.Tensor, rows: tuple[int, int] | None, dim: int = 1) -> torch.Tensor:
+    """The rows of :func:`pcaf_core.reference.layer_rows` of ``x`` along ``dim`` (None: ``x``), from two slices."""
+    if rows is None:
+        return x
+    first, last = rows
+    n = x.shape[dim]
+    tail = x.narrow(dim, n - last, last)
+    return tail if first == 0 else torch.cat([x.narrow(dim, 0, first), tail], dim=dim)
+
+
 def causal_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
     """The linear attention of :func:`pcaf_core.reference.attention`, chunked as stated there, on split heads."""
     B, H, T, hd = q.shape
@@ -316,11 +326,15 @@ class Attention(nn.Module):
             return False
         return self.impl == "banded" or device.type == "cuda"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, T, d] -> [B, T, d]``."""
+    def forward(self, x: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """``[B, T, d] -> [B, T, d]``; with ``rows`` (windowed variants) the queries are those M rows of x
+        (:func:`pcaf_core.reference.layer_rows`), ``-> [B, M, d]``."""
         B, T, d = x.shape
+        if rows is not None and self.variant not in WINDOWED_VARIANTS:
+            raise ValueError(f"query rows apply to {list(WINDOWED_VARIANTS)}, not {self.variant!r}")
         q, k, v = (y.reshape(B, T, self.n_heads, d // self.n_heads).transpose(1, 2)
                    for y in self.qkv(x).split(d, dim=-1))
+        q = layer_rows(q, rows, dim=2)
         if self.variant == "linear_attention":
             # No attention matrix exists to drop out; the reference linear attention (JAX) has no dropout.
             o = causal_linear_attention(q, k, v, self.linear_chunk)
@@ -329,11 +343,11 @@ class Attention(nn.Module):
             if self.variant == "transformer_dense":
                 o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             elif self.banded(x.device):
-                o = flex_window_attention(q, k, v, self.variant, self.window, self.n_global, p)
+                o = flex_window_attention(q, k, v, self.variant, self.window, self.n_global, p, rows=rows)
             else:
-                mask = attention_mask(T, self.variant, self.window, self.n_global, x.device)
+                mask = layer_rows(attention_mask(T, self.variant, self.window, self.n_global, x.device), rows, 0)
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
-        return self.out(o.transpose(1, 2).reshape(B, T, d))
+        return self.out(o.transpose(1, 2).reshape(B, o.shape[2], d))
 
 
 class TransformerBlock(nn.Module):
@@ -350,7 +364,9 @@ class TransformerBlock(nn.Module):
         self.drop = Dropout(dropout)
         self.gelu_form = gelu_form
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x)))
+    def forward(self, x: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """``[B, T, d] -> [B, T, d]``; with ``rows`` only those M rows of x go on (windowed attention's
+        next-token layers, :func:`pcaf_core.reference.nt_attention_rows`), ``-> [B, M, d]``."""
+        x = layer_rows(x, rows) + self.drop(self.attn(self.attn_norm(x), rows))
         y = self.mlp_out(self.drop(gelu(self.mlp_in(self.mlp_norm(x)), self.gelu_form)))
         return x + self.drop(y)

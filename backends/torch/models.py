@@ -39,7 +39,7 @@ from pcaf_core.config import (
 )
 from pcaf_core.mixture import mixture_rule
 from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
-from pcaf_core.reference import nt_attention_crop
+from pcaf_core.reference import nt_attention_crop, nt_attention_rows
 from pcaf_core.routing import ScoreBand
 
 
@@ -394,22 +394,26 @@ class TransformerLM(CanonicalLM):
         g, start = crop
         return torch.cat([pe[:g], pe[start:]])
 
-    def _blocks(self, x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+    def _blocks(self, x: torch.Tensor, pe: torch.Tensor, rows: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """The blocks over embeddings plus positions; ``rows``: block i keeps ``rows[i]`` of its input
+        (:func:`pcaf_core.reference.nt_attention_rows`)."""
         x = x + pe
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if rows is None else rows[i])
         return x
 
     def nt_receptive_read(self, tokens: torch.Tensor, *, need_p_cache: bool = True) -> tuple[torch.Tensor, None]:
         """The next-token forward's final state ``[B, 1, d]`` from the sub-window of
-        :func:`pcaf_core.reference.nt_attention_crop`; no memory read."""
+        :func:`pcaf_core.reference.nt_attention_crop`, each layer computing the rows of
+        :func:`pcaf_core.reference.nt_attention_rows` only; no memory read."""
         T = tokens.shape[1]
         crop = nt_attention_crop(self.model_config, T)
         if crop is None:
             return self.hidden_states(tokens)[:, -1:], None
         g, start = crop
         sub = torch.cat([tokens[:, :g], tokens[:, start:]], dim=1)
-        return self._blocks(self.embed(sub), self._positions(T, crop))[:, -1:], None
+        rows = nt_attention_rows(self.model_config, T)
+        return self._blocks(self.embed(sub), self._positions(T, crop), rows), None
 
 
 def _torch_default_fixups(module: CanonicalLM) -> None:
