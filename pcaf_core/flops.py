@@ -24,7 +24,8 @@ A next-token window predicts once. Two counts are defined for it:
 - ``full_window``: the formulation the paper's code computes, the backbone over all T positions, T−1 records
   and one head;
 - ``receptive_field``: what a receptive-field step executes (``PCAFModel.nt_receptive_read``): the backbone
-  over (1 + C)·R positions with R = L·(k − 1) + 1, C keys, one head; routes that rank by states
+  on 1 + C receptive fields of R = L·(k − 1) + 1 positions (C keys), each block's conv over its input rows and
+  its MLP over the rows it keeps (:func:`pcaf_core.reference.nt_conv_rows`), one head; routes that rank by states
   (``topk_score`` context, semantic, hybrid) add one forward (no backward) over the window of the backbone
   and of what ranks (the router ``2dS``, the key and query projections ``4d²``). Windowed attention
   computes the sub-window of :func:`pcaf_core.reference.nt_attention_crop` (the g global positions and the last
@@ -36,7 +37,7 @@ A next-token window predicts once. Two counts are defined for it:
 from __future__ import annotations
 
 from pcaf_core.config import CACHE_VARIANTS, TRANSFORMER_VARIANTS, MemoryConfig, ModelConfig
-from pcaf_core.reference import attention_mask, layer_rows, nt_attention_crop, nt_attention_rows
+from pcaf_core.reference import attention_mask, layer_rows, nt_attention_crop, nt_attention_rows, nt_conv_rows
 
 NT_COUNTS = ("full_window", "receptive_field")
 
@@ -53,6 +54,17 @@ def conv_position_flops(model: ModelConfig) -> float:
     """Forward FLOPs of the conv backbone at one position: ``L·(2kd + 4dh)``."""
     d, h = model.d_model, model.d_hidden
     return model.n_layers * (2 * model.kernel_size * d + 4 * d * h)
+
+
+def receptive_conv_flops(model: ModelConfig) -> float:
+    """Forward FLOPs of the conv backbone on one position's R-token receptive field, each block's conv over its
+    input rows and its MLP over the rows it keeps (:func:`pcaf_core.reference.nt_conv_rows`)."""
+    d, h = model.d_model, model.d_hidden
+    n, total = model.n_layers * (model.kernel_size - 1) + 1, 0.0
+    for _, last in nt_conv_rows(model):
+        total += 2 * model.kernel_size * d * n + 4 * d * h * last
+        n = last
+    return total
 
 
 def head_flops(model: ModelConfig) -> float:
@@ -114,11 +126,12 @@ def forward_flops(model: ModelConfig, memory: MemoryConfig, mode: str, seq_len: 
     C = _candidates(memory)
     cache = model.variant in CACHE_VARIANTS
     if ar or nt_count == "full_window":
-        positions, records, queries = T, (T if ar else T - 1), heads
+        records, queries = (T if ar else T - 1), heads
+        backbone = T * conv_position_flops(model)
     else:
-        R = model.n_layers * (model.kernel_size - 1) + 1
-        positions, records, queries = ((1 + C) * R if cache else R), (C if cache else 0), 1
-    total = positions * conv_position_flops(model) + heads * head_flops(model)
+        records, queries = (C if cache else 0), 1
+        backbone = (1 + C if cache else 1) * receptive_conv_flops(model)
+    total = backbone + heads * head_flops(model)
     if cache:
         semantic = memory.route in ("semantic", "hybrid")
         total += 2 * d * d * (records + queries) + 2 * C * d * queries

@@ -90,8 +90,11 @@ def mlp(p: dict[str, np.ndarray], prefix: str, x: np.ndarray, gelu_form: str) ->
     return linear(p, f"{prefix}.mlp_out", gelu(linear(p, f"{prefix}.mlp_in", x), gelu_form))
 
 
-def conv_stack(p: dict[str, np.ndarray], x: np.ndarray, model: ModelConfig, gelu_form: str) -> np.ndarray:
-    """Pre-LN residual blocks ``x += W2·GELU(W1·conv(LN x))``: ``[B, T, d] -> [B, T, d]``.
+def conv_stack(p: dict[str, np.ndarray], x: np.ndarray, model: ModelConfig, gelu_form: str,
+               rows: list[tuple[int, int]] | None = None) -> np.ndarray:
+    """Pre-LN residual blocks ``x += W2·GELU(W1·conv(LN x))``: ``[B, T, d] -> [B, T, d]``; with ``rows``
+    (:func:`nt_conv_rows`, on a window of the last position's R tokens) block i keeps the rows ``rows[i]`` of
+    its input after its conv, ``-> [B, 1, d]``.
 
     The conv is :func:`causal_depthwise_conv`. Receptive field: the final state at position t depends on the
     tokens at ``t-R+1 .. t`` only, ``R = n_layers·(k - 1) + 1``; positions before the window's start feed zeros
@@ -100,13 +103,18 @@ def conv_stack(p: dict[str, np.ndarray], x: np.ndarray, model: ModelConfig, gelu
     (K, 2K for the hybrid route; none without a cache), so they compute ``B·(1 + C)·R`` positions instead of
     ``B·T``. Routes that select from the tokens alone (``recent`` / ``first`` context routes) select first;
     routes that rank by states (``topk_score``, the semantic routes) select on a full forward without
-    gradients, then recompute the selected states with gradients. Same outputs as the full forward up to float
-    rounding (dropout draws its masks for the computed positions only).
+    gradients, then recompute the selected states with gradients. Inside a receptive field each block's MLP
+    runs on the rows the blocks above read only (:func:`nt_conv_rows`): for 2 blocks of k = 5, 5 and 1 rows
+    instead of 9 and 9. Same outputs as the full forward up to float rounding (dropout draws its masks for the
+    computed positions only).
     """
     for i in range(model.n_layers):
         pre = f"blocks.{i}"
         y = layer_norm(x, p[f"{pre}.norm.weight"], p[f"{pre}.norm.bias"])
         y = causal_depthwise_conv(y, p[f"{pre}.conv.weight"], p[f"{pre}.conv.bias"])
+        if rows is not None:
+            kept = layer_rows(x.shape[1], rows[i])
+            x, y = x[:, kept], y[:, kept]
         x = x + mlp(p, pre, y, gelu_form)
     return x
 
@@ -183,8 +191,22 @@ def nt_attention_rows(model: ModelConfig, seq_len: int) -> list[tuple[int, int]]
     crop = nt_attention_crop(model, seq_len)
     if crop is None:
         return None
-    g, L, w = crop[0], model.n_layers, model.window
-    return [(g, (L - 1 - i) * (w - 1) + 1) for i in range(L - 1)] + [(0, 1)]
+    return receptive_rows(model.n_layers, model.window - 1, crop[0])
+
+
+def nt_conv_rows(model: ModelConfig) -> list[tuple[int, int]]:
+    """Per block of a conv stack on one position's R-token receptive field (:func:`conv_stack`), the rows of
+    the block's input whose outputs the last position's final state reads: ``(0, (L-1-i)·(k-1) + 1)`` for block
+    i of L, the last row alone at the top (:func:`receptive_rows`)."""
+    return receptive_rows(model.n_layers, model.kernel_size - 1)
+
+
+def receptive_rows(n_layers: int, reach: int, n_global: int = 0) -> list[tuple[int, int]]:
+    """``(first, last)`` rows per layer (:func:`layer_rows`) of a stack whose layers read ``reach`` rows back
+    (w - 1 for windowed attention, k - 1 for a causal conv) plus the first ``n_global`` rows, when only the last
+    row's top output is read: below the top, layer i keeps those ``n_global`` rows and its last
+    ``(n_layers-1-i)·reach + 1``; the top layer keeps the last row alone."""
+    return [(n_global, (n_layers - 1 - i) * reach + 1) for i in range(n_layers - 1)] + [(0, 1)]
 
 
 def layer_rows(n: int, rows: tuple[int, int] | None) -> np.ndarray:

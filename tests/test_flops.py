@@ -55,15 +55,19 @@ def test_next_token_receptive_field_counts_only_the_positions_it_reads() -> None
     query = 2 * d * d + 2 * K * d + d * d + d  # projection, scores, gate
     full = forward_flops(model, memory, "nt", T)
     assert full == T * conv + head + 2 * d * d * (T - 1) + query
+    # One receptive field: block 1's conv over R = 9 rows and its MLP over the 5 block 2 reads; block 2's conv
+    # over those 5 and its MLP over the last row.
+    field = 2 * 5 * d * R + 4 * d * model.d_hidden * 5 + 2 * 5 * d * 5 + 4 * d * model.d_hidden * 1
+    assert field < R * conv / 2
     executed = forward_flops(model, memory, "nt", T, nt_count="receptive_field")
-    assert executed == (1 + K) * R * conv + head + 2 * d * d * K + query
+    assert executed == (1 + K) * field + head + 2 * d * d * K + query
     # recent selects from tokens alone: no selection pass; topk_score ranks by states: one forward over T
     assert train_step_flops(model, memory, "nt", T, 1, nt_count="receptive_field") == 3 * executed
     ranked = MemoryConfig(route="context", candidate_policy="topk_score", top_k=K)
     assert (train_step_flops(model, ranked, "nt", T, 1, nt_count="receptive_field")
             == 3 * executed + T * (conv + 4 * d * d))
     local = ModelConfig(variant="local_conv", vocab_size=500, d_model=32, d_hidden=64, n_layers=2, kernel_size=5)
-    assert forward_flops(local, memory, "nt", T, nt_count="receptive_field") == R * conv + head
+    assert forward_flops(local, memory, "nt", T, nt_count="receptive_field") == field + head
 
 
 @pytest.mark.parametrize("variant", ["transformer_local", "transformer_global_local", "transformer_dense"])

@@ -119,3 +119,25 @@ def test_next_token_state_of_windowed_attention_is_its_sub_window_s(variant, pro
     np.testing.assert_array_equal(reference.layer_rows(6, None), np.arange(6))
     assert reference.nt_attention_crop(model, g + 2 * 3 + 1) is None  # nothing to cut
     np.testing.assert_array_equal(reference.nt_attention_positions(model, 5), np.arange(5))
+
+
+@pytest.mark.parametrize("layers,kernel", [(2, 5), (3, 3)])
+def test_conv_stack_on_the_receptive_field_keeps_the_rows_read_above(layers, kernel):
+    """The last position's final state of a conv stack from its R-token receptive field, each block's MLP on the
+    rows the blocks above read (reference.nt_conv_rows) only: the full window's state."""
+    model = tiny_model("local_conv", n_layers=layers, kernel_size=kernel)
+    prof = get_profile("corrected")
+    params = init_params(model, tiny_memory(), prof, seed=3)
+    R = layers * (kernel - 1) + 1
+    rows = reference.nt_conv_rows(model)
+    assert rows == reference.receptive_rows(layers, kernel - 1)
+    assert rows[-1] == (0, 1) and rows[0] == (0, (layers - 1) * (kernel - 1) + 1)
+    tokens = np.random.default_rng(2).integers(0, 40, (3, T))
+    full = reference.hidden_states(params, tokens, model, prof)[:, -1]
+    x = params["embed.weight"][tokens[:, -R:]]
+    last = reference.conv_stack(params, x, model, prof.gelu, rows)
+    assert last.shape == (3, 1, model.d_model)
+    np.testing.assert_allclose(last[:, 0], full, rtol=1e-12, atol=1e-12)
+    short = [(0, r[1] - 1) if r[1] > 1 else r for r in rows]  # one row too few below the top
+    if short != rows:
+        assert not np.allclose(reference.conv_stack(params, x, model, prof.gelu, short)[:, -1], full)

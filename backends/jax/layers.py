@@ -206,6 +206,16 @@ class CausalConv(nn.Module):
         return out
 
 
+def layer_rows(x: jax.Array, rows: tuple[int, int] | None, axis: int = 1) -> jax.Array:
+    """The rows of :func:`pcaf_core.reference.layer_rows` of ``x`` along ``axis`` (None: ``x``); static slices."""
+    if rows is None:
+        return x
+    first, last = rows
+    n = x.shape[axis]
+    tail = jax.lax.slice_in_dim(x, n - last, n, axis=axis)
+    return tail if first == 0 else jnp.concatenate([jax.lax.slice_in_dim(x, 0, first, axis=axis), tail], axis=axis)
+
+
 class ConvBlock(nn.Module):
     """One block of :func:`pcaf_core.reference.conv_stack`, with dropout (:mod:`pcaf_core.reference`).
 
@@ -226,15 +236,18 @@ class ConvBlock(nn.Module):
         self.mlp_out = Dense(self.d_model, dtype=self.dtype)
         self.drop = nn.Dropout(self.dropout)
 
-    def __call__(self, x: jax.Array, deterministic: bool = True, valid: jax.Array | None = None) -> jax.Array:
-        """``valid`` ``[B, T]`` bool: False before the window's start (receptive-field sub-windows,
-        :meth:`backends.jax.models.PCAFModel.states_at`), where the conv input is zero."""
+    def __call__(self, x: jax.Array, deterministic: bool = True, valid: jax.Array | None = None,
+                 rows: tuple[int, int] | None = None) -> jax.Array:
+        """``[B, T, d] -> [B, T, d]``. ``valid`` ``[B, T]`` bool: False before the window's start (receptive-field
+        sub-windows, :meth:`backends.jax.models.PCAFModel.states_at`), where the conv input is zero. ``rows``
+        (static): only those M rows go on after the conv (:func:`pcaf_core.reference.nt_conv_rows`),
+        ``-> [B, M, d]``."""
         y = self.norm(x)
         if valid is not None:
             y = y * valid[..., None].astype(y.dtype)
-        y = self.conv(y)
+        y = layer_rows(self.conv(y), rows)
         y = self.mlp_out(self.drop(gelu(self.mlp_in(y), self.gelu_form), deterministic=deterministic))
-        return x + self.drop(y, deterministic=deterministic).astype(x.dtype)
+        return layer_rows(x, rows) + self.drop(y, deterministic=deterministic).astype(x.dtype)
 
 
 class OutputLayer(nn.Module):
@@ -360,16 +373,6 @@ def attention_mask(seq_len: int, variant: str, window: int, n_global: int) -> ja
     """See :func:`pcaf_core.reference.attention_mask`; traced, so XLA builds it rather than embedding a constant."""
     pos = jnp.arange(seq_len)
     return attention_allowed(pos[:, None], pos[None, :], variant, window, n_global)
-
-
-def layer_rows(x: jax.Array, rows: tuple[int, int] | None, axis: int = 1) -> jax.Array:
-    """The rows of :func:`pcaf_core.reference.layer_rows` of ``x`` along ``axis`` (None: ``x``); static slices."""
-    if rows is None:
-        return x
-    first, last = rows
-    n = x.shape[axis]
-    tail = jax.lax.slice_in_dim(x, n - last, n, axis=axis)
-    return tail if first == 0 else jnp.concatenate([jax.lax.slice_in_dim(x, 0, first, axis=axis), tail], axis=axis)
 
 
 def attention(

@@ -32,6 +32,7 @@ from backends.jax.layers import (
     TransformerBlock,
     fixed_positions,
     l2_normalize,
+    layer_rows,
     wide,
 )
 from backends.jax.model_io import JaxForwardOutput, JaxMemoryTrace, check_inputs
@@ -46,7 +47,7 @@ from pcaf_core.config import (
 )
 from pcaf_core.mixture import mixture_rule
 from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
-from pcaf_core.reference import nt_attention_crop, nt_attention_rows
+from pcaf_core.reference import nt_attention_crop, nt_attention_rows, nt_conv_rows
 from pcaf_core.routing import ScoreBand, topk_sparse_window
 
 Dtype = Any
@@ -373,9 +374,10 @@ class PCAFModel(CanonicalLM):
         idx = positions[..., None] + jnp.arange(1 - R, 1)  # [B, P, R]
         valid = (idx >= 0).reshape(B * P, R)
         x = self.embed(batch_gather(tokens, jnp.maximum(idx, 0)).reshape(B * P, R))
-        for block in self.blocks:
-            x = block(x, deterministic, valid)
-        return x[:, -1].reshape(B, P, -1)
+        for block, rows in zip(self.blocks, nt_conv_rows(self.model_config), strict=True):
+            x = block(x, deterministic, valid, rows)  # each block's MLP on the rows the blocks above read
+            valid = layer_rows(valid, rows)
+        return x.reshape(B, P, -1)
 
     def nt_receptive_read(
         self, tokens: jax.Array, deterministic: bool = True, *, need_p_cache: bool = True

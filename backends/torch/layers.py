@@ -152,9 +152,11 @@ class ConvBlock(nn.Module):
         self.gelu_form = gelu_form
         self.conv_form = "auto"
 
-    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """``valid`` ``[B, T]`` bool: False before the window's start (receptive-field sub-windows,
-        :meth:`backends.torch.models.PCAFModel.states_at`), where the conv input is zero."""
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None,
+                rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """``[B, T, d] -> [B, T, d]``. ``valid`` ``[B, T]`` bool: False before the window's start (receptive-field
+        sub-windows, :meth:`backends.torch.models.PCAFModel.states_at`), where the conv input is zero. ``rows``:
+        only those M rows go on after the conv (:func:`pcaf_core.reference.nt_conv_rows`), ``-> [B, M, d]``."""
         y = self.norm(x)
         if valid is not None:
             y = y * valid[..., None].to(y.dtype)
@@ -164,8 +166,8 @@ class ConvBlock(nn.Module):
         else:
             y = y.transpose(1, 2)  # [B, d, T]
             y = self.conv(F.pad(y, (self.conv.kernel_size[0] - 1, 0))).transpose(1, 2)
-        y = self.mlp_out(self.drop(gelu(self.mlp_in(y), self.gelu_form)))
-        return x + self.drop(y)
+        y = self.mlp_out(self.drop(gelu(self.mlp_in(layer_rows(y, rows)), self.gelu_form)))
+        return layer_rows(x, rows) + self.drop(y)
 
 
 class Head(nn.Module):

@@ -24,6 +24,7 @@ from backends.torch.layers import (
     TransformerBlock,
     l2_normalize,
     layer_norm,
+    layer_rows,
 )
 from backends.torch.model_io import TorchForwardOutput, TorchMemoryTrace
 from backends.torch.ops import batch_gather
@@ -39,7 +40,7 @@ from pcaf_core.config import (
 )
 from pcaf_core.mixture import mixture_rule
 from pcaf_core.params import has_memory_params, has_positional_table, has_router, param_shapes, uses_cache
-from pcaf_core.reference import nt_attention_crop, nt_attention_rows
+from pcaf_core.reference import nt_attention_crop, nt_attention_rows, nt_conv_rows
 from pcaf_core.routing import ScoreBand
 
 
@@ -315,9 +316,10 @@ class PCAFModel(CanonicalLM):
         idx = positions[..., None] + torch.arange(1 - R, 1, device=tokens.device)  # [B, P, R]
         valid = (idx >= 0).reshape(B * P, R)
         x = self.embed(batch_gather(tokens, idx.clamp(min=0)).reshape(B * P, R))
-        for block in self.blocks:
-            x = block(x, valid)
-        return x[:, -1].reshape(B, P, -1)
+        for block, rows in zip(self.blocks, nt_conv_rows(self.model_config), strict=True):
+            x = block(x, valid, rows)  # each block's MLP on the rows the blocks above read
+            valid = layer_rows(valid, rows)
+        return x.reshape(B, P, -1)
 
     def nt_receptive_read(
         self, tokens: torch.Tensor, *, need_p_cache: bool = True
