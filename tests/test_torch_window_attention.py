@@ -287,16 +287,30 @@ def test_model_under_torch_compile_trains_like_masked(flex_backward_on_cpu) -> N
 def test_next_token_step_on_flex_rows_matches_the_masked_full_window(variant, flex_backward_on_cpu,
                                                                        monkeypatch) -> None:
     """A next-token training step of a ``banded`` model (the sub-window, each layer's rows through FlexAttention,
-    its eager implementation here) gives the ``masked`` model's full-window loss and gradients."""
+    its eager implementation here) gives the ``masked`` model's full-window loss and gradients. w = 130 so that the
+    lower layer keeps at least a block of rows (133 of 262) and runs FlexAttention; the top layer's one row runs
+    SDPA (fewer rows than a block)."""
+    import backends.torch.layers as torch_layers
+
     monkeypatch.setattr(wa, "compiled_flex_attention", lambda: torch_flex.flex_attention)
-    x, y = _tokens()
+    flex_rows = []
+
+    def counted(q, *args, **kwargs):
+        flex_rows.append(q.shape[2])
+        return wa.flex_window_attention(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch_layers, "flex_window_attention", counted)
+    x, y = _tokens(300)
     results = {}
     for impl, receptive in (("banded", True), ("masked", False)):
-        net = _model(impl).train()  # corrected profile: dropout 0
+        net = _model(impl, variant, T=300, window=130).train()  # corrected profile: dropout 0
         net.nt_receptive_field = receptive
         loss = net(x, y[:, -1], "nt", need_log_probs=False, need_predictions=False).loss
         loss.backward()
         results[impl] = (loss, [p.grad for p in net.parameters()])
+    g = wa.n_global_keys(variant, 3)
+    assert reference.nt_attention_rows(net.model_config, 300) == [(g, 130), (0, 1)]
+    assert flex_rows == [g + 130]  # the lower layer's rows; the top layer's one row ran SDPA
     torch.testing.assert_close(results["banded"][0], results["masked"][0], rtol=1e-5, atol=1e-6)
     for got, want in zip(results["banded"][1], results["masked"][1], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
@@ -347,11 +361,11 @@ def _compiled_flex_matches_masked(variant) -> None:
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
         for got, exp in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v)), strict=True):
             torch.testing.assert_close(got, exp, rtol=1e-3, atol=1e-4)
-    x, y = (t.cuda() for t in _tokens())
-    for mode in ("ar", "nt"):
+    for mode, T, w in (("ar", 150, 7), ("nt", 300, 130)):  # nt: a lower layer of 130+ query rows
+        x, y = (t.cuda() for t in _tokens(T))
         losses = {}
         for impl in ("auto", "masked"):
-            net = _model(impl, variant, d_model=96).cuda().train()  # head_dim 48
+            net = _model(impl, variant, T=T, d_model=96, window=w).cuda().train()  # head_dim 48
             net.nt_receptive_field = impl == "auto"  # the sub-window and its rows, against the full window
             loss = net(x, y if mode == "ar" else y[:, -1], mode).loss
             loss.backward()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.torch.head_loss import chunked_target_log_softmax, target_log_softmax, widen
-from backends.torch.window_attention import flex_window_attention
+from backends.torch.window_attention import FLEX_BLOCK, flex_window_attention
 from pcaf_core.config import WINDOWED_VARIANTS
 from pcaf_core.params import sinusoidal_table
 from pcaf_core.reference import LN_EPS, attention_allowed
@@ -323,7 +323,10 @@ class Attention(nn.Module):
         self.impl = impl
 
     def banded(self, device: torch.device) -> bool:
-        """Whether windowed attention on ``device`` runs FlexAttention (``impl``; ``auto``: on CUDA)."""
+        """Whether windowed attention on ``device`` runs FlexAttention (``impl``; ``auto``: on CUDA). A next-token
+        layer whose query rows are fewer than one FlexAttention block (the top layer's one row) runs masked SDPA
+        over its rows of the mask either way: a block-sparse kernel has nothing to skip there, and FlexAttention
+        would switch to its decoding kernels."""
         if self.variant not in WINDOWED_VARIANTS or self.impl == "masked":
             return False
         return self.impl == "banded" or device.type == "cuda"
@@ -344,7 +347,7 @@ class Attention(nn.Module):
             p = self.dropout if self.training else 0.0
             if self.variant == "transformer_dense":
                 o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-            elif self.banded(x.device):
+            elif self.banded(x.device) and (rows is None or q.shape[2] >= FLEX_BLOCK):
                 o = flex_window_attention(q, k, v, self.variant, self.window, self.n_global, p, rows=rows)
             else:
                 mask = layer_rows(attention_mask(T, self.variant, self.window, self.n_global, x.device), rows, 0)

@@ -30,6 +30,9 @@ from pcaf_core.reference import attention_allowed
 _BLOCK_MASKS: dict[tuple, BlockMask] = {}
 _SCALARS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+FLEX_BLOCK = 128
+"""FlexAttention's default block size, which :func:`window_block_mask` uses: a query block is this many rows."""
+
 NO_BACKWARD_DEVICES = ("cpu", "mps")
 """Device types where FlexAttention has no backward pass (torch refuses inputs that require grad there)."""
 
