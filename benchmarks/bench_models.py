@@ -146,12 +146,24 @@ def run_config(case: Case, backend: str = "torch", extra_overrides: tuple[str, .
     return compose_row(table, row, scale, backend, overrides)[0].run
 
 
+def products(a: torch.Tensor, b: torch.Tensor) -> list:
+    """The ways a training step may multiply ``a @ b`` here: ``torch.mm`` (oneMKL on a CPU), and oneDNN where the
+    step's head uses it (``backends.torch.cpu_gemm``: float32 on AMD CPUs). A peak is the fastest of them."""
+    from backends.torch import cpu_gemm
+
+    ways = [lambda: torch.mm(a, b)]
+    if cpu_gemm.uses_onednn(a, b):
+        ways.append(lambda: cpu_gemm.linear(a, b.t()))
+    return ways
+
+
 def gemm_flops_per_s(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) -> float:
-    """FLOP/s of ``[m, k] @ [k, n]`` in ``dtype`` (median of ``repeats`` after one warm-up)."""
+    """FLOP/s of ``[m, k] @ [k, n]`` in ``dtype``, the fastest of :func:`products` (each the median of ``repeats``
+    after one warm-up)."""
     g = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(k, n, generator=g).to(dtype)
-    sec, _ = median_seconds(lambda: torch.mm(a, b), 1, repeats)
+    sec = min(median_seconds(way, 1, repeats)[0] for way in products(a, b))
     return 2.0 * m * k * n / sec
 
 
@@ -163,7 +175,7 @@ def peak_shapes(quick: bool) -> list[tuple[str, int, int, int]]:
 
 class PeakProbe:
     """The fp32 peak GEMMs with operands allocated once, read between a group's timed steps: each
-    :meth:`read` times every shape once and returns the largest FLOP/s."""
+    :meth:`read` times every shape once in each of :func:`products` and returns the largest FLOP/s."""
 
     def __init__(self, quick: bool) -> None:
         g = torch.Generator().manual_seed(0)
@@ -174,9 +186,10 @@ class PeakProbe:
     def read(self) -> float:
         best = 0.0
         for a, b in self.operands:
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            best = max(best, 2.0 * a.shape[0] * a.shape[1] * b.shape[1] / (time.perf_counter() - t0))
+            for way in products(a, b):
+                t0 = time.perf_counter()
+                way()
+                best = max(best, 2.0 * a.shape[0] * a.shape[1] * b.shape[1] / (time.perf_counter() - t0))
         return best
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from backends.torch import cpu_gemm
 from backends.torch.kernels import head_softmax
 
 
@@ -51,7 +52,7 @@ class _TargetLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, y: torch.Tensor,
                 kernels: bool) -> torch.Tensor:
-        logits = torch.addmm(bias, z, weight.t())  # [N, V], the matmul dtype
+        logits = cpu_gemm.linear(z, weight, bias)  # [N, V], the matmul dtype
         ctx.saved_numerators = logits.dtype not in (torch.float16, torch.bfloat16)
         if not ctx.saved_numerators:
             # 16-bit logits: keeping them (2 bytes a logit) is cheaper in memory than a float32 softmax. Their
@@ -81,10 +82,10 @@ class _TargetLogSoftmax(torch.autograd.Function):
             # softmax = saved / norm row-wise: the row factor moves to the products' [N, H] side.
             row = -g / norm  # [N]
             dz = dweight = None
-            if need_z:
-                dz = torch.mm(saved, weight).mul_(row[:, None]).add_(weight[y] * g[:, None])
-            if need_weight:
-                dweight = torch.mm(saved.t(), z * row[:, None]).index_add_(0, y, z * g[:, None])
+            if need_z:  # saved @ weight
+                dz = cpu_gemm.linear(saved, weight.t()).mul_(row[:, None]).add_(weight[y] * g[:, None])
+            if need_weight:  # savedᵀ @ (z·row)
+                dweight = cpu_gemm.linear(saved.t(), (z * row[:, None]).t()).index_add_(0, y, z * g[:, None])
             dbias = torch.mv(saved.t(), row).index_add_(0, y, g)
             return dz, dweight, dbias, None, None
         logit_grad = head_softmax.logit_grad if ctx.kernels else head_softmax.logit_grad_torch
