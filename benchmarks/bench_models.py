@@ -299,7 +299,7 @@ def measure_group(group: list[Case], warmup: int, steps: int, profile_dir: Path 
                "policy": _policy(cfg), "dropout": case.dropout, "compile": case.compile,
                "profile": cfg.profile.name, "matmul_precision": matmul_precision(cfg),
                "head_loss": head_loss_label(head_loss_chunks(cfg)), "tokens_source": source, "note": case.note,
-               "auto_compiles": compile_pays_off(cfg), "params": backend.param_count(state)}
+               "auto_compiles": compile_pays_off(cfg, torch.device("cpu")), "params": backend.param_count(state)}
         t0 = time.perf_counter()
         state, loss = backend.train_step(state, x, y, 1e-4)
         row["first_step_s"] = round(time.perf_counter() - t0, 2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backends.torch import cpu_gemm
 from backends.torch.backend import TorchBackend
 from backends.torch.compile import COMPILE_MIN_STEPS, COMPILED_LABEL, use_compile
 from backends.torch.layers import ConvBlock, causal_depthwise_conv
@@ -76,7 +77,21 @@ def test_conv_form_picks_the_shifted_sum_for_cpu_training_only(monkeypatch, form
         torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
 
 
-def test_auto_compiles_long_runs_only_and_the_record_says_so() -> None:
+def test_auto_keeps_full_ar_eager_where_the_head_runs_on_onednn(monkeypatch) -> None:
+    """On a CPU whose head products run on oneDNN, which a compiled step cannot use, ``auto`` leaves full-AR steps
+    eager; next-token steps, and full-AR steps on CUDA, compile as before."""
+    monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: True)
+    case = ("pcaf", "context", "dense", "first")
+    ar, nt = step_config(case, "ar", "auto"), step_config(case, "nt", "auto")
+    ar.train.steps = nt.train.steps = COMPILE_MIN_STEPS
+    assert not use_compile(ar) and not use_compile(ar, torch.device("cpu"))
+    assert use_compile(ar, torch.device("cuda"))
+    assert use_compile(nt) and use_compile(nt, torch.device("cpu"))
+    assert use_compile(step_config(case, "ar", "on"))  # on still compiles
+
+
+def test_auto_compiles_long_runs_only_and_the_record_says_so(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: False)  # a CPU whose head products use oneMKL
     case = ("pcaf", "context", "dense", "first")
     short, long_ = step_config(case, "nt", "auto"), step_config(case, "nt", "auto")
     long_.train.steps = COMPILE_MIN_STEPS

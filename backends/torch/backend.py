@@ -185,7 +185,7 @@ class TorchBackend:
                 static_graph=True,
             )
         graphs = use_cuda_graphs(cfg, self.torch_device, self.world_size)
-        if use_compile(cfg):
+        if use_compile(cfg, self.torch_device):
             wrapped = compile_training(module, wrapped, cuda_graphs=graphs)
             self._label(compiled_label(graphs))
         optimizer = build_optimizer(module, cfg.train, cfg.profile)

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from backends.torch import cpu_gemm
 from backends.torch.layers import ConvBlock
 from pcaf_core.config import PCAF_VARIANTS, RunConfig
 
@@ -44,8 +45,9 @@ batch 32) 105-114 ms eager against 100 ms compiled, so 2,500 steps about repay a
 (d=256, batch 64) 583-603 against 575-586 ms; full AR 0-1% at the paper shape."""
 
 
-def compile_pays_off(cfg: RunConfig) -> bool:
-    """Where compiling measured faster than eager (2-core CPU, steps interleaved in one process):
+def compile_pays_off(cfg: RunConfig, device: torch.device | None = None) -> bool:
+    """Where compiling measured faster than eager (2-core CPU, steps interleaved in one process; ``device``: where
+    the step runs, None for a CPU):
 
     - next-token steps of the conv-backbone models (PCAF family, local conv): 1.05x at the WikiText-2 paper
       shape with dropout 0.1 (90% interval 1.03-1.06 over 20 paired rounds, ``make bench``);
@@ -58,8 +60,14 @@ def compile_pays_off(cfg: RunConfig) -> bool:
       compiling pays there is not measured);
     - not routes that rank with ρ as a host number (``topk_score``, the dense semantic route): Dynamo
       specialises on the value, which every optimiser step changes, and recompiles each step (5.5 s a step
-      against 0.35 s eager).
+      against 0.35 s eager);
+    - not full-AR steps on a CPU whose head products run on oneDNN (:func:`backends.torch.cpu_gemm.
+      onednn_on_this_cpu`): inductor cannot lower oneDNN's op, so a compiled step keeps oneMKL's products, and
+      compiled/eager measured 0.52 (T=1,024, batch 4) and 0.58 (T=2,048, batch 2) at the paper shape
+      (``make bench``, 2-core AMD EPYC).
     """
+    if cfg.train.mode == "ar" and (device is None or device.type == "cpu") and cpu_gemm.onednn_on_this_cpu():
+        return False
     return conv_backbone(cfg) and not ranks_with_host_rho(cfg)
 
 
@@ -77,12 +85,12 @@ def ranks_with_host_rho(cfg: RunConfig) -> bool:
     return cfg.model.variant in ("pcaf", "pcaf_no_gate") and host_rho
 
 
-def use_compile(cfg: RunConfig) -> bool:
-    """Whether the training step of ``cfg`` is compiled: ``train.compile`` on/off; ``auto`` for runs of at
-    least :data:`COMPILE_MIN_STEPS` steps where :func:`compile_pays_off`."""
+def use_compile(cfg: RunConfig, device: torch.device | None = None) -> bool:
+    """Whether the training step of ``cfg`` on ``device`` (None: a CPU) is compiled: ``train.compile`` on/off;
+    ``auto`` for runs of at least :data:`COMPILE_MIN_STEPS` steps where :func:`compile_pays_off`."""
     mode = cfg.train.compile
     if mode == "auto":
-        return cfg.train.steps >= COMPILE_MIN_STEPS and compile_pays_off(cfg)
+        return cfg.train.steps >= COMPILE_MIN_STEPS and compile_pays_off(cfg, device)
     return mode in ("on", "cudagraphs")
 
 
@@ -99,7 +107,7 @@ def use_cuda_graphs(cfg: RunConfig, device: torch.device | None = None, world_si
     asks of ``cudagraphs``."""
     if cfg.train.compile == "cudagraphs":
         return True
-    return (cfg.train.compile == "auto" and use_compile(cfg) and device is not None and device.type == "cuda"
+    return (cfg.train.compile == "auto" and use_compile(cfg, device) and device is not None and device.type == "cuda"
             and world_size == 1)
 
 
