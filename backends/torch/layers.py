@@ -322,12 +322,14 @@ class Attention(nn.Module):
         self.dropout = dropout
         self.impl = impl
 
-    def banded(self, device: torch.device) -> bool:
+    def banded(self, device: torch.device, query_rows: int | None = None) -> bool:
         """Whether windowed attention on ``device`` runs FlexAttention (``impl``; ``auto``: on CUDA). A next-token
         layer whose query rows are fewer than one FlexAttention block (the top layer's one row) runs masked SDPA
         over its rows of the mask either way: a block-sparse kernel has nothing to skip there, and FlexAttention
-        would switch to its decoding kernels."""
+        would switch to its decoding kernels. ``query_rows``: that layer's query rows (None: a whole window)."""
         if self.variant not in WINDOWED_VARIANTS or self.impl == "masked":
+            return False
+        if query_rows is not None and query_rows < FLEX_BLOCK:
             return False
         return self.impl == "banded" or device.type == "cuda"
 
@@ -347,7 +349,7 @@ class Attention(nn.Module):
             p = self.dropout if self.training else 0.0
             if self.variant == "transformer_dense":
                 o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-            elif self.banded(x.device) and (rows is None or q.shape[2] >= FLEX_BLOCK):
+            elif self.banded(x.device, None if rows is None else q.shape[2]):
                 o = flex_window_attention(q, k, v, self.variant, self.window, self.n_global, p, rows=rows)
             else:
                 mask = layer_rows(attention_mask(T, self.variant, self.window, self.n_global, x.device), rows, 0)
