@@ -80,3 +80,85 @@ def test_head_loss_on_either_library_agrees(monkeypatch) -> None:
         results[onednn] = (loss, *torch.autograd.grad((loss * torch.linspace(-1, 1, 96)).sum(), (z, weight, bias)))
     for a, b in zip(results[True], results[False], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("m,n,k", [(64, 300, 20), (64, 20, 300), (5, 7, 7), (1, 3, 9)])
+@pytest.mark.parametrize("transposed_from", [1, 2048])
+def test_weight_grad_is_dy_transposed_times_x(m, n, k, onednn, transposed_from, monkeypatch) -> None:
+    """Both orientations of the product (K < N from ``TRANSPOSED_FROM_ROWS`` rows: a transposed view of
+    ``xᵀ @ dy``; otherwise ``dyᵀ @ x``) and oneMKL's equal the float64 ``dyᵀ @ x``, and ``index_add_`` into the
+    result lands in the right rows either way."""
+    monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: onednn)
+    monkeypatch.setattr(cpu_gemm, "TRANSPOSED_FROM_ROWS", transposed_from)
+    g = torch.Generator().manual_seed(m + n + k)
+    dy = torch.randn(m, n, generator=g, dtype=torch.float64)
+    x = torch.randn(m, k, generator=g, dtype=torch.float64)
+    got = cpu_gemm.weight_grad(dy.float(), x.float())
+    assert got.shape == (n, k)
+    torch.testing.assert_close(got.double(), dy.t() @ x, rtol=1e-5, atol=1e-4)
+    # column slices: operands strided both ways once transposed (oneDNN's slow case, copied first)
+    wide_dy, wide_x = torch.cat([dy, dy], 1).float(), torch.cat([x, x], 1).float()
+    sliced = cpu_gemm.weight_grad(wide_dy[:, n:], wide_x[:, :k])
+    torch.testing.assert_close(sliced.double(), dy.t() @ x, rtol=1e-5, atol=1e-4)
+    rows = torch.tensor([0, n - 1, 0])
+    extra = torch.randn(3, k, generator=g, dtype=torch.float64)
+    want = (dy.t() @ x).index_add_(0, rows, extra)
+    torch.testing.assert_close(got.index_add_(0, rows, extra.float()).double(), want, rtol=1e-5, atol=1e-4)
+
+
+def _linear_pair(d_in: int, d_out: int, bias: bool) -> tuple[cpu_gemm.Linear, torch.nn.Linear]:
+    ours = cpu_gemm.Linear(d_in, d_out, bias=bias)
+    plain = torch.nn.Linear(d_in, d_out, bias=bias)
+    plain.load_state_dict(ours.state_dict())
+    return ours, plain
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("d_in,d_out", [(24, 96), (96, 24), (16, 1)])
+def test_linear_module_matches_nn_linear_in_value_and_gradients(d_in, d_out, bias, monkeypatch) -> None:
+    """``cpu_gemm.Linear`` on oneDNN against ``nn.Linear`` with the same state dict: outputs and the gradients of
+    the input, weight and bias within float32 rounding, for a ``[B, T, d]`` input (flattened and restored), a
+    strided input, and frozen weights (input gradient only)."""
+    monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: True)
+    monkeypatch.setattr(cpu_gemm, "TRANSPOSED_FROM_ROWS", 1)  # both orientations at the small test shapes
+    ours, plain = _linear_pair(d_in, d_out, bias)
+    g = torch.Generator().manual_seed(d_in * d_out)
+    base = torch.randn(3, 2 * d_in, 11, generator=g)
+    for x in (torch.randn(3, 11, d_in, generator=g), base.transpose(1, 2)[..., ::2]):
+        xs = [x.clone().requires_grad_(True) for _ in range(2)]
+        outs = [ours(xs[0]), plain(xs[1])]
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        upstream = torch.randn(outs[0].shape, generator=g)
+        params = [[p for p in m.parameters()] for m in (ours, plain)]
+        grads = [torch.autograd.grad((o * upstream).sum(), (xi, *ps)) for o, xi, ps in zip(outs, xs, params)]
+        for a, b in zip(*grads, strict=True):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    ours.requires_grad_(False)
+    plain.requires_grad_(False)
+    x = torch.randn(4, d_in, generator=g)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    dxs = [torch.autograd.grad(m(xi).sum(), xi)[0] for m, xi in zip((ours, plain), xs)]
+    torch.testing.assert_close(dxs[0], dxs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_linear_module_is_nn_linear_off_onednn(monkeypatch) -> None:
+    """Under autocast, with float64 tensors, inside torch.compile, or where oneDNN is not chosen, the module runs
+    ``nn.Linear.forward`` itself (no oneDNN op is called)."""
+    monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: True)
+    calls = []
+    real = cpu_gemm._onednn
+    monkeypatch.setattr(cpu_gemm, "_onednn", lambda *a: calls.append(1) or real(*a))
+    layer = cpu_gemm.Linear(8, 4)
+    x = torch.randn(2, 8)
+    layer(x)
+    assert calls == [1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16
+    layer.double()(x.double())
+    layer.float()
+    torch.compile(layer, backend="eager", fullgraph=True)(x)
+    monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: False)
+    layer(x)
+    assert calls == [1]

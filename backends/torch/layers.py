@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.torch import cpu_gemm
 from backends.torch.head_loss import chunked_target_log_softmax, target_log_softmax, widen
 from backends.torch.window_attention import FLEX_BLOCK, flex_window_attention
 from pcaf_core.config import WINDOWED_VARIANTS
@@ -146,8 +147,8 @@ class ConvBlock(nn.Module):
         super().__init__()
         self.norm = layer_norm(d)
         self.conv = nn.Conv1d(d, d, kernel_size, groups=d)
-        self.mlp_in = nn.Linear(d, d_hidden)
-        self.mlp_out = nn.Linear(d_hidden, d)
+        self.mlp_in = cpu_gemm.Linear(d, d_hidden)
+        self.mlp_out = cpu_gemm.Linear(d_hidden, d)
         self.drop = Dropout(dropout)
         self.gelu_form = gelu_form
         self.conv_form = "auto"
@@ -176,8 +177,8 @@ class Head(nn.Module):
     def __init__(self, d: int, d_hidden: int, vocab_size: int, gelu_form: str, dropout: float) -> None:
         super().__init__()
         self.norm = layer_norm(d)
-        self.hidden = nn.Linear(d, d_hidden)
-        self.out = nn.Linear(d_hidden, vocab_size)
+        self.hidden = cpu_gemm.Linear(d, d_hidden)
+        self.out = cpu_gemm.Linear(d_hidden, vocab_size)
         self.drop = Dropout(dropout)
         self.gelu_form = gelu_form
         # (position chunk, vocabulary chunk) of the training loss's logit tiles, or None for the one-tile
@@ -212,8 +213,8 @@ class Gate(nn.Module):
     def __init__(self, d: int, gelu_form: str) -> None:
         super().__init__()
         self.norm = layer_norm(d)
-        self.hidden = nn.Linear(d, d // 2)
-        self.out = nn.Linear(d // 2, 1)
+        self.hidden = cpu_gemm.Linear(d, d // 2)
+        self.out = cpu_gemm.Linear(d // 2, 1)
         self.gelu_form = gelu_form
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -315,8 +316,8 @@ class Attention(nn.Module):
     def __init__(self, d: int, n_heads: int, variant: str, window: int, n_global: int, linear_chunk: int,
                  dropout: float, impl: str = "auto") -> None:
         super().__init__()
-        self.qkv = nn.Linear(d, 3 * d)
-        self.out = nn.Linear(d, d)
+        self.qkv = cpu_gemm.Linear(d, 3 * d)
+        self.out = cpu_gemm.Linear(d, d)
         self.n_heads, self.variant = n_heads, variant
         self.window, self.n_global, self.linear_chunk = window, n_global, linear_chunk
         self.dropout = dropout
@@ -366,8 +367,8 @@ class TransformerBlock(nn.Module):
         self.attn_norm = layer_norm(d)
         self.attn = Attention(d, n_heads, variant, window, n_global, linear_chunk, dropout, attention_impl)
         self.mlp_norm = layer_norm(d)
-        self.mlp_in = nn.Linear(d, d_hidden)
-        self.mlp_out = nn.Linear(d_hidden, d)
+        self.mlp_in = cpu_gemm.Linear(d, d_hidden)
+        self.mlp_out = cpu_gemm.Linear(d_hidden, d)
         self.drop = Dropout(dropout)
         self.gelu_form = gelu_form
 

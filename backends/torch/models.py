@@ -14,7 +14,7 @@ import abc
 import torch
 from torch import nn
 
-from backends.torch import hashing, mixture, records, routing
+from backends.torch import cpu_gemm, hashing, mixture, records, routing
 from backends.torch.layers import (
     ConvBlock,
     FixedPositions,
@@ -157,13 +157,13 @@ class AssociativeMemory(nn.Module):
 
     def __init__(self, d: int, semantic_buckets: int, router_form: str, with_router: bool) -> None:
         super().__init__()
-        self.query = nn.Linear(d, d, bias=False)
-        self.key = nn.Linear(d, d, bias=False)
+        self.query = cpu_gemm.Linear(d, d, bias=False)
+        self.key = cpu_gemm.Linear(d, d, bias=False)
         self.router_form = router_form
         if with_router:
             if router_form == "layernorm_linear":
                 self.router_norm = layer_norm(d)
-            self.router = nn.Linear(d, semantic_buckets, bias=router_form == "linear_bias")
+            self.router = cpu_gemm.Linear(d, semantic_buckets, bias=router_form == "linear_bias")
         self.recency_scale = nn.Parameter(torch.tensor(1.0))
 
     def router_probs(self, h: torch.Tensor, temperature: float) -> torch.Tensor:
