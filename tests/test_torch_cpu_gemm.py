@@ -38,32 +38,51 @@ def test_linear_is_x_times_weight_transposed_plus_bias(m, k, n, onednn, monkeypa
                                atol=1e-4)
 
 
-def test_only_float32_cpu_products_outside_compile_go_to_onednn(monkeypatch) -> None:
+def test_only_float32_cpu_products_go_to_onednn(monkeypatch) -> None:
     monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: True)
     x32, x64 = torch.ones(2, 3), torch.ones(2, 3, dtype=torch.float64)
     assert cpu_gemm.uses_onednn(x32, x32)
     assert not cpu_gemm.uses_onednn(x64, x64)
     assert not cpu_gemm.uses_onednn(x32.bfloat16(), x32.bfloat16())
     assert not cpu_gemm.uses_onednn(x32, x64)
-    seen = []
-
-    def product(x, w):
-        seen.append(cpu_gemm.uses_onednn(x, w))
-        return cpu_gemm.linear(x, w)
-
-    out = torch.compile(product, backend="eager", fullgraph=True)(x32, torch.ones(4, 3))
-    assert seen == [False] and torch.equal(out, torch.full((2, 4), 3.0))  # traced: inductor picks its products
     monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: False)
     assert not cpu_gemm.uses_onednn(x32, x32)
+
+
+@pytest.mark.parametrize("transposed_from", [1, 2048])
+def test_compiled_graphs_keep_the_onednn_product_both_ways(transposed_from, monkeypatch) -> None:
+    """Under torch.compile the layer's product stays the one ``pcaf::onednn_linear`` call in the traced graph (not
+    lowered to ``mm``), and the compiled forward and backward (AOTAutograd) equal eager's."""
+    monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: True)
+    monkeypatch.setattr(cpu_gemm, "TRANSPOSED_FROM_ROWS", transposed_from)
+    torch._dynamo.reset()
+    layer = cpu_gemm.Linear(8, 24)
+    graphs = []
+
+    def record(gm, inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    x = torch.randn(3, 5, 8)
+    torch.compile(layer, backend=record, fullgraph=True)(x)
+    assert "pcaf.onednn_linear" in graphs[0] and "linear(" not in graphs[0].replace("onednn_linear(", "")
+    results = []
+    for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
+        xi = x.clone().requires_grad_(True)
+        out = fn(xi)
+        results.append((out, *torch.autograd.grad((out * torch.linspace(-1, 1, 24)).sum(), (xi, *layer.parameters()))))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
 
 
 def test_onednn_is_chosen_on_amd_cpus_only(monkeypatch) -> None:
     for vendor, chosen in (("AuthenticAMD", torch.backends.mkldnn.is_available()), ("GenuineIntel", False),
                            (None, False)):
         monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda vendor=vendor: vendor)
-        cpu_gemm.onednn_on_this_cpu.cache_clear()
+        cpu_gemm._onednn_vendor.cache_clear()
         assert cpu_gemm.onednn_on_this_cpu() is chosen
-    cpu_gemm.onednn_on_this_cpu.cache_clear()
+    cpu_gemm._onednn_vendor.cache_clear()
 
 
 def test_head_loss_on_either_library_agrees(monkeypatch) -> None:
@@ -144,12 +163,12 @@ def test_linear_module_matches_nn_linear_in_value_and_gradients(d_in, d_out, bia
 
 
 def test_linear_module_is_nn_linear_off_onednn(monkeypatch) -> None:
-    """Under autocast, with float64 tensors, inside torch.compile, or where oneDNN is not chosen, the module runs
-    ``nn.Linear.forward`` itself (no oneDNN op is called)."""
+    """Under autocast, with float64 tensors, or where oneDNN is not chosen, the module runs ``nn.Linear.forward``
+    itself (no oneDNN op is called)."""
     monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: True)
     calls = []
-    real = cpu_gemm._onednn
-    monkeypatch.setattr(cpu_gemm, "_onednn", lambda *a: calls.append(1) or real(*a))
+    real = cpu_gemm.onednn_linear
+    monkeypatch.setattr(cpu_gemm, "onednn_linear", lambda *a: calls.append(1) or real(*a))
     layer = cpu_gemm.Linear(8, 4)
     x = torch.randn(2, 8)
     layer(x)
@@ -158,7 +177,6 @@ def test_linear_module_is_nn_linear_off_onednn(monkeypatch) -> None:
         assert layer(x).dtype == torch.bfloat16
     layer.double()(x.double())
     layer.float()
-    torch.compile(layer, backend="eager", fullgraph=True)(x)
     monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: False)
     layer(x)
     assert calls == [1]

@@ -37,34 +37,31 @@ from backends.torch.layers import ConvBlock
 from pcaf_core.config import PCAF_VARIANTS, RunConfig
 
 COMPILE_MIN_STEPS = 5000
-"""``train.compile=auto`` compiles runs of at least this many steps, either mode. Compiling gains a step 0-14%
-(the eager step already trains the conv as the shifted sum compiling fuses; the vocabulary head's products,
-which compiling leaves as they are, are most of a full-AR step) and costs 28-30 s the first time (5-7 s with
-inductor's on-disk cache warm). Measured on a 2-core AMD EPYC, next-token PCAF-context: cpu scale (d=128,
-batch 32) 105-114 ms eager against 100 ms compiled, so 2,500 steps about repay a cold compile; paper scale
-(d=256, batch 64) 583-603 against 575-586 ms; full AR 0-1% at the paper shape."""
+"""``train.compile=auto`` compiles runs of at least this many steps, either mode. Compiling gains a next-token
+step 12-17% and costs 28-30 s the first time (5-7 s with inductor's on-disk cache warm). Measured on a 2-core AMD
+EPYC, next-token PCAF-context, fp32, dropout 0.1: cpu scale (d=128, batch 32) 47.3 ms eager against 41.3 ms
+compiled, so about 5,000 steps repay a cold compile; paper scale (d=256, batch 64) 223 against 192 ms."""
 
 
 def compile_pays_off(cfg: RunConfig, device: torch.device | None = None) -> bool:
     """Where compiling measured faster than eager (2-core CPU, steps interleaved in one process; ``device``: where
     the step runs, None for a CPU):
 
-    - next-token steps of the conv-backbone models (PCAF family, local conv): 1.05x at the WikiText-2 paper
-      shape with dropout 0.1 (90% interval 1.03-1.06 over 20 paired rounds, ``make bench``);
-    - full-AR steps of the same models: compiled/eager 1.07 for PCAF-context ``recent`` at the cpu scale (T=256,
-      batch 2, V=8,000; 40 rounds), 1.01 for local conv there; a tie (0.99) at the paper shape (T=1,024
-      batch 4 and T=2,048 batch 2, V=20,000, dropout 0.1; 8 rounds), where the three vocabulary products are
-      about 80% of the step and compiling leaves them as they are;
+    - next-token steps of the conv-backbone models (PCAF family, local conv): compiled/eager 1.20 at the
+      WikiText-2 paper shape (batch 64, dropout 0.1; 90% interval 1.08-1.31 over 15 paired rounds) and 1.18 at
+      the cpu scale (d=128, batch 32, V=8,000; 30 rounds), products on oneDNN both ways
+      (:mod:`backends.torch.cpu_gemm`);
+    - full-AR steps of the same models on CUDA and on CPUs without oneDNN's products: compiled/eager 1.07 for
+      PCAF-context ``recent`` at the cpu scale (T=256, batch 2, V=8,000; 40 rounds, oneMKL products);
     - not the Transformers (the dense one 0.86x at V=8,000; measured on a CPU, where the windowed ones run masked
       SDPA: on CUDA their FlexAttention traces into the compiled step's one graph under ``on``, and whether
       compiling pays there is not measured);
     - not routes that rank with ρ as a host number (``topk_score``, the dense semantic route): Dynamo
       specialises on the value, which every optimiser step changes, and recompiles each step (5.5 s a step
       against 0.35 s eager);
-    - not full-AR steps on a CPU whose head products run on oneDNN (:func:`backends.torch.cpu_gemm.
-      onednn_on_this_cpu`): inductor cannot lower oneDNN's op, so a compiled step keeps oneMKL's products, and
-      compiled/eager measured 0.52 (T=1,024, batch 4) and 0.58 (T=2,048, batch 2) at the paper shape
-      (``make bench``, 2-core AMD EPYC).
+    - not full-AR steps on a CPU whose products run on oneDNN (:func:`backends.torch.cpu_gemm.onednn_on_this_cpu`):
+      compiled/eager 0.95 at the paper shape (T=1,024, batch 4, dropout 0.1; 5 paired rounds, 1,751 against
+      1,648 ms), where the vocabulary products, the same call either way, are about 80% of the step.
     """
     if cfg.train.mode == "ar" and (device is None or device.type == "cpu") and cpu_gemm.onednn_on_this_cpu():
         return False

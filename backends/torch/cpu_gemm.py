@@ -17,9 +17,13 @@ oneDNN, so :class:`Linear` sends every ``nn.Linear`` of the models there too, fo
 
 Both are float32 products (largest relative error against float64 at ``[512, 1000] @ [1000, 3000]``: 8.9e-7
 oneDNN, 3.6e-7 oneMKL, at every ``torch.set_float32_matmul_precision``); they sum in different orders, so results
-differ by float32 rounding. Used where measured faster: float32 tensors on the CPU of an AMD machine, outside
-``torch.compile`` (inside it, inductor chooses its own products). Intel CPUs keep oneMKL, which is tuned for them
-and was not measured here against oneDNN.
+differ by float32 rounding. Used where measured faster: float32 tensors on the CPU of an AMD machine. Intel CPUs
+keep oneMKL, which is tuned for them and was not measured here against oneDNN.
+
+The product is the custom op ``pcaf::onednn_linear`` (:func:`onednn_linear`), so ``torch.compile`` keeps it as
+one opaque call in its graph rather than lowering the product to oneMKL's ``mm`` (inductor cannot lower oneDNN's
+op itself), and its gradient (:func:`weight_grad` and the input's product) is on oneDNN in a compiled backward
+pass too.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import functools
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from pcaf_core.sysinfo import cpu_vendor
 
@@ -37,32 +40,64 @@ ONEDNN_VENDORS = ("AuthenticAMD",)
 
 
 @functools.cache
-def onednn_on_this_cpu() -> bool:
-    """Whether this machine's CPU float32 products go to oneDNN (:data:`ONEDNN_VENDORS`, oneDNN built in)."""
+def _onednn_vendor() -> bool:
     return torch.backends.mkldnn.is_available() and cpu_vendor() in ONEDNN_VENDORS
 
 
+@torch.compiler.assume_constant_result  # a fact of the machine: traced as a constant, not a graph break
+def onednn_on_this_cpu() -> bool:
+    """Whether this machine's CPU float32 products go to oneDNN (:data:`ONEDNN_VENDORS`, oneDNN built in)."""
+    return _onednn_vendor()
+
+
 def uses_onednn(*tensors: torch.Tensor) -> bool:
-    """Whether :func:`linear` of ``tensors`` runs on oneDNN: all float32 on the CPU, not inside ``torch.compile``."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and not torch.compiler.is_compiling() and onednn_on_this_cpu())
+    """Whether :func:`linear` of ``tensors`` runs on oneDNN: all float32 on the CPU of such a machine."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and onednn_on_this_cpu()
 
 
-def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """oneDNN's ``x @ weight^T (+ bias)``. It copies a strided ``x`` to row-major first and reads a row- or
-    column-major ``weight`` in place, so a caller with a choice passes the smaller operand as ``x``. A ``weight``
-    strided both ways (a transposed column slice) is copied here first: oneDNN multiplied one such
-    ``[1000, 136] @ [136, 256]`` in 357 ms against 0.4 ms row-major."""
+@torch.library.custom_op("pcaf::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's ``x @ weight^T (+ bias)``: x ``[M, K]``, weight ``[N, K]``, bias ``[N]`` or None -> ``[M, N]``
+    row-major, float32 CPU tensors.
+
+    oneDNN copies a strided ``x`` to row-major first and reads a row- or column-major ``weight`` in place, so a
+    caller with a choice passes the smaller operand as ``x``. A ``weight`` strided both ways (a transposed column
+    slice) is copied here first: oneDNN multiplied one such ``[1000, 136] @ [136, 256]`` in 357 ms against 0.4 ms
+    row-major."""
     if not (weight.is_contiguous() or weight.t().is_contiguous()):
         weight = weight.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _linear_context(ctx, inputs, output) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _linear_backward(ctx, dy: torch.Tensor):
+    x, weight = ctx.saved_tensors
+    dy = dy.contiguous()
+    need_x, need_weight, need_bias = ctx.needs_input_grad
+    dx = onednn_linear(dy, weight.t(), None) if need_x else None
+    dweight = weight_grad(dy, x) if need_weight else None
+    dbias = dy.sum(0) if ctx.has_bias and need_bias else None
+    return dx, dweight, dbias
+
+
+onednn_linear.register_autograd(_linear_backward, setup_context=_linear_context)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T (+ bias)``: x ``[M, K]``, weight ``[N, K]`` (transposed views included), bias ``[N]`` ->
     ``[M, N]``, on oneDNN where :func:`uses_onednn`, else ``torch.addmm`` / ``torch.mm``."""
     if uses_onednn(x, weight):
-        return _onednn(x, weight, bias)
+        return onednn_linear(x, weight, bias)
     if bias is None:
         return torch.mm(x, weight.t())
     return torch.addmm(bias, x, weight.t())
@@ -77,7 +112,8 @@ def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     M >= :data:`TRANSPOSED_FROM_ROWS` on oneDNN, a transposed view of a ``[K, N]`` product; ``index_add_`` and
     autograd take either).
 
-    On oneDNN (:func:`uses_onednn`) the product is ``dyᵀ @ x`` (oneDNN copies ``dyᵀ`` row-major, :func:`_onednn`)
+    On oneDNN (:func:`uses_onednn`) the product is ``dyᵀ @ x`` (oneDNN copies ``dyᵀ`` row-major,
+    :func:`onednn_linear`)
     or, with K < N and many rows, ``(xᵀ @ dy)ᵀ``: its copy is of the narrower operand, and autograd later copies
     the ``[N, K]`` result into the weight's layout. Best of 9, fp32, 2-core AMD EPYC, the second way's time
     counting that copy, against oneMKL's ``mm``:
@@ -89,43 +125,18 @@ def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """
     if uses_onednn(dy, x):
         if x.shape[1] < dy.shape[1] and dy.shape[0] >= TRANSPOSED_FROM_ROWS:
-            return _onednn(x.t(), dy.t()).t()
-        return _onednn(dy.t(), x.t())
+            return onednn_linear(x.t(), dy.t(), None).t()
+        return onednn_linear(dy.t(), x.t(), None)
     return torch.mm(dy.t(), x)
-
-
-class _Linear(torch.autograd.Function):
-    """``x @ weight^T (+ bias)`` on oneDNN both ways: x ``[M, K]``, weight ``[N, K]``, bias ``[N]`` or None."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return _onednn(x, weight, bias)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        dy = dy.contiguous()
-        need_x, need_weight, need_bias = ctx.needs_input_grad
-        dx = _onednn(dy, weight.t()) if need_x else None
-        dweight = weight_grad(dy, x) if need_weight else None
-        dbias = dy.sum(0) if ctx.has_bias and need_bias else None
-        return dx, dweight, dbias
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, initialisation and state dict) whose float32 CPU products run on oneDNN
-    where :func:`uses_onednn`, forward and backward; anywhere else (autocast, CUDA, inside ``torch.compile``,
+    where :func:`uses_onednn`, forward and backward (:func:`onednn_linear`); anywhere else (autocast, CUDA,
     another CPU) it is ``nn.Linear``. Results differ from oneMKL's by float32 rounding only."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0 or torch.is_autocast_enabled(x.device.type) or not uses_onednn(x, self.weight):
             return super().forward(x)
-        rows = x.reshape(-1, x.shape[-1])
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            out = _Linear.apply(rows, self.weight, self.bias)
-        else:
-            out = _onednn(rows, self.weight, self.bias)
+        out = onednn_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
