@@ -3,6 +3,7 @@ rounding, for the operand layouts the head's forward and backward pass give it, 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,14 +50,16 @@ def test_only_float32_cpu_products_go_to_onednn(monkeypatch) -> None:
     assert not cpu_gemm.uses_onednn(x32, x32)
 
 
-@pytest.mark.parametrize("transposed_from", [1, 2048])
-def test_compiled_graphs_keep_the_onednn_product_both_ways(transposed_from, monkeypatch) -> None:
+@pytest.mark.parametrize("rows", [1, 4096])
+def test_compiled_graphs_keep_the_onednn_product_both_ways(rows, monkeypatch) -> None:
     """Under torch.compile the layer's product stays the one ``pcaf::onednn_linear`` call in the traced graph (not
-    lowered to ``mm``), and the compiled forward and backward (AOTAutograd) equal eager's."""
+    lowered to ``mm``), and the compiled forward and backward (AOTAutograd) equal eager's, for a row-major and a
+    column-major weight."""
     monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: True)
-    monkeypatch.setattr(cpu_gemm, "TRANSPOSED_FROM_ROWS", transposed_from)
     torch._dynamo.reset()
     layer = cpu_gemm.Linear(8, 24)
+    cpu_gemm.lay_out_for_onednn(layer, rows)  # 4,096 rows: a column-major weight
+    assert cpu_gemm.column_major(layer.weight) is (rows == 4096)
     graphs = []
 
     def record(gm, inputs):
@@ -103,27 +106,29 @@ def test_head_loss_on_either_library_agrees(monkeypatch) -> None:
 
 @pytest.mark.parametrize("onednn", [True, False])
 @pytest.mark.parametrize("m,n,k", [(64, 300, 20), (64, 20, 300), (5, 7, 7), (1, 3, 9)])
-@pytest.mark.parametrize("transposed_from", [1, 2048])
-def test_weight_grad_is_dy_transposed_times_x(m, n, k, onednn, transposed_from, monkeypatch) -> None:
-    """Both orientations of the product (K < N from ``TRANSPOSED_FROM_ROWS`` rows: a transposed view of
-    ``xᵀ @ dy``; otherwise ``dyᵀ @ x``) and oneMKL's equal the float64 ``dyᵀ @ x``, and ``index_add_`` into the
-    result lands in the right rows either way."""
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_weight_grad_is_dy_transposed_times_x_in_the_weights_layout(m, n, k, onednn, layout, monkeypatch) -> None:
+    """Both orientations of the product (a column-major weight's: a transposed view of ``xᵀ @ dy``; a row-major
+    one's: ``dyᵀ @ x``) and oneMKL's equal the float64 ``dyᵀ @ x``; on oneDNN the result has the weight's strides,
+    and ``index_add_`` into it lands in the right rows either way; operands strided both ways are taken too."""
     monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: onednn)
-    monkeypatch.setattr(cpu_gemm, "TRANSPOSED_FROM_ROWS", transposed_from)
     g = torch.Generator().manual_seed(m + n + k)
     dy = torch.randn(m, n, generator=g, dtype=torch.float64)
     x = torch.randn(m, k, generator=g, dtype=torch.float64)
-    got = cpu_gemm.weight_grad(dy.float(), x.float())
+    like = torch.empty(n, k) if layout == "row-major" else torch.empty(k, n).t()
+    got = cpu_gemm.weight_grad(dy.float(), x.float(), like)
     assert got.shape == (n, k)
+    if onednn:
+        assert got.stride() == like.stride() or min(n, k) == 1
     torch.testing.assert_close(got.double(), dy.t() @ x, rtol=1e-5, atol=1e-4)
-    # column slices: operands strided both ways once transposed (oneDNN's slow case, copied first)
-    wide_dy, wide_x = torch.cat([dy, dy], 1).float(), torch.cat([x, x], 1).float()
-    sliced = cpu_gemm.weight_grad(wide_dy[:, n:], wide_x[:, :k])
-    torch.testing.assert_close(sliced.double(), dy.t() @ x, rtol=1e-5, atol=1e-4)
     rows = torch.tensor([0, n - 1, 0])
     extra = torch.randn(3, k, generator=g, dtype=torch.float64)
     want = (dy.t() @ x).index_add_(0, rows, extra)
     torch.testing.assert_close(got.index_add_(0, rows, extra.float()).double(), want, rtol=1e-5, atol=1e-4)
+    # column slices: operands strided both ways once transposed (oneDNN's slow case, copied first)
+    wide_dy, wide_x = torch.cat([dy, dy], 1).float(), torch.cat([x, x], 1).float()
+    sliced = cpu_gemm.weight_grad(wide_dy[:, n:], wide_x[:, :k], like)
+    torch.testing.assert_close(sliced.double(), dy.t() @ x, rtol=1e-5, atol=1e-4)
 
 
 def _linear_pair(d_in: int, d_out: int, bias: bool) -> tuple[cpu_gemm.Linear, torch.nn.Linear]:
@@ -135,13 +140,15 @@ def _linear_pair(d_in: int, d_out: int, bias: bool) -> tuple[cpu_gemm.Linear, to
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("d_in,d_out", [(24, 96), (96, 24), (16, 1)])
-def test_linear_module_matches_nn_linear_in_value_and_gradients(d_in, d_out, bias, monkeypatch) -> None:
+@pytest.mark.parametrize("rows", [1, 4096])
+def test_linear_module_matches_nn_linear_in_value_and_gradients(d_in, d_out, bias, rows, monkeypatch) -> None:
     """``cpu_gemm.Linear`` on oneDNN against ``nn.Linear`` with the same state dict: outputs and the gradients of
-    the input, weight and bias within float32 rounding, for a ``[B, T, d]`` input (flattened and restored), a
-    strided input, and frozen weights (input gradient only)."""
+    the input, weight (in the weight's layout) and bias within float32 rounding, for a ``[B, T, d]`` input
+    (flattened and restored), a strided input, and frozen weights (input gradient only); row-major weights and,
+    where the layer widens, column-major ones."""
     monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: True)
-    monkeypatch.setattr(cpu_gemm, "TRANSPOSED_FROM_ROWS", 1)  # both orientations at the small test shapes
     ours, plain = _linear_pair(d_in, d_out, bias)
+    cpu_gemm.lay_out_for_onednn(ours, rows)  # 4,096 rows: column-major where it widens
     g = torch.Generator().manual_seed(d_in * d_out)
     base = torch.randn(3, 2 * d_in, 11, generator=g)
     for x in (torch.randn(3, 11, d_in, generator=g), base.transpose(1, 2)[..., ::2]):
@@ -180,3 +187,51 @@ def test_linear_module_is_nn_linear_off_onednn(monkeypatch) -> None:
     monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: False)
     layer(x)
     assert calls == [1]
+
+
+def test_lay_out_for_onednn_moves_widening_weights_only(monkeypatch) -> None:
+    """Column-major weights for the widening ``cpu_gemm.Linear`` layers from ``COLUMN_MAJOR_FROM_ROWS`` rows on
+    oneDNN; values, shapes and the state dict stay; narrowing layers, plain ``nn.Linear``, fewer rows and other
+    CPUs are left alone."""
+    monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: True)
+    net = torch.nn.Sequential(cpu_gemm.Linear(4, 9), cpu_gemm.Linear(9, 4), torch.nn.Linear(4, 9))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    cpu_gemm.lay_out_for_onednn(net, cpu_gemm.COLUMN_MAJOR_FROM_ROWS - 1)
+    assert not any(cpu_gemm.column_major(m.weight) for m in net)
+    monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: False)
+    cpu_gemm.lay_out_for_onednn(net, cpu_gemm.COLUMN_MAJOR_FROM_ROWS)
+    assert not any(cpu_gemm.column_major(m.weight) for m in net)
+    monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: True)
+    cpu_gemm.lay_out_for_onednn(net, cpu_gemm.COLUMN_MAJOR_FROM_ROWS)
+    assert [cpu_gemm.column_major(m.weight) for m in net] == [True, False, False]
+    assert isinstance(net[0].weight, torch.nn.Parameter) and net[0].weight.requires_grad
+    after = net.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_column_major_training_steps_match_row_major(monkeypatch) -> None:
+    """Two full-AR training steps (dropout, clipping, fused AdamW) of a PCAF model with its widening weights
+    column-major against the same steps row-major: the losses and every parameter after the updates agree to
+    float32 rounding, and the column-major weights stay column-major through the optimiser."""
+    from backends.torch.backend import TorchBackend
+    from tests.compiled_steps import B, T, step_config
+
+    monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda: True)
+    cfg = step_config(("pcaf", "context", "dense", "first"), "ar")
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(3, 64, (B, T)), rng.integers(3, 64, (B, T))
+    runs = {}
+    for threshold in (B * T, B * T + 1):  # the head's rows a step: B·T
+        monkeypatch.setattr(cpu_gemm, "COLUMN_MAJOR_FROM_ROWS", threshold)
+        backend = TorchBackend("cpu")
+        state = backend.init(cfg)
+        losses = []
+        for _ in range(2):
+            state, loss = backend.train_step(state, x, y, 1e-2)
+            losses.append(loss)
+        runs[threshold] = (losses, {n: p.detach() for n, p in state.module.named_parameters()})
+        assert cpu_gemm.column_major(state.module.head.out.weight) is (threshold == B * T)
+    (loss_c, params_c), (loss_r, params_r) = runs[B * T], runs[B * T + 1]
+    np.testing.assert_allclose(loss_c, loss_r, rtol=1e-5)
+    for name, value in params_r.items():
+        torch.testing.assert_close(params_c[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -85,7 +85,7 @@ def _linear_backward(ctx, dy: torch.Tensor):
     dy = dy.contiguous()
     need_x, need_weight, need_bias = ctx.needs_input_grad
     dx = onednn_linear(dy, weight.t(), None) if need_x else None
-    dweight = weight_grad(dy, x) if need_weight else None
+    dweight = weight_grad(dy, x, weight) if need_weight else None
     dbias = dy.sum(0) if ctx.has_bias and need_bias else None
     return dx, dweight, dbias
 
@@ -103,28 +103,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.addmm(bias, x, weight.t())
 
 
-TRANSPOSED_FROM_ROWS = 2048
-"""Rows (M) from which :func:`weight_grad` forms a ``[N, K]`` product with K < N as ``(xᵀ @ dy)ᵀ``."""
+def column_major(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` ``[N, K]`` is stored column-major (its transpose row-major), as
+    :func:`lay_out_for_onednn` stores the weights of the widening linears."""
+    return not weight.is_contiguous() and weight.t().is_contiguous()
 
 
-def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``dyᵀ @ x``, the gradient of a linear's weight: dy ``[M, N]``, x ``[M, K]`` -> ``[N, K]`` (with K < N and
-    M >= :data:`TRANSPOSED_FROM_ROWS` on oneDNN, a transposed view of a ``[K, N]`` product; ``index_add_`` and
-    autograd take either).
+def weight_grad(dy: torch.Tensor, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``dyᵀ @ x``, the gradient of a linear's weight: dy ``[M, N]``, x ``[M, K]`` -> ``[N, K]`` in the layout of
+    ``like`` (that weight), so that autograd stores it without a copy: on oneDNN a transposed view of
+    ``xᵀ @ dy`` for a :func:`column_major` weight (``index_add_`` and autograd take either layout).
 
-    On oneDNN (:func:`uses_onednn`) the product is ``dyᵀ @ x`` (oneDNN copies ``dyᵀ`` row-major,
-    :func:`onednn_linear`)
-    or, with K < N and many rows, ``(xᵀ @ dy)ᵀ``: its copy is of the narrower operand, and autograd later copies
-    the ``[N, K]`` result into the weight's layout. Best of 9, fp32, 2-core AMD EPYC, the second way's time
-    counting that copy, against oneMKL's ``mm``:
+    oneDNN copies its first operand row-major (:func:`onednn_linear`), so ``(xᵀ @ dy)ᵀ`` copies the narrower
+    ``x`` where ``dyᵀ @ x`` copies ``dy``; :func:`lay_out_for_onednn` makes the weights with K < N column-major
+    for that reason. Median of 7, fp32, 2-core AMD EPYC:
 
-    | N, K | M | ``dyᵀ @ x`` | ``(xᵀ @ dy)ᵀ`` | oneMKL |
-    |---|---|---|---|---|
-    | 20,000, 1,000 (head) | 128 / 1,024 / 4,096 | 37 / 158 / 582 ms | 79 / 162 / 427 | 48 / 212 / 763 |
-    | 1,000, 256 (block MLP) | 128 / 1,024 / 4,096 | 0.25 / 1.74 / 8.57 ms | 0.32 / 1.52 / 5.94 | 0.31 / 2.45 / 9.96 |
+    | N, K | M | ``dyᵀ @ x`` | ``(xᵀ @ dy)ᵀ`` |
+    |---|---|---|---|
+    | 20,000, 1,000 (head) | 8 / 128 / 680 / 4,096 | 20.9 / 34.2 / 108 / 567 ms | 20.1 / 31.9 / 81 / 378 |
+    | 1,000, 256 (block MLP in) | 128 / 680 / 4,096 | 0.20 / 0.96 / 8.61 ms | 0.17 / 0.80 / 5.41 |
+
+    A row-major result for a column-major weight (or the reverse) would cost a copy of the ``[N, K]`` gradient:
+    39 ms at the head.
     """
     if uses_onednn(dy, x):
-        if x.shape[1] < dy.shape[1] and dy.shape[0] >= TRANSPOSED_FROM_ROWS:
+        if column_major(like):
             return onednn_linear(x.t(), dy.t(), None).t()
         return onednn_linear(dy.t(), x.t(), None)
     return torch.mm(dy.t(), x)
@@ -140,3 +143,31 @@ class Linear(nn.Linear):
             return super().forward(x)
         out = onednn_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+COLUMN_MAJOR_FROM_ROWS = 2048
+"""Rows a step (M, the head's positions) from which :func:`lay_out_for_onednn` stores weights column-major."""
+
+
+def lay_out_for_onednn(module: nn.Module, rows: int) -> None:
+    """Store the weight of every :class:`Linear` in ``module`` that widens (in < out features) column-major, where
+    its products run on oneDNN (:func:`uses_onednn`) and a step multiplies at least :data:`COLUMN_MAJOR_FROM_ROWS`
+    ``rows`` through the head; the values, shapes and state dict are unchanged.
+
+    With the weight column-major, its gradient is formed with the narrower operand copied (:func:`weight_grad`),
+    and the input gradient reads ``weightᵀ`` row-major, but fused AdamW copies a non-contiguous parameter each
+    step (39 ms for the head's ``[20000, 1000]``). Head products a step, forward + input gradient + weight
+    gradient (+ that copy), median of 7, fp32, 2-core AMD EPYC:
+
+    | rows | row-major | column-major |
+    |---|---|---|
+    | 680 | 78 + 68 + 108 = 254 ms | 78 + 65 + 81 + 39 = 263 ms |
+    | 4,096 (a full-AR step at T=1,024, batch 4) | 466 + 400 + 567 = 1,433 ms | 435 + 367 + 378 + 39 = 1,219 ms |
+
+    Call it before an optimiser holds the parameters: each changed weight becomes a new ``nn.Parameter``.
+    """
+    if rows < COLUMN_MAJOR_FROM_ROWS:
+        return
+    for m in module.modules():
+        if isinstance(m, Linear) and m.in_features < m.out_features and uses_onednn(m.weight):
+            m.weight = nn.Parameter(m.weight.detach().t().contiguous().t(), requires_grad=m.weight.requires_grad)

@@ -85,7 +85,7 @@ class _TargetLogSoftmax(torch.autograd.Function):
             if need_z:  # saved @ weight
                 dz = cpu_gemm.linear(saved, weight.t()).mul_(row[:, None]).add_(weight[y] * g[:, None])
             if need_weight:  # savedᵀ @ (z·row)
-                dweight = cpu_gemm.weight_grad(saved, z * row[:, None]).index_add_(0, y, z * g[:, None])
+                dweight = cpu_gemm.weight_grad(saved, z * row[:, None], weight).index_add_(0, y, z * g[:, None])
             dbias = torch.mv(saved.t(), row).index_add_(0, y, g)
             return dz, dweight, dbias, None, None
         logit_grad = head_softmax.logit_grad if ctx.kernels else head_softmax.logit_grad_torch
