@@ -55,7 +55,9 @@ def uses_onednn(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and onednn_on_this_cpu()
 
 
-@torch.library.custom_op("pcaf::onednn_linear", mutates_args=())
+# The schema is given, not inferred from the (postponed, string) annotations: the same on every torch release.
+@torch.library.custom_op("pcaf::onednn_linear", mutates_args=(),
+                         schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's ``x @ weight^T (+ bias)``: x ``[M, K]``, weight ``[N, K]``, bias ``[N]`` or None -> ``[M, N]``
     row-major, float32 CPU tensors.
