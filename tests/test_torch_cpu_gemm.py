@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from backends.torch import cpu_gemm
-from backends.torch.head_loss import target_log_softmax
+from backends.torch.head_loss import chunked_target_log_softmax, target_log_softmax
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -88,18 +88,30 @@ def test_onednn_is_chosen_on_amd_cpus_only(monkeypatch) -> None:
     cpu_gemm._onednn_vendor.cache_clear()
 
 
-def test_head_loss_on_either_library_agrees(monkeypatch) -> None:
-    """The one-tile head loss and its gradients, products on oneDNN against oneMKL: float32 rounding apart."""
+@pytest.mark.parametrize("chunks", [None, (40, 300)])
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_head_loss_on_either_library_agrees(chunks, layout, monkeypatch) -> None:
+    """The head loss and its gradients, one tile or in tiles that divide neither N nor V, with the weight
+    row- or column-major: products on oneDNN against oneMKL, float32 rounding apart; the weight's gradient
+    comes back in the weight's layout."""
     g = torch.Generator().manual_seed(3)
     z = torch.randn(96, 40, generator=g, requires_grad=True)
-    weight = torch.randn(700, 40, generator=g, requires_grad=True)
+    weight = torch.randn(700, 40, generator=g)
+    if layout == "column-major":
+        weight = weight.t().contiguous().t()
+    weight.requires_grad_(True)
     bias = torch.randn(700, generator=g, requires_grad=True)
     y = torch.randint(0, 700, (96,), generator=g)
     results = {}
     for onednn in (True, False):
         monkeypatch.setattr(cpu_gemm, "onednn_on_this_cpu", lambda onednn=onednn: onednn)
-        loss = target_log_softmax(z, weight, bias, y)
+        if chunks is None:
+            loss = target_log_softmax(z, weight, bias, y)
+        else:
+            loss = chunked_target_log_softmax(z, weight, bias, y, position_chunk=chunks[0], vocab_chunk=chunks[1])
         results[onednn] = (loss, *torch.autograd.grad((loss * torch.linspace(-1, 1, 96)).sum(), (z, weight, bias)))
+        if onednn:
+            assert results[onednn][2].stride() == weight.stride()
     for a, b in zip(results[True], results[False], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

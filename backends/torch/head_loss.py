@@ -136,7 +136,7 @@ def target_log_softmax(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def _tile_logits(z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``z @ weight^T + bias`` of one tile, widened to at least float32: the same ops as the full path, so a
     tile's logits are bit for bit the full path's (and the backward recomputes exactly the forward's)."""
-    return widen(torch.addmm(bias, z, weight.t()))
+    return widen(cpu_gemm.linear(z, weight, bias))
 
 
 def _target_in_tile(y: torch.Tensor, v0: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +191,8 @@ class _ChunkedTargetLogSoftmax(torch.autograd.Function):
         g = grad.to(lse.dtype)
         # Accumulators in the wide dtype: a 16-bit dz or dweight summed over tiles would round at every tile.
         dz = torch.zeros(z.shape, dtype=lse.dtype, device=z.device) if need_z else None
-        dweight = torch.zeros(weight.shape, dtype=lse.dtype, device=z.device) if need_weight else None
+        # In the weight's layout (column-major where cpu_gemm.lay_out_for_onednn put it), so autograd copies nothing.
+        dweight = torch.zeros_like(weight, dtype=lse.dtype) if need_weight else None
         dbias = torch.zeros(V, dtype=lse.dtype, device=z.device)
         same = z.dtype == lse.dtype  # no 16-bit operands: the products accumulate in place
         for p0 in range(0, N, position_chunk):
@@ -206,13 +207,19 @@ class _ChunkedTargetLogSoftmax(torch.autograd.Function):
                 dlogits.scatter_add_(1, col, torch.where(inside, gp, 0.0)[:, None])
                 dbias[v0:v1] += dlogits.sum(dim=0)
                 dl = dlogits if same else dlogits.to(z.dtype)
+                # Float32 on oneDNN (cpu_gemm): its products do not accumulate, so each tile's is added after.
+                onednn = same and cpu_gemm.uses_onednn(dl, weight)
                 if need_z:
-                    if same:
+                    if onednn:
+                        dz[p0:p1] += cpu_gemm.linear(dl, weight[v0:v1].t())
+                    elif same:
                         dz[p0:p1].addmm_(dl, weight[v0:v1])
                     else:
                         dz[p0:p1] += dl @ weight[v0:v1]
                 if need_weight:
-                    if same:
+                    if onednn:
+                        dweight[v0:v1] += cpu_gemm.weight_grad(dl, zp, dweight)
+                    elif same:
                         dweight[v0:v1].addmm_(dl.t(), zp)
                     else:
                         dweight[v0:v1] += dl.t() @ zp
