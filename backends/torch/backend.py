@@ -171,10 +171,12 @@ class TorchBackend:
             # Next-token runs compute each prediction from the receptive fields it reads (PCAFModel. and
             # TransformerLM.nt_receptive_read): the same loss and gradients at a fraction of the window's work.
             module.nt_receptive_field = cfg.train.mode == "nt"
-        # The head's rows a step (each process's share): the widening linears' weights go column-major where
-        # that many rows make their gradients cheaper that way (cpu_gemm.lay_out_for_onednn; off oneDNN, nothing).
-        rows = max(1, cfg.train.batch_size // self.world_size) * (cfg.train.seq_len if cfg.train.mode == "ar" else 1)
-        cpu_gemm.lay_out_for_onednn(module, rows)
+        # The head's rows a step: the widening linears' weights go column-major where that many rows make their
+        # gradients cheaper that way (cpu_gemm.lay_out_for_onednn; off oneDNN, nothing). One process only: DDP's
+        # gradient buckets with column-major weights are neither tested nor measured.
+        if self.world_size == 1:
+            rows = cfg.train.batch_size * (cfg.train.seq_len if cfg.train.mode == "ar" else 1)
+            cpu_gemm.lay_out_for_onednn(module, rows)
         # The global generator drives dropout. Each rank gets its own stream, so the ranks' batch slices
         # do not share dropout masks; one process uses train.seed itself.
         torch.manual_seed(cfg.train.seed + self.rank)
