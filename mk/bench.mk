@@ -6,7 +6,8 @@
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
 # run one after another (never in parallel: they time the whole machine); run it on an otherwise idle machine.
 # Measured alone on 2-core machines: 1,127 s = 18.8 minutes on an AMD EPYC whose GEMMs ran faster (routing 102 s,
-# models 530 s, backends 489 s; at 4598e64; models 432 s and backends 494 s again at 2013f89/f40ae94); 1,444 s = 24.1 minutes on an AMD EPYC from a fresh clone (routing 127 s,
+# models 530 s, backends 489 s; at 4598e64; models 432 s and backends 494 s again at 2013f89/f40ae94, 389 s and
+# 464 s at ce7b822); 1,444 s = 24.1 minutes on an AMD EPYC from a fresh clone (routing 127 s,
 # models 646 s, backends 663 s; the committed report's run, 3 backend rounds, full-AR steps of 4,096 tokens),
 # 1,351 s in the run before it (at f4dcc7a: 126, 563, 657 s); 1,540 s on the
 # EPYC before the eager conv and oneMKL changes (routing 142 s, models 688 s, backends 704 s); 1,560 s = 26.0
