@@ -38,17 +38,18 @@ from pcaf_core.config import PCAF_VARIANTS, RunConfig
 
 COMPILE_MIN_STEPS = 5000
 """``train.compile=auto`` compiles runs of at least this many steps, either mode. Compiling gains a next-token
-step 12-17% and costs 28-30 s the first time (5-7 s with inductor's on-disk cache warm). Measured on a 2-core AMD
-EPYC, next-token PCAF-context, fp32, dropout 0.1: cpu scale (d=128, batch 32) 47.3 ms eager against 41.3 ms
-compiled, so about 5,000 steps repay a cold compile; paper scale (d=256, batch 64) 223 against 192 ms."""
+step 10-15% and costs 28-30 s the first time (5-7 s with inductor's on-disk cache warm). Measured on a 2-core AMD
+EPYC, next-token PCAF-context, fp32, dropout 0.1, glibc tunables on: cpu scale (d=128, batch 32) 39.3 ms eager
+against 33.3 ms compiled, so about 5,000 steps repay a cold compile; paper scale (d=256, batch 64) 181 against
+163 ms."""
 
 
 def compile_pays_off(cfg: RunConfig, device: torch.device | None = None) -> bool:
     """Where compiling measured faster than eager (2-core CPU, steps interleaved in one process; ``device``: where
     the step runs, None for a CPU):
 
-    - next-token steps of the conv-backbone models (PCAF family, local conv): compiled/eager 1.20 at the
-      WikiText-2 paper shape (batch 64, dropout 0.1; 90% interval 1.08-1.31 over 15 paired rounds) and 1.18 at
+    - next-token steps of the conv-backbone models (PCAF family, local conv): compiled/eager 1.10 at the
+      WikiText-2 paper shape (batch 64, dropout 0.1; 90% interval 1.08-1.13 over 15 paired rounds) and 1.15 at
       the cpu scale (d=128, batch 32, V=8,000; 30 rounds), products on oneDNN both ways
       (:mod:`backends.torch.cpu_gemm`);
     - full-AR steps of the same models on CUDA and on CPUs without oneDNN's products: compiled/eager 1.07 for
@@ -60,8 +61,8 @@ def compile_pays_off(cfg: RunConfig, device: torch.device | None = None) -> bool
       specialises on the value, which every optimiser step changes, and recompiles each step (5.5 s a step
       against 0.35 s eager);
     - not full-AR steps on a CPU whose products run on oneDNN (:func:`backends.torch.cpu_gemm.onednn_on_this_cpu`):
-      compiled/eager 0.95 at the paper shape (T=1,024, batch 4, dropout 0.1; 5 paired rounds, 1,751 against
-      1,648 ms), where the vocabulary products, the same call either way, are about 80% of the step.
+      compiled/eager 0.99 at the paper shape (T=1,024, batch 4, dropout 0.1; 5 paired rounds, 1,332 against
+      1,323 ms), a tie: the vocabulary products, the same call either way, are about 85% of the step.
     """
     if cfg.train.mode == "ar" and (device is None or device.type == "cpu") and cpu_gemm.onednn_on_this_cpu():
         return False
