@@ -10,10 +10,12 @@ best of 3, fp32) at the head of a full-AR step, N = 2,048 positions, H = 1,000, 
 |---|---|---|
 | logits ``z @ W^T`` | 192 GFLOP/s | 365 |
 | ``dz = dlogits @ W`` | 222 | 432 |
-| ``dW = dlogitsᵀ @ z`` | 216 | 301 (415 as ``(zᵀ @ dlogits)ᵀ``: :func:`weight_grad`) |
+| ``dW = dlogitsᵀ @ z`` | 216 | 301 |
 
-The block MLPs' products (``[4096, 256] @ [256, 1000]`` and back) run at 205-215 GFLOP/s on oneMKL and 390-470 on
-oneDNN, so :class:`Linear` sends every ``nn.Linear`` of the models there too, forward and backward.
+With the glibc tunables on (``experiments/allocator.py``) and N = 4,096: 473 / 421 / 395 GFLOP/s on oneDNN, 483
+for ``dW`` formed as ``(zᵀ @ dlogits)ᵀ`` (:func:`weight_grad`), 222-224 on oneMKL. The block MLPs' products
+(``[4096, 256] @ [256, 1000]`` and back) run at 208-220 GFLOP/s on oneMKL and 406-487 on oneDNN in their faster
+orientation, so :class:`Linear` sends every ``nn.Linear`` of the models there too, forward and backward.
 
 Both are float32 products (largest relative error against float64 at ``[512, 1000] @ [1000, 3000]``: 8.9e-7
 oneDNN, 3.6e-7 oneMKL, at every ``torch.set_float32_matmul_precision``); they sum in different orders, so results
@@ -118,15 +120,15 @@ def weight_grad(dy: torch.Tensor, x: torch.Tensor, like: torch.Tensor) -> torch.
 
     oneDNN copies its first operand row-major (:func:`onednn_linear`), so ``(xᵀ @ dy)ᵀ`` copies the narrower
     ``x`` where ``dyᵀ @ x`` copies ``dy``; :func:`lay_out_for_onednn` makes the weights with K < N column-major
-    for that reason. Median of 7, fp32, 2-core AMD EPYC:
+    for that reason. Median of 7, fp32, 2-core AMD EPYC, glibc tunables on (``experiments/allocator.py``):
 
     | N, K | M | ``dyᵀ @ x`` | ``(xᵀ @ dy)ᵀ`` |
     |---|---|---|---|
-    | 20,000, 1,000 (head) | 8 / 128 / 680 / 4,096 | 20.9 / 34.2 / 108 / 567 ms | 20.1 / 31.9 / 81 / 378 |
-    | 1,000, 256 (block MLP in) | 128 / 680 / 4,096 | 0.20 / 0.96 / 8.61 ms | 0.17 / 0.80 / 5.41 |
+    | 20,000, 1,000 (head) | 8 / 128 / 680 / 4,096 | 2.4 / 12.8 / 65.3 / 413 ms | 2.4 / 10.5 / 55.9 / 339 |
+    | 1,000, 256 (block MLP in) | 128 / 680 / 4,096 | 0.20 / 0.92 / 7.72 ms | 0.16 / 0.77 / 5.13 |
 
     A row-major result for a column-major weight (or the reverse) would cost a copy of the ``[N, K]`` gradient:
-    39 ms at the head.
+    14 ms at the head.
     """
     if uses_onednn(dy, x):
         if column_major(like):
@@ -158,13 +160,14 @@ def lay_out_for_onednn(module: nn.Module, rows: int) -> None:
 
     With the weight column-major, its gradient is formed with the narrower operand copied (:func:`weight_grad`),
     and the input gradient reads ``weightᵀ`` row-major, but fused AdamW copies a non-contiguous parameter each
-    step (39 ms for the head's ``[20000, 1000]``). Head products a step, forward + input gradient + weight
-    gradient (+ that copy), median of 7, fp32, 2-core AMD EPYC:
+    step (14 ms for the head's ``[20000, 1000]``). Head products a step, forward + input gradient + weight
+    gradient (+ that copy), median of 7, fp32, 2-core AMD EPYC, glibc tunables on:
 
     | rows | row-major | column-major |
     |---|---|---|
-    | 680 | 78 + 68 + 108 = 254 ms | 78 + 65 + 81 + 39 = 263 ms |
-    | 4,096 (a full-AR step at T=1,024, batch 4) | 466 + 400 + 567 = 1,433 ms | 435 + 367 + 378 + 39 = 1,219 ms |
+    | 128 | 12.5 + 12.6 + 12.8 = 38 ms | 11.2 + 12.3 + 10.5 + 14 = 48 ms |
+    | 680 | 60 + 67 + 65 = 193 ms | 57 + 65 + 56 + 14 = 192 ms |
+    | 4,096 (a full-AR step at T=1,024, batch 4) | 347 + 395 + 413 = 1,155 ms | 341 + 364 + 339 + 14 = 1,058 ms |
 
     Call it before an optimiser holds the parameters: each changed weight becomes a new ``nn.Parameter``.
     """
