@@ -62,7 +62,8 @@ def compile_pays_off(cfg: RunConfig, device: torch.device | None = None) -> bool
       against 0.35 s eager);
     - not full-AR steps on a CPU whose products run on oneDNN (:func:`backends.torch.cpu_gemm.onednn_on_this_cpu`):
       compiled/eager 0.99 at the paper shape (T=1,024, batch 4, dropout 0.1; 5 paired rounds, 1,332 against
-      1,323 ms), a tie: the vocabulary products, the same call either way, are about 85% of the step.
+      1,323 ms), a tie: the products, the same oneDNN call either way, are 86% of the eager step (its profile in
+      ``make bench``).
     """
     if cfg.train.mode == "ar" and (device is None or device.type == "cpu") and cpu_gemm.onednn_on_this_cpu():
         return False
