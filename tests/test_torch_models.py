@@ -13,8 +13,9 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.torch import PCAFModel, TransformerLM, build_model, load_canonical, to_canonical
-from backends.torch.layers import DROPOUT_LEVELS, Dropout
+from backends.torch.dropout import Dropout
 from pcaf_core.config import MODEL_VARIANTS, TRANSFORMER_VARIANTS, MemoryConfig, ModelConfig
+from pcaf_core.dropout import dropout_scale
 from pcaf_core.params import count_params, init_params, param_shapes, sinusoidal_table
 from pcaf_core.profiles import PROFILES, get_profile
 
@@ -250,13 +251,13 @@ def test_dropout_rate_scale_gradient_and_stream() -> None:
     actual keep rate, back-propagates through the same mask, follows torch's seed, and is the identity in
     eval mode or at rate 0; rates outside [0, 1) are refused."""
     drop = Dropout(0.1).train()
-    assert drop.threshold == 6554 and drop.scale == DROPOUT_LEVELS / (DROPOUT_LEVELS - 6554)
+    assert drop.threshold == 6554 and drop.scale == dropout_scale(0.1)
     x = torch.ones(1_000_001, dtype=torch.float64, requires_grad=True)  # odd: half of one 32-bit draw is unused
     torch.manual_seed(3)
     y = drop(x)
     kept = y != 0
     rate = 1 - kept.double().mean().item()
-    assert abs(rate - 6554 / DROPOUT_LEVELS) < 4 * (0.1 * 0.9 / x.numel()) ** 0.5  # 4 standard errors
+    assert abs(rate - 6554 / 2**16) < 4 * (0.1 * 0.9 / x.numel()) ** 0.5  # 4 standard errors
     assert torch.all(y[kept] == drop.scale)
     y.backward(torch.arange(x.numel(), dtype=torch.float64))
     torch.testing.assert_close(x.grad, torch.where(kept, torch.arange(x.numel(), dtype=torch.float64) * drop.scale,

@@ -10,7 +10,8 @@ bf16 option); parameters keep their own dtype and are cast at use. LayerNorm sta
 normalisers and the residual stream run in ``wide(dtype)`` (at least float32), as torch autocast does.
 
 Dropout sits where :mod:`pcaf_core.reference` places it; it is active only with ``deterministic=False`` and
-then draws from the ``"dropout"`` RNG stream.
+then draws from the ``"dropout"`` RNG stream (:class:`backends.jax.dropout.Dropout`, :mod:`pcaf_core.dropout`'s
+rule).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from backends.jax.dropout import Dropout
 from backends.jax.head_loss import chunked_target_log_softmax
 from backends.jax.window_attention import banded_attention
 from pcaf_core.config import WINDOWED_VARIANTS
@@ -234,7 +236,7 @@ class ConvBlock(nn.Module):
         self.conv = CausalConv(self.kernel_size, dtype=self.dtype)
         self.mlp_in = Dense(self.d_hidden, dtype=self.dtype)
         self.mlp_out = Dense(self.d_model, dtype=self.dtype)
-        self.drop = nn.Dropout(self.dropout)
+        self.drop = Dropout(self.dropout)
 
     def __call__(self, x: jax.Array, deterministic: bool = True, valid: jax.Array | None = None,
                  rows: tuple[int, int] | None = None) -> jax.Array:
@@ -290,7 +292,7 @@ class Head(nn.Module):
         self.norm = LayerNorm(dtype=self.dtype)
         self.hidden = Dense(self.d_hidden, dtype=self.dtype)
         self.out = OutputLayer(self.d_hidden, self.vocab_size, dtype=self.dtype)
-        self.drop = nn.Dropout(self.dropout)
+        self.drop = Dropout(self.dropout)
 
     def features(self, h: jax.Array, deterministic: bool = True) -> jax.Array:
         """``[..., d] -> [..., d_hidden]``: the output layer's input ``drop(GELU(W_h·LN h))`` in ``dtype``."""
@@ -444,7 +446,7 @@ class Attention(nn.Module):
     def setup(self) -> None:
         self.qkv = Dense(3 * self.d_model, dtype=self.dtype)
         self.out = Dense(self.d_model, dtype=self.dtype)
-        self.drop = nn.Dropout(self.dropout)
+        self.drop = Dropout(self.dropout)
 
     def __call__(self, x: jax.Array, deterministic: bool = True, rows: tuple[int, int] | None = None) -> jax.Array:
         """``[B, T, d] -> [B, T, d]``; with ``rows`` (windowed variants, static) the outputs of those M rows of x
@@ -492,7 +494,7 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = LayerNorm(dtype=self.dtype)
         self.mlp_in = Dense(self.d_hidden, dtype=self.dtype)
         self.mlp_out = Dense(self.d_model, dtype=self.dtype)
-        self.drop = nn.Dropout(self.dropout)
+        self.drop = Dropout(self.dropout)
 
     def __call__(self, x: jax.Array, deterministic: bool = True, rows: tuple[int, int] | None = None) -> jax.Array:
         """``[B, T, d] -> [B, T, d]``; with ``rows`` (static) only those M rows of x go on (windowed attention's

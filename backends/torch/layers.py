@@ -6,7 +6,7 @@ name, transposing ``nn.Linear`` weights (torch stores ``[out, in]``) and reversi
 (torch correlates the left-padded input, the spec indexes by lag).
 
 Dropout sits where :mod:`pcaf_core.reference` places it, in training mode only. Outside the attention weights
-it is :class:`Dropout`, whose masks cost about half of ``nn.Dropout``'s on the CPU.
+it is :class:`backends.torch.dropout.Dropout` (:mod:`pcaf_core.dropout`'s rule).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.torch import cpu_gemm
+from backends.torch.dropout import Dropout
 from backends.torch.head_loss import chunked_target_log_softmax, target_log_softmax, widen
 from backends.torch.window_attention import FLEX_BLOCK, flex_window_attention
 from pcaf_core.config import WINDOWED_VARIANTS
@@ -25,69 +26,6 @@ from pcaf_core.reference import LN_EPS, attention_allowed
 L2_RSQRT_EPS = 1e-6  # rsqrt_eps form: x / sqrt(Σx² + 1e-6)
 L2_MAX_EPS = 1e-12  # max_eps form: x / max(‖x‖, 1e-12)
 LINEAR_ATTENTION_DEN_FLOOR = 1e-6
-
-
-DROPOUT_LEVELS = 1 << 16
-""":class:`Dropout` compares uniform 16-bit integers with a threshold: its rate is a multiple of 2^-16."""
-
-
-class Dropout(nn.Module):
-    """Inverted dropout whose mask compares uniform 16-bit integers with ``round(p·2^16)``.
-
-    ``nn.Dropout`` draws one float Bernoulli sample per element; here one 32-bit random integer (``randint``
-    on the global generator, so seeding and checkpointed RNG states work as before) gives two
-    16-bit draws and a comparison makes the mask: on a 2-core CPU the mask costs 11-20 ms against 27-41 ms
-    for ``bernoulli_`` over 4.2M elements (the NT training step's activations at the cpu scale). The rate
-    is ``round(p·2^16)/2^16`` (0.1 drops 0.1000061 of the elements) and kept elements are scaled by the
-    inverse of the actual keep rate, so the layer stays unbiased. Compiled steps draw the same masks
-    (:mod:`backends.torch.compile` keeps ATen's random ops), so compiled and eager training still agree.
-    """
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"dropout rate {p} is outside [0, 1): set profile.dropout to a rate below 1")
-        self.p = p
-
-    @property
-    def threshold(self) -> int:
-        """Draws below it (of :data:`DROPOUT_LEVELS`) drop their element."""
-        return round(self.p * DROPOUT_LEVELS)
-
-    @property
-    def scale(self) -> float:
-        """The kept elements' factor: the inverse of the actual keep rate."""
-        return DROPOUT_LEVELS / (DROPOUT_LEVELS - self.threshold)
-
-    def extra_repr(self) -> str:
-        return f"p={self.p} (drops {self.threshold}/{DROPOUT_LEVELS})"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.threshold == 0:
-            return x
-        n = x.numel()
-        # randint, not empty().random_(): the same draws from the same generator, and torch.compile traces it
-        # (an in-place random_ breaks the compiled graph at every dropout).
-        bits = torch.randint(-(2**31), 2**31, ((n + 1) // 2,), dtype=torch.int32, device=x.device)
-        keep = bits.view(torch.int16)[:n].view(x.shape) >= self.threshold - DROPOUT_LEVELS // 2
-        return _ScaledMask.apply(x, keep, self.scale)
-
-
-class _ScaledMask(torch.autograd.Function):
-    """``x · keep · scale`` with the float mask ``keep · scale`` made once and kept for the backward: a bool
-    mask would be converted to x's dtype in both passes (forward + backward 24-31 ms against 19-20 ms over 4.2M
-    elements on the CPU, for 3 more bytes an element of saved activation)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
-        mask = keep.to(x.dtype).mul_(scale)
-        ctx.save_for_backward(mask)
-        return x * mask
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (mask,) = ctx.saved_tensors
-        return grad * mask, None, None
 
 
 def gelu(x: torch.Tensor, form: str) -> torch.Tensor:
