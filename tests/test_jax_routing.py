@@ -139,3 +139,20 @@ def test_jax_topk_score_candidates_scored_with_a_band_equal_the_gathered_scores(
         rank = np.asarray(rank)[0]
         offset = rank[:, None] - 1 - rank[np.maximum(np.asarray(cand.index)[0], 0)]
         assert np.asarray(dense).any() and (ok[0] & (offset >= M)).any()
+
+
+@pytest.mark.parametrize("shape", [(6, 257), (3, 4, 20)])
+def test_argmax_last_is_jnp_argmax(shape) -> None:
+    """The first maximum, ties and infinities included, and the first NaN where a row holds one."""
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), shape))
+    x = np.round(x, 1)  # ties
+    x[0] = -np.inf
+    x[1, ..., 3] = np.inf
+    x[1, ..., 9] = np.inf
+    x[2, ..., 5] = np.nan
+    x[2, ..., 2] = np.nan
+    x[2, ..., 1] = np.inf
+    got = jops.argmax_last(jnp.asarray(x))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(jops.argmax_last)(jnp.asarray(x))), np.asarray(got))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from backends.jax.models import CanonicalLM, build_model
+from backends.jax.ops import argmax_last
 from backends.jax.streaming import JaxStream
 from backends.jax.weights import to_variables
 from pcaf_core.trained_run import TrainedRun, load_params, locate_run
@@ -56,7 +57,7 @@ def sample_next(log_probs: jax.Array, key: jax.Array, temperature: float, top_k:
     """One token per row of ``log_probs [B, V]`` (as :func:`backends.torch.generate.sample_next`): argmax at
     ``temperature == 0``, else sampled after the ``top_k`` and ``top_p`` cuts. Static settings."""
     if temperature == 0:
-        return jnp.argmax(log_probs, axis=-1).astype(jnp.int32)
+        return argmax_last(log_probs)
     logits = log_probs.astype(jnp.float32) / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]

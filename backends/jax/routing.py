@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from backends.jax.ops import (
+    argmax_last,
     banded_dot,
     batch_gather,
     chunk_elements_for,
@@ -352,8 +353,8 @@ def route_semantic_dense(
 
 
 def semantic_buckets(router_probs: jax.Array) -> jax.Array:
-    """See :func:`pcaf_core.routing.semantic_buckets`; int32 (``jnp.argmax`` returns the first maximum)."""
-    return jnp.argmax(router_probs, axis=-1).astype(jnp.int32)
+    """See :func:`pcaf_core.routing.semantic_buckets`; int32 (:func:`argmax_last` returns the first maximum)."""
+    return argmax_last(router_probs)
 
 
 def route_semantic_bucketed(
