@@ -85,7 +85,7 @@ def test_jax_calls_draw_fresh_masks() -> None:
     assert not np.array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("shape", [(3, 5), (2, 1), (4, 8), (7,), ()])
+@pytest.mark.parametrize("shape", [(3, 5), (2, 1), (4, 8), (7,), (), (0, 5), (3, 0)])
 def test_jax_levels_take_two_from_each_word(shape) -> None:
     key = jax.random.PRNGKey(5)
     levels = np.asarray(jax_dropout.dropout_levels(key, shape))
@@ -94,7 +94,8 @@ def test_jax_levels_take_two_from_each_word(shape) -> None:
         return
     *lead, last = shape
     words = np.asarray(jax.random.bits(key, (*lead, (last + 1) // 2), jnp.uint32))
-    halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(*lead, -1)[..., :last]  # little-endian
+    # Each word's low half is the first of its two levels (the little-endian bitcast).
+    halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(*lead, 2 * words.shape[-1])[..., :last]
     np.testing.assert_array_equal(levels, halves)
 
 

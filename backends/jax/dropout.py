@@ -20,9 +20,10 @@ def dropout_levels(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     if not shape:
         return jax.random.bits(key, (), jnp.uint16)
     last = shape[-1]
-    words = jax.random.bits(key, (*shape[:-1], (last + 1) // 2), jnp.uint32)
-    levels = jax.lax.bitcast_convert_type(words, jnp.uint16)  # [..., (last + 1) // 2, 2]
-    return levels.reshape(*shape[:-1], -1)[..., :last]
+    pairs = (last + 1) // 2
+    words = jax.random.bits(key, (*shape[:-1], pairs), jnp.uint32)
+    levels = jax.lax.bitcast_convert_type(words, jnp.uint16)  # [..., pairs, 2]
+    return levels.reshape(*shape[:-1], 2 * pairs)[..., :last]
 
 
 class Dropout(nn.Module):
