@@ -244,7 +244,8 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
                    "T": case.T, "batch": case.batch, "d": cfg.model.d_model, "d_hidden": cfg.model.d_hidden,
                    "layers": cfg.model.n_layers, "V": cfg.model.vocab_size, "dropout": case.dropout,
                    "compile": case.compile, "profile": cfg.profile.name, "policy": _policy(cfg, note),
-                   "head_loss": head_loss_label(head_loss_chunks(cfg)), "matmul_precision": matmul_precision(cfg),
+                   "head_loss": head_loss_label(head_loss_chunks(cfg)), "head_loss_setting": cfg.train.head_loss,
+                   "matmul_precision": matmul_precision(cfg),
                    "tokens_source": source, "first_step_s": round(first, 2), "first_loss": round(loss, 4),
                    **memory, "params": backend.param_count(state)}
             entries.append([cpu_case, cfg, backend, state, x, y, row, []])

@@ -167,6 +167,7 @@ def jax41m_section(peaks: dict[str, float], out: Path, warmup: int, steps: int, 
         gflops = flops / step_s / 1e9
         rows.append({"model": f"PCAF-{cfg.memory.route} 41M (JAX)", "row": f"{TABLE}/{ROW}", "route": cfg.memory.route,
                      "matmul_precision": precision, "head_loss": head_loss_label(head_loss_chunks(cfg)),
+                     "head_loss_setting": cfg.train.head_loss,
                      "mode": "ar", "T": cfg.train.seq_len,
                      "batch": cfg.train.batch_size, "d": cfg.model.d_model, "layers": cfg.model.n_layers,
                      "V": cfg.model.vocab_size, "K": cfg.memory.top_k, "profile": cfg.profile.name,

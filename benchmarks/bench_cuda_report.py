@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.common import late_curve_gap, read_csv
+from benchmarks.common import late_curve_gap, paired_speedup, read_csv
 
 BF16_TARGET, SDPA_TARGET = 2.5, 6.1
 BF16_PEAK_TARGET, NO_GRAPHS_TARGET = 50.0, 2.0
@@ -19,6 +19,9 @@ ATEN_HEAD = "ATen head passes"
 of ``backends.torch.kernels.head_softmax``: the eager step as it was before those kernels, timed beside it."""
 ATEN_HEAD_MODEL = f"PCAF-context, {ATEN_HEAD}"
 """That case's row: the full-AR PCAF-context step."""
+CHUNKED_HEAD_MODEL = "PCAF-context, chunked head"
+"""The row of the full-AR PCAF-context case trained with the head loss in tiles (``train.head_loss=chunked``),
+beside the row of the same case with the default head loss (``auto``)."""
 JAX_PEAK_TARGET = 50.0
 """%: the JAX full-AR step at the 41M shape against the GEMM peak of the matmul precision it ran at."""
 COMPILES = ("eager", "inductor", "cudagraphs")
@@ -80,6 +83,46 @@ def jax41m_lines(bench_dir: Path) -> tuple[list[str], list[str]]:
                 f"{_f(p['ops_per_step'], 0)} op runs a step); the rest is the host's share. The 15 longest ops "
                 "(the first 40 in `jax_profile.txt`):", "", "```", *table[3:19], "```"]
     return targets, out
+
+
+def _head_pair_part(label: str, auto: dict, other: dict) -> tuple[str, bool]:
+    """One (auto, other head loss) pair of rows timed in the same rounds: its text and whether auto's form is the
+    faster one or a tie (:func:`benchmarks.common.paired_speedup`)."""
+    x, note, tie = paired_speedup(auto, other)
+    ok = tie or x < 1.0
+    return (f"{label}: {_head(auto)} {auto['step_ms']} ms (auto) against {_head(other)} {other['step_ms']} ms, the "
+            f"latter at {x:.2f}x auto's speed{' (' + note + ')' if note else ''}"), ok
+
+
+def head_default_lines(models: list[dict], jax_rows: list[dict]) -> list[str]:
+    """Whether ``train.head_loss=auto`` picks the faster head loss where a run timed both forms
+    (``head_loss_setting`` ``auto`` beside another setting): the full-AR PCAF-context step (T=1024, batch 8) against
+    :data:`CHUNKED_HEAD_MODEL` for each dtype and compile, and the JAX 41M rows (the row's head loss against
+    ``train.head_loss=full``) for each route and precision. One line per backend; none where a run has no such
+    pair (runs from before the column), or where both settings ran the same form at that shape."""
+    def pairs(rows: list[dict], keys: tuple[str, ...], label) -> list[tuple[str, bool]]:
+        out = []
+        for alt in (r for r in rows if r.get("head_loss_setting") not in (None, "", "auto")):
+            auto = next((r for r in rows if r.get("head_loss_setting") == "auto"
+                         and all(r[k] == alt[k] for k in keys)), None)
+            if auto and auto["head_loss"] != alt["head_loss"]:
+                out.append(_head_pair_part(label(alt), auto, alt))
+        return out
+
+    torch_rows = [r for r in models if r["model"] in ("PCAF-context", CHUNKED_HEAD_MODEL) and r["mode"] == "ar"
+                  and r.get("backend", "torch") == "torch" and int(r["T"]) == 1024 and int(r["batch"]) == 8]
+    found = (("torch", "T=1024, batch 8", pairs(torch_rows, ("dtype", "compile"),
+                                                lambda r: f"{r['dtype']} {r['compile']}")),
+             ("JAX", "41M, T=2048, batch 8", pairs(jax_rows, ("route", "matmul_precision"),
+                                                   lambda r: f"{r['route']} route, precision {r['matmul_precision']}")))
+    out = []
+    for backend, shape, found_pairs in found:
+        if found_pairs:
+            missed = [text.split(":")[0] for text, good in found_pairs if not good]
+            out.append(f"| The head loss's default (`train.head_loss=auto`) is the faster form, where both were timed "
+                       f"({backend}, full AR, {shape}; paired rounds) | {'; '.join(t for t, _ in found_pairs)} | "
+                       + (f"**missed** ({', '.join(missed)}) |" if missed else "**met** |"))
+    return out
 
 
 def bf16_step_lines(models: list[dict], peak: dict[str, float]) -> list[str]:
@@ -242,6 +285,8 @@ def render(bench_dir: Path, doc: Path) -> None:
                        f"{_verdict(ratio >= SDPA_TARGET, SDPA_TARGET / ratio)} |")
     jax_targets, jax_section = jax41m_lines(bench_dir)
     out += jax_targets
+    out += head_default_lines(models, read_csv(bench_dir / "jax41m.csv") if (bench_dir / "jax41m.csv").exists()
+                              else [])
     by = {(r["route"], int(r["T"])): float(r["fwd_bwd_ms"]) for r in routing}
     for step, worst in curve_gaps(bench_dir).items():
         out.append(f"| bf16 learning curves match fp32 within noise ({step} step; at most {CURVE_TOLERANCE} nats "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +33,12 @@ from benchmarks.bench_backends import (
 from benchmarks.bench_cuda_report import CURVE_TOLERANCE, bf16_summary
 from benchmarks.bench_plots import plot_models, plot_routing
 from benchmarks.bench_routing import routing_summary
-from benchmarks.common import labels_line, late_curve_gap, median_interval, read_csv
+from benchmarks.common import PAIRED_TIE, labels_line, late_curve_gap, paired_speedup, read_csv
 
 ROUTING_RATIO_TARGETS = {8192: 10.0, 16384: 20.0}
 EXPONENT_TARGET = 1.2
 NT_PEAK_TARGET, AR_PEAK_TARGET, BF16_TARGET, NT_RATIO_TARGET = 60.0, 80.0, 2.5, 6.1
-COMPILE_TIE = 0.03
+COMPILE_TIE = PAIRED_TIE
 """Compiled and eager steps whose tokens/s differ by at most this fraction count as equally fast (the spread of
 repeated side-by-side measurements of one case here), so either default is right for them."""
 PAPER_JAX_41M = (300.0, 360.0)  # tokens/s quoted for the paper's JAX code, measured on another 2-core machine
@@ -243,24 +242,9 @@ def model_targets(rows: list[dict] | None, gemm: list[dict] | None, cuda_dir: Pa
 
 
 def compile_speedup(eager: dict, compiled: dict) -> tuple[float, str, bool]:
-    """(compiled/eager speed, a note on it, whether it is a tie). From the rounds both rows were timed in
-    (``step_times_ms``, one step of each per round): the median of the per-round eager/compiled time ratios and
-    its 90% distribution-free interval; without step times, the ratio of the rows' tokens/s. A tie: within
-    :data:`COMPILE_TIE`, or an interval that holds 1 (the rounds do not say which is faster)."""
-    def times(row: dict) -> list[float]:
-        return [float(t) for t in str(row.get("step_times_ms") or "").split(";") if t]
-
-    te, tc = times(eager), times(compiled)
-    n = min(len(te), len(tc))
-    ratios = [te[i] / tc[i] for i in range(n)]
-    x = statistics.median(ratios) if ratios else _f(compiled["tokens_per_s"]) / _f(eager["tokens_per_s"])
-    interval = median_interval(ratios) if ratios else None
-    spread = f"90% interval {interval[0]:.2f}-{interval[1]:.2f} over {n} paired rounds" if interval else ""
-    if abs(x - 1.0) <= COMPILE_TIE:
-        return x, "; ".join(filter(None, [f"a tie: within {COMPILE_TIE:.0%}", spread])), True
-    if interval and interval[0] <= 1.0 <= interval[1]:
-        return x, f"a tie: {spread}", True
-    return x, spread, False
+    """(compiled/eager speed, a note on it, whether it is a tie): :func:`benchmarks.common.paired_speedup` with
+    :data:`COMPILE_TIE`."""
+    return paired_speedup(eager, compiled, COMPILE_TIE)
 
 
 def _profile_evidence(rows: list[dict] | None, mode: str) -> str:

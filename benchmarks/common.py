@@ -134,6 +134,33 @@ def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float
     return (xs[k - 1], xs[n - k]) if k else None
 
 
+PAIRED_TIE = 0.03
+"""Two steps whose speeds differ by at most this fraction count as equally fast (the spread of repeated side-by-side
+measurements of one case)."""
+
+
+def paired_speedup(base: dict, other: dict, tie: float = PAIRED_TIE) -> tuple[float, str, bool]:
+    """(``other``'s speed over ``base``'s, a note on it, whether it is a tie), for two benchmark rows timed in the
+    same rounds. From their ``step_times_ms`` (``;``-separated, one step of each per round): the median of the
+    per-round base/other time ratios and its 90% distribution-free interval (:func:`median_interval`); without
+    step times, the ratio of the rows' ``tokens_per_s``. A tie: within ``tie``, or an interval that holds 1 (the
+    rounds do not say which is faster)."""
+    def times(row: dict) -> list[float]:
+        return [float(t) for t in str(row.get("step_times_ms") or "").split(";") if t]
+
+    tb, to = times(base), times(other)
+    n = min(len(tb), len(to))
+    ratios = [tb[i] / to[i] for i in range(n)]
+    x = statistics.median(ratios) if ratios else float(other["tokens_per_s"]) / float(base["tokens_per_s"])
+    interval = median_interval(ratios) if ratios else None
+    spread = f"90% interval {interval[0]:.2f}-{interval[1]:.2f} over {n} paired rounds" if interval else ""
+    if abs(x - 1.0) <= tie:
+        return x, "; ".join(filter(None, [f"a tie: within {tie:.0%}", spread])), True
+    if interval and interval[0] <= 1.0 <= interval[1]:
+        return x, f"a tie: {spread}", True
+    return x, spread, False
+
+
 def loglog_slope(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of log(y) against log(x): the exponent p of y ∝ x^p."""
     import math

@@ -88,7 +88,9 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     for r in rows:
         if r["model"] == "PCAF-context" and r["mode"] == "ar":
             r.update(T=1024, batch=8, tokens_per_s=300.0 if r["dtype"] == "bf16" else 100.0, model_pct=81.0,
-                     step_ms=8.0)
+                     step_ms=8.0, step_times_ms="8.0;8.1;7.9;8.0;8.0")
+        if r["model"] == bench_cuda_report.CHUNKED_HEAD_MODEL:
+            r.update(T=1024, batch=8, step_ms=9.0, step_times_ms="9.0;9.1;8.9;9.0;9.0", model_pct=72.0)
         if r["model"] == bench_cuda_report.ATEN_HEAD_MODEL:
             r.update(T=1024, batch=8, model_pct=32.4, step_ms=20.0)
         if r["mode"] == "nt":
@@ -129,10 +131,14 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert "(T=1024, batch 8, cudagraphs) | 330 / 150 = 2.20x | **missed by 1.14x** |" in text
     assert "81.0% eager, 81.0% cudagraphs" in text and "7.0x | **met** |" in text
     assert ("| Full-AR PCAF-context bf16 >= 50% of the bf16 GEMM peak (T=1024, batch 8; model FLOPs) | 81.0% eager, "
-            "32.4% eager, ATen head passes, 81.0% cudagraphs (best 8.0 ms a step; ") in text
+            "32.4% eager, ATen head passes, 72.0% eager, chunked head, 81.0% cudagraphs (best 8.0 ms a step; ") in text
     # The step without CUDA graphs against the ATen head passes' eager step: the CUDA-graph rows do not count.
     assert ("the eager step with the head loss's ATen passes (T=1024, batch 8; timed in the same run) | 20.0 / 8.0 "
-            "ms = 2.50x (eager) | **met** |") in text
+            "ms = 2.50x (eager; eager, chunked head 9.0 ms) | **met** |") in text
+    assert ("| The head loss's default (`train.head_loss=auto`) is the faster form, where both were timed (torch, "
+            "full AR, T=1024, batch 8; paired rounds) | fp32 eager: one tile 8.0 ms (auto) against 1024x8192 tiles 9.0 "
+            "ms, the latter at 0.89x auto's speed (90% interval 0.89-0.89 over 5 paired rounds); bf16 eager: ") in text
+    assert "**met** |" in text[text.index("The head loss's default"):].splitlines()[0]
     assert "| fp32 | eager |" in text  # the profile table's compile column
     assert "| to the first kernel (ms) | GPU idle in the step (ms) |" in text and "| 0.42 | 1.5 |" in text
     assert "the bf16 steps' timelines `trace_bf16_<compile>.json.gz`" in text
@@ -281,3 +287,38 @@ def test_step_gaps_find_the_wait_before_the_first_kernel_and_in_all() -> None:
     assert bench_cuda_profile.step_gaps(steps, []) == {"first_kernel_ms": "", "gpu_idle_ms": ""}
     # The GPU's busy time counts an overlap once: 300-700, 900-1200, 1500-1600, 2100-2500.
     assert bench_cuda_profile.covered_us(kernels) == 400 + 300 + 100 + 400 and bench_cuda_profile.covered_us([]) == 0
+
+
+def _head_row(model: str, setting: str, head: str, ms: float, **keys) -> dict:
+    return {"model": model, "backend": "torch", "mode": "ar", "T": 1024, "batch": 8, "dtype": "fp32",
+            "compile": "eager", "head_loss_setting": setting, "head_loss": f"head loss in {head}", "step_ms": ms,
+            "step_times_ms": ";".join(str(ms + d) for d in (0.0, 0.1, -0.1, 0.05, -0.05, 0.0, 0.1)), **keys}
+
+
+def test_head_default_is_judged_against_the_other_form_timed_beside_it() -> None:
+    chunked = bench_cuda_report.CHUNKED_HEAD_MODEL
+    models = [_head_row("PCAF-context", "auto", "one tile", 30.0),
+              _head_row(chunked, "chunked", "1024x8192 tiles", 33.0),
+              _head_row("PCAF-context", "auto", "one tile", 7.0, dtype="bf16", compile="cudagraphs"),
+              _head_row(chunked, "chunked", "1024x8192 tiles", 6.0, dtype="bf16", compile="cudagraphs"),
+              # the ATen head passes' row also trains auto's form: never the pair's auto side
+              _head_row(bench_cuda_report.ATEN_HEAD_MODEL, "auto", "one tile", 50.0)]
+    jax = [{**_head_row("PCAF-semantic 41M (JAX)", "auto", "1024x8192 tiles", 30.0), "route": "semantic",
+            "matmul_precision": "default"},
+           {**_head_row("PCAF-semantic 41M (JAX)", "auto", "1024x8192 tiles", 80.0), "route": "semantic",
+            "matmul_precision": "highest"},
+           {**_head_row("PCAF-semantic 41M (JAX)", "full", "one tile", 30.2), "route": "semantic",
+            "matmul_precision": "default"}]
+    torch_line, jax_line = bench_cuda_report.head_default_lines(models, jax)
+    assert "(torch, full AR, T=1024, batch 8; paired rounds)" in torch_line
+    assert "fp32 eager: one tile 30.0 ms (auto) against 1024x8192 tiles 33.0 ms, the latter at 0.91x" in torch_line
+    assert "bf16 cudagraphs: one tile 7.0 ms (auto) against 1024x8192 tiles 6.0 ms, the latter at 1.17x" in torch_line
+    assert torch_line.endswith("| **missed** (bf16 cudagraphs) |")
+    # JAX: a 0.7% difference is a tie, so either default is right.
+    assert "semantic route, precision default: 1024x8192 tiles 30.0 ms (auto) against one tile 30.2 ms" in jax_line
+    assert "a tie: within 3%" in jax_line and jax_line.endswith("| **met** |")
+    # Rows from before the setting column, or pairs that ran the same form, give no line.
+    old = [{k: v for k, v in r.items() if k != "head_loss_setting"} for r in models]
+    assert bench_cuda_report.head_default_lines(old, []) == []
+    same = [_head_row("PCAF-context", "auto", "one tile", 30.0), _head_row(chunked, "chunked", "one tile", 33.0)]
+    assert bench_cuda_report.head_default_lines(same, []) == []
