@@ -27,9 +27,12 @@ JAX_PEAK_TARGET = 50.0
 COMPILES = ("eager", "inductor", "cudagraphs")
 """The ``compile`` labels of ``benchmarks.bench_cuda`` rows: eager, ``torch.compile`` (inductor), and inductor
 replayed as CUDA graphs."""
-CURVE_RUNS = (("precision", "eager"), ("precision_cudagraphs", "cudagraphs"))
+CURVE_RUNS = (("precision", "eager"), ("precision_cudagraphs", "cudagraphs"),
+              ("precision_chunked", "eager, chunked head"), ("precision_jax", "JAX"))
 """The bf16-against-fp32 learning-curve runs of ``make bench-cuda``: the file stem of each (``<stem>.csv`` and
-``<stem>.md`` from ``benchmarks/precision_check.py``) and the step both of its runs trained with."""
+``<stem>.md`` from ``benchmarks/precision_check.py``) and the step both of its runs trained with: torch's eager
+step, the same replayed as CUDA graphs, the eager step with the head loss in tiles (``train.head_loss=chunked``),
+and the JAX backend's step (where JAX computes on the GPU)."""
 CURVE_TOLERANCE = 0.01
 """nats: bf16 and fp32 validation losses "match within noise" when no evaluation after the first third of the
 run differs by more (a PPL factor of 1.01)."""

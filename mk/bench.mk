@@ -74,9 +74,11 @@ bench-precision: $(VENV)/.installed data
 # The speed targets on a CUDA GPU (bf16 autocast against fp32, fraction of peak, next-token against SDPA, the
 # windowed-attention Transformers with FlexAttention, the chunked head loss, the JAX full-AR step, routing, a
 # profile of the full-AR step) and the bf16 learning curves at the WikiText-2 paper shape in full AR, with the
-# eager step and with the step replayed as CUDA graphs, rendered into docs/results/bench_cuda.md with its CSVs in
-# docs/results/bench_cuda/. The paper-shape rows read the tokenized WikiText-2 release (data.layout=tokens). The
-# JAX cases need JAX's CUDA plugin, else the page lists them as not run. Wall time: docs/results/README.md.
+# eager step, the step replayed as CUDA graphs, the eager step with the head loss in tiles and the JAX step,
+# rendered into docs/results/bench_cuda.md with its CSVs in docs/results/bench_cuda/. The paper-shape rows read the
+# tokenized WikiText-2 release (data.layout=tokens). The JAX cases need JAX's CUDA plugin, else the page lists
+# them as not run and the JAX curves are skipped. Wall time: docs/results/README.md (each curve pair about 1-2
+# minutes on an H100; split across commands with --sections and the curve lines run one by one).
 CUDA_RESULTS := docs/results/bench_cuda
 CUDA_CURVES := --row wt2-nt-1024/pcaf_context --scale paper --steps 600 --every 100
 CUDA_CURVE_ROW := train.mode=ar train.batch_size=8 data.layout=tokens
@@ -86,6 +88,10 @@ bench-cuda: $(VENV)/.installed data
 		$(CUDA_CURVE_ROW)
 	$(PY) -m benchmarks.precision_check $(CUDA_CURVES) --out bench/cuda/precision_cudagraphs.md \
 		--csv bench/cuda/precision_cudagraphs.csv $(CUDA_CURVE_ROW) train.compile=cudagraphs
+	$(PY) -m benchmarks.precision_check $(CUDA_CURVES) --out bench/cuda/precision_chunked.md \
+		--csv bench/cuda/precision_chunked.csv $(CUDA_CURVE_ROW) train.head_loss=chunked
+	$(PY) -m benchmarks.precision_check $(CUDA_CURVES) --backend jax --accelerator-only \
+		--out bench/cuda/precision_jax.md --csv bench/cuda/precision_jax.csv $(CUDA_CURVE_ROW)
 	mkdir -p $(call q,$(CUDA_RESULTS)) && rm -f $(call q,$(CUDA_RESULTS)/failures.csv) && \
 		cp bench/cuda/*.csv bench/cuda/*.txt bench/cuda/*.json.gz bench/cuda/precision*.md $(call q,$(CUDA_RESULTS))/
 	$(PY) -m benchmarks.bench_cuda --render $(call q,$(CUDA_RESULTS)) --doc docs/results/bench_cuda.md

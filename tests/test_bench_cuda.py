@@ -117,6 +117,9 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     write_csv(run / "precision_cudagraphs.csv", [{"step": s, "fp32_eval_loss": 5.0, "bf16_eval_loss": 5.0 + d,
                                                   "abs_diff": d} for s, d in ((1, 0.0), (100, 0.004))])
     (run / "precision_cudagraphs.md").write_text("# title\n\nCommand: graphed curves\n")
+    write_csv(run / "precision_jax.csv", [{"step": s, "fp32_eval_loss": 5.0, "bf16_eval_loss": 5.0 + d,
+                                          "abs_diff": d} for s, d in ((1, 0.0), (100, 0.003))])
+    (run / "precision_jax.md").write_text("# title\n\nCommand: JAX curves\n")
     bench_cuda.write_failures(run, "models", [{"section": "models", "model": "PCAF-context", "mode": "ar",
                                                "T": 2048, "batch": 4, "dtype": "bf16", "compile": "cudagraphs",
                                                "error": "train.compile=cudagraphs could not capture this step"}])
@@ -152,9 +155,11 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert "ops read from the XLA CPU thunks" in jax_section
     assert "(eager step; at most 0.01 nats" in text and "largest difference 0.0020 nats | **met** |" in text
     assert "(cudagraphs step; at most 0.01 nats" in text and "largest difference 0.0040 nats | **met** |" in text
+    assert "(JAX step; at most 0.01 nats" in text and "largest difference 0.0030 nats | **met** |" in text
+    assert "eager, chunked head step" not in text  # a curve run that did not run has no line
     curves = text[text.index("## bf16 learning curves on the same GPU"):]
     assert curves.index("### eager step") < curves.index("Command: eager curves") < curves.index(
-        "### cudagraphs step") < curves.index("Command: graphed curves")
+        "### cudagraphs step") < curves.index("Command: graphed curves") < curves.index("### JAX step")
     assert "## Routing on the GPU" in text and "## Where the full-AR step's time goes" in text
     windowed = text[text.index("## Windowed attention beside SDPA"):text.index("## GEMM peaks")]
     for model in (*bench_cuda_cases.WINDOWED_MODELS, "dense Transformer (SDPA)"):
@@ -164,7 +169,8 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert summary is not None and summary["speed_verdict"] == "met (best case: T=1024 batch 8 eager)"
     assert "T=1024 batch 8 cudagraphs: 2.20x" in summary["speed"] and summary["curves_verdict"] == "met"
     assert summary["curves"] == ("eager step: largest eval-loss difference 0.0020 nats after the first third; "
-                                 "cudagraphs step: largest eval-loss difference 0.0040 nats after the first third")
+                                 "cudagraphs step: largest eval-loss difference 0.0040 nats after the first third; "
+                                 "JAX step: largest eval-loss difference 0.0030 nats after the first third")
     write_csv(run / "precision_cudagraphs.csv", [{"step": 100, "fp32_eval_loss": 5.0, "bf16_eval_loss": 5.05,
                                                   "abs_diff": 0.05}])
     assert bench_cuda_report.bf16_summary(run)["curves_verdict"] == "missed"  # either step's gap counts

@@ -32,3 +32,21 @@ def test_precision_check_writes_labelled_curves_the_report_judges(tmp_path):
     line = [x for x in report.splitlines() if x.startswith("| bf16 learning curves match fp32 within noise |")]
     assert len(line) == 1 and "smoke scale, 12 steps" in line[0] and rows[0]["machine"] in line[0]
     assert "**met**" in line[0] or "**missed" in line[0]
+
+
+@pytest.mark.slow
+def test_precision_check_on_jax_and_skipped_where_it_would_use_the_cpu(tmp_path):
+    from benchmarks.precision_check import main as precision_check
+
+    page, table = tmp_path / "jax.md", tmp_path / "jax.csv"
+    args = ["--scale", "smoke", "--steps", "12", "--every", "6", "--backend", "jax", "--out", str(page), "--csv",
+            str(table), f"data.cache_dir={tmp_path / 'cache'}"]
+    skipped = run_main(precision_check, [*args, "--accelerator-only"])
+    assert skipped.returncode == 0 and "skipped: the jax backend computes on the CPU here" in skipped.stdout
+    assert not page.exists() and not table.exists()
+    proc = run_main(precision_check, args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_csv(table)
+    assert [int(r["step"]) for r in rows] == [1, 6, 12] and {r["backend"] for r in rows} == {"jax"}
+    text = page.read_text()
+    assert "on the jax backend" in text.splitlines()[0] and "--backend jax" in text
