@@ -46,6 +46,7 @@ help:
 	@echo "               BENCH=quick (make bench-quick): small stand-ins, renders bench/quick/bench.md"
 	@echo "make bench-decode | bench-kernels | bench-train-step | bench-head-loss | bench-precision | bench-data - the other benchmarks"
 	@echo "make bench-cuda    - GPU speed targets, bf16 included, eager and as CUDA graphs: docs/results/bench_cuda.md"
+	@echo "                     (= bench-cuda-steps + bench-cuda-curves, one GPU command each; GPU_PY=python3 without $(VENV))"
 	@echo "Measured wall times of these targets: docs/results/README.md"
 
 $(VENV)/.installed: pyproject.toml

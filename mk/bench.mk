@@ -1,6 +1,6 @@
 # Benchmarks: CSV under bench/ (gitignored); ratios are measured side by side in one run.
 .PHONY: bench bench-quick bench-routing bench-models bench-report bench-kernels bench-train-step bench-precision \
-	bench-backends bench-decode bench-cuda bench-head-loss
+	bench-backends bench-decode bench-cuda bench-cuda-steps bench-cuda-curves bench-head-loss
 
 # The benchmark report: routing cost against T, training throughput and fraction of the matmul peak, torch
 # beside JAX, rendered into docs/results/bench.md with every speed target judged. The parts
@@ -82,19 +82,34 @@ bench-precision: $(VENV)/.installed data
 CUDA_RESULTS := docs/results/bench_cuda
 CUDA_CURVES := --row wt2-nt-1024/pcaf_context --scale paper --steps 600 --every 100
 CUDA_CURVE_ROW := train.mode=ar train.batch_size=8 data.layout=tokens
-bench-cuda: $(VENV)/.installed data
-	$(PY) -m benchmarks.bench_cuda --out-dir bench/cuda
-	$(PY) -m benchmarks.precision_check $(CUDA_CURVES) --out bench/cuda/precision.md --csv bench/cuda/precision.csv \
+# Two halves, each within one 10-minute command of a lent GPU: bench-cuda-steps (the benchmark sections, about 7
+# minutes on an H100) and bench-cuda-curves (the four curve pairs, then the page). On a GPU machine without this
+# project's .venv, GPU_PY=python3 runs them with that machine's Python (and no set-up or data step: send the token
+# cache along; the checkout and .gpu_site on PYTHONPATH, as for make test-gpu).
+ifeq ($(origin GPU_PY),undefined)
+CUDA_DEPS := $(VENV)/.installed data
+CUDA_PY = $(PY)
+else
+CUDA_DEPS :=
+CUDA_PY = $(GPU_PY)
+endif
+bench-cuda: bench-cuda-steps bench-cuda-curves
+
+bench-cuda-steps: $(CUDA_DEPS)
+	$(CUDA_PY) -m benchmarks.bench_cuda --out-dir bench/cuda
+
+bench-cuda-curves: $(CUDA_DEPS)
+	$(CUDA_PY) -m benchmarks.precision_check $(CUDA_CURVES) --out bench/cuda/precision.md --csv bench/cuda/precision.csv \
 		$(CUDA_CURVE_ROW)
-	$(PY) -m benchmarks.precision_check $(CUDA_CURVES) --out bench/cuda/precision_cudagraphs.md \
+	$(CUDA_PY) -m benchmarks.precision_check $(CUDA_CURVES) --out bench/cuda/precision_cudagraphs.md \
 		--csv bench/cuda/precision_cudagraphs.csv $(CUDA_CURVE_ROW) train.compile=cudagraphs
-	$(PY) -m benchmarks.precision_check $(CUDA_CURVES) --out bench/cuda/precision_chunked.md \
+	$(CUDA_PY) -m benchmarks.precision_check $(CUDA_CURVES) --out bench/cuda/precision_chunked.md \
 		--csv bench/cuda/precision_chunked.csv $(CUDA_CURVE_ROW) train.head_loss=chunked
-	$(PY) -m benchmarks.precision_check $(CUDA_CURVES) --backend jax --accelerator-only \
+	$(CUDA_PY) -m benchmarks.precision_check $(CUDA_CURVES) --backend jax --accelerator-only \
 		--out bench/cuda/precision_jax.md --csv bench/cuda/precision_jax.csv $(CUDA_CURVE_ROW)
 	mkdir -p $(call q,$(CUDA_RESULTS)) && rm -f $(call q,$(CUDA_RESULTS)/failures.csv) && \
 		cp bench/cuda/*.csv bench/cuda/*.txt bench/cuda/*.json.gz bench/cuda/precision*.md $(call q,$(CUDA_RESULTS))/
-	$(PY) -m benchmarks.bench_cuda --render $(call q,$(CUDA_RESULTS)) --doc docs/results/bench_cuda.md
+	$(CUDA_PY) -m benchmarks.bench_cuda --render $(call q,$(CUDA_RESULTS)) --doc docs/results/bench_cuda.md
 
 # One training step of every PCAF variant and local conv (both modes) on torch and on JAX, in alternating fresh
 # processes, plus the JAX full-AR step at the 41M shape. BACKENDS_RESULTS=docs/results writes the committed copy

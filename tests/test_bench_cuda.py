@@ -328,3 +328,28 @@ def test_head_default_is_judged_against_the_other_form_timed_beside_it() -> None
     assert bench_cuda_report.head_default_lines(old, []) == []
     same = [_head_row("PCAF-context", "auto", "one tile", 30.0), _head_row(chunked, "chunked", "one tile", 33.0)]
     assert bench_cuda_report.head_default_lines(same, []) == []
+
+
+def test_make_bench_cuda_runs_in_two_halves_and_with_a_gpu_machines_python() -> None:
+    """``make bench-cuda`` is its two halves; ``GPU_PY=python3`` runs every step with that Python and no set-up or
+    data step (a GPU machine without the project's .venv), and the curves half renders the page last."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+
+    def plan(*args: str) -> list[str]:
+        out = subprocess.run(["make", "-n", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+        return [" ".join(line.split()) for line in out.replace("\\\n", " ").splitlines() if line.strip()]
+
+    gpu = plan("bench-cuda", "GPU_PY=python3")
+    steps = [line for line in gpu if line.startswith("python3 ")]
+    assert steps[0] == "python3 -m benchmarks.bench_cuda --out-dir bench/cuda"
+    assert [s.split("--out bench/cuda/")[1].split(".md")[0] for s in steps if "precision_check" in s] == [
+        stem for stem, _ in bench_cuda_report.CURVE_RUNS]
+    assert "--backend jax --accelerator-only" in next(s for s in steps if "precision_jax" in s)
+    assert steps[-1].startswith("python3 -m benchmarks.bench_cuda --render")
+    assert not any(".venv" in line or "pcaf_core.data prepare" in line for line in gpu)
+    assert plan("bench-cuda-steps", "GPU_PY=python3") == steps[:1]
+    here = plan("bench-cuda")
+    assert any("pcaf_core.data prepare" in line for line in here)
+    assert any(line.startswith(".venv/bin/python -m benchmarks.bench_cuda --out-dir") for line in here)
