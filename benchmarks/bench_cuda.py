@@ -177,6 +177,8 @@ def _policy(cfg, note: str = "") -> str:
     if cfg.model.variant in WINDOWED_VARIANTS:
         if cfg.model.attention_impl == "banded":
             return "FlexAttention over the window's block mask (torch.compile)"
+        if cfg.model.attention_impl == "blocked":
+            return "SDPA over query blocks and their windows' keys (the kernel torch picks on the device)"
         return "SDPA under the [T, T] window mask (the kernel torch picks on the device)" + note
     if cfg.model.variant in TRANSFORMER_VARIANTS:
         return "causal SDPA (the kernel torch picks on the device)"

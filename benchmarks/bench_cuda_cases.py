@@ -45,9 +45,11 @@ class GpuCase:
 
 
 WINDOWED_MODELS = ("local Transformer (FlexAttention)", "global-local Transformer (FlexAttention)",
+                   "local Transformer (blocked SDPA)", "global-local Transformer (blocked SDPA)",
                    "local Transformer (masked dense SDPA)")
 """The windowed-attention cases (``benchmarks.bench_models.MODELS`` labels): FlexAttention over the window's block
-mask (``model.attention_impl=banded``, what ``auto`` runs on CUDA) and the masked ``[T, T]`` SDPA it replaces."""
+mask (``model.attention_impl=banded``, what ``auto`` runs on CUDA), SDPA over query blocks and their windows' keys
+(``blocked``), and the masked ``[T, T]`` SDPA they replace."""
 
 
 def gpu_cases(smoke: bool = False) -> list[GpuCase]:

@@ -200,7 +200,10 @@ def curve_gaps(bench_dir: Path) -> dict[str, float]:
             if (bench_dir / f"{stem}.csv").exists()}
 
 
-FLEX_MODELS = ("local Transformer (FlexAttention)", "global-local Transformer (FlexAttention)")
+FLEX_MODELS = ("local Transformer (FlexAttention)", "global-local Transformer (FlexAttention)",
+               "local Transformer (blocked SDPA)", "global-local Transformer (blocked SDPA)")
+"""The windowed rows the page sets beside the masked local model and the dense Transformer: FlexAttention
+(``banded``) and blocked SDPA (``blocked``), each without a ``[T, T]`` array."""
 MASKED_LOCAL, DENSE = "local Transformer (masked dense SDPA)", "dense Transformer (SDPA)"
 
 
@@ -218,9 +221,10 @@ def windowed_section(models: list[dict]) -> list[str]:
            "(w=128, g=16) models with FlexAttention over the window's block mask (`model.attention_impl=banded`, what "
            "`auto` runs on CUDA; two FlexAttention calls a layer with dropout, docs/KERNELS.md; a next-token step of "
            "either runs the sub-window its prediction reads, the global prefix and the last layers·(w-1)+1 "
-           "positions), the local model "
-           "under the `[T, T]` mask (`masked`), and the dense causal SDPA Transformer. Per target, since the rows "
-           "train different batches (the `wt2-nt-2048` rows' 32 for the windowed models); `x masked`: targets/s over "
+           "positions), the same models as SDPA over query blocks and their windows' keys (`blocked`: one SDPA "
+           "call a layer, its own dropout), the local model under the `[T, T]` mask (`masked`), and the dense causal "
+           "SDPA Transformer. Per target, since the rows train different batches (the `wt2-nt-2048` rows' 32 for "
+           "the windowed models); `x masked`: targets/s over "
            "the masked local model's in the same dtype, `x dense`: over the dense Transformer's.", "",
            "| model | dtype | T | batch | step (ms) | targets/s | step peak (MB) | x masked | x dense | policy |",
            "|---" * 10 + "|"]

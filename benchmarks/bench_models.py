@@ -67,6 +67,10 @@ MODELS = {  # label -> (table, row, overrides)
     "local Transformer (FlexAttention)": ("wt2-nt-1024", "transformer_local", ["model.attention_impl=banded"]),
     "global-local Transformer (FlexAttention)": ("wt2-nt-1024", "transformer_global_local",
                                                  ["model.attention_impl=banded"]),
+    # GPU only too: blocked SDPA trains on a CPU as well, but the CPU benchmark times the masked form it trains.
+    "local Transformer (blocked SDPA)": ("wt2-nt-1024", "transformer_local", ["model.attention_impl=blocked"]),
+    "global-local Transformer (blocked SDPA)": ("wt2-nt-1024", "transformer_global_local",
+                                                ["model.attention_impl=blocked"]),
 }
 PROFILED_MODEL, PROFILED_T, PROFILED_T_QUICK = "PCAF-context", 1024, 256
 """The eager fp32 PCAF-context cases (dropout 0.1) at this T also run one step under ``torch.profiler``, in
@@ -387,9 +391,9 @@ def finish(case: Case, cfg, row: dict, times: list[float]) -> dict:
     # sub-windows; dense and linear attention the whole window, which the count gives them).
     count = "receptive_field" if case.mode == "nt" else "full_window"
     executed = train_step_flops(cfg.model, cfg.memory, case.mode, T, B, nt_count=count)
-    if cfg.model.variant in WINDOWED_VARIANTS and cfg.model.attention_impl != "banded":
+    if cfg.model.variant in WINDOWED_VARIANTS and cfg.model.attention_impl not in ("banded", "blocked"):
         # Masked windowed attention computes every [T, T] score of what it runs (auto is masked on a CPU).
-        # FlexAttention's are the model's count (its partial blocks compute a little more).
+        # FlexAttention's and the blocked band's are the model's count (their partial blocks compute a little more).
         executed = train_step_flops(cfg.model, cfg.memory, case.mode, T, B, nt_count=count, attention_keys="computed")
     row.update(step_ms=round(step_s * 1e3, 2), steps=len(times), tokens_per_s=round(B * T / step_s, 1),
                step_times_ms=";".join(f"{t * 1e3:.1f}" for t in times),

@@ -27,9 +27,11 @@ CACHE_VARIANTS = ("pcaf", "pcaf_no_gate")
 TRANSFORMER_VARIANTS = ("transformer_dense", "transformer_local", "transformer_global_local", "linear_attention")
 WINDOWED_VARIANTS = ("transformer_local", "transformer_global_local")  # softmax attention over a window
 # How a backend computes windowed attention (model.attention_impl): banded = only the key blocks within the
-# window (torch: FlexAttention with a block mask; JAX: a blocked band of GEMMs); masked = every [T, T] score
-# under the mask; auto = the backend's choice per device (docs/KERNELS.md, "Windowed attention").
-ATTENTION_IMPLS = ("auto", "banded", "masked")
+# window (torch: FlexAttention with a block mask; JAX: a blocked band of GEMMs); blocked = query blocks, each
+# against its window's keys and the global ones (torch: through scaled_dot_product_attention; JAX: the same
+# blocked band as banded); masked = every [T, T] score under the mask; auto = the backend's choice per device
+# (docs/KERNELS.md, "Windowed attention").
+ATTENTION_IMPLS = ("auto", "banded", "blocked", "masked")
 ROUTES = ("context", "semantic", "hybrid")
 SEMANTIC_INDEXES = ("dense", "bucketed")
 CANDIDATE_POLICIES = ("topk_score", "recent", "first")
@@ -107,7 +109,7 @@ class ModelConfig:
     n_global: int = 16  # global-local attention: the first n_global positions are visible to all
     linear_chunk: int = 64  # linear attention chunk length (an implementation detail; exact)
     max_seq_len: int = 1024  # the trainable positional table has max_seq_len rows
-    attention_impl: str = "auto"  # windowed attention: auto | banded | masked (same values; an implementation choice)
+    attention_impl: str = "auto"  # windowed attention: auto | banded | blocked | masked (same values, other kernels)
 
     def __post_init__(self) -> None:
         s = "model"

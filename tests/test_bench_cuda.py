@@ -37,6 +37,8 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     # A CPU trains the FlexAttention cases masked (no backward pass there), and their label says so.
     flex = [r for (m, _), r in windowed.items() if "FlexAttention" in m]
     assert flex and all(r["policy"].endswith(bench_cuda.CPU_STAND_IN) for r in flex)
+    blocked = [r for (m, _), r in windowed.items() if "blocked SDPA" in m]  # trains on a CPU as it is
+    assert len(blocked) == 4 and all(r["policy"].startswith("SDPA over query blocks") for r in blocked)
     # Every row names its head loss and what fp32 meant; the chunked-head and JAX full-AR cases run too.
     by = {(r["model"], r["dtype"]): r for r in models}
     assert {r["matmul_precision"] for r in models} == {"highest"}  # reference_torch's
@@ -183,8 +185,9 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
 
 
 def test_gpu_cases_time_flex_attention_at_the_paper_shape() -> None:
-    """The full run times the windowed Transformers with FlexAttention at the ``wt2-nt-2048`` rows' T and batch,
-    fp32 and bf16, beside the masked local one and the dense SDPA Transformer; the configs ask for what they say."""
+    """The full run times the windowed Transformers with FlexAttention and as blocked SDPA at the ``wt2-nt-2048``
+    rows' T and batch, fp32 and bf16, beside the masked local one and the dense SDPA Transformer; the configs ask
+    for what they say."""
     from benchmarks.bench_models import Case, run_config
 
     cases = {(c.model, c.precision): c for c in bench_cuda_cases.gpu_cases() if c.mode == "nt" and c.T == 2048}
@@ -195,7 +198,8 @@ def test_gpu_cases_time_flex_attention_at_the_paper_shape() -> None:
     assert cases[("dense Transformer (SDPA)", "fp32")].batch == 8
     impl = {m: run_config(Case(m, "nt", 2048, 32, 0.1)).model for m in bench_cuda_cases.WINDOWED_MODELS}
     assert [(impl[m].variant, impl[m].attention_impl) for m in bench_cuda_cases.WINDOWED_MODELS] == [
-        ("transformer_local", "banded"), ("transformer_global_local", "banded"), ("transformer_local", "masked")]
+        ("transformer_local", "banded"), ("transformer_global_local", "banded"), ("transformer_local", "blocked"),
+        ("transformer_global_local", "blocked"), ("transformer_local", "masked")]
     global_local = impl[bench_cuda_cases.WINDOWED_MODELS[1]]
     assert (global_local.window, global_local.n_global) == (128, 16)
 

@@ -86,7 +86,7 @@ def test_receptive_forward_under_jit_with_dropout_draws_finite_losses() -> None:
     assert np.isfinite(a) and np.isfinite(b) and a != b
 
 
-@pytest.mark.parametrize("impl", ["banded", "masked"])
+@pytest.mark.parametrize("impl", ["banded", "blocked", "masked"])
 @pytest.mark.parametrize("variant", ["transformer_local", "transformer_global_local"])
 def test_attention_next_token_forward_from_its_sub_window_equals_the_full_window(x64, variant, impl) -> None:
     """Windowed attention from the global prefix and the last n_layers·(w-1)+1 positions, each layer computing

@@ -18,7 +18,7 @@ from torch import nn
 from backends.torch import cpu_gemm
 from backends.torch.dropout import Dropout
 from backends.torch.head_loss import chunked_target_log_softmax, target_log_softmax, widen
-from backends.torch.window_attention import FLEX_BLOCK, flex_window_attention
+from backends.torch.window_attention import FLEX_BLOCK, blocked_window_attention, flex_window_attention
 from pcaf_core.config import WINDOWED_VARIANTS
 from pcaf_core.params import sinusoidal_table
 from pcaf_core.reference import LN_EPS, attention_allowed
@@ -246,9 +246,10 @@ class Attention(nn.Module):
     """Module form of :func:`pcaf_core.reference.attention`, with dropout (:mod:`pcaf_core.reference`).
 
     Windowed variants (local, global-local) follow ``impl`` (``model.attention_impl``): ``banded`` is
-    FlexAttention over the window's block mask (:mod:`backends.torch.window_attention`), ``masked`` SDPA under
-    the ``[T, T]`` mask, ``auto`` banded on CUDA and masked elsewhere (FlexAttention has no backward pass on a
-    CPU, so a CPU trains masked).
+    FlexAttention over the window's block mask (:mod:`backends.torch.window_attention`), ``blocked`` SDPA over
+    query blocks and their windows' keys (``blocked_window_attention``), ``masked`` SDPA under the ``[T, T]``
+    mask, ``auto`` banded on CUDA and masked elsewhere (FlexAttention has no backward pass on a CPU, so a CPU
+    trains masked).
     """
 
     def __init__(self, d: int, n_heads: int, variant: str, window: int, n_global: int, linear_chunk: int,
@@ -288,6 +289,8 @@ class Attention(nn.Module):
             p = self.dropout if self.training else 0.0
             if self.variant == "transformer_dense":
                 o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            elif self.variant in WINDOWED_VARIANTS and self.impl == "blocked":
+                o = blocked_window_attention(q, k, v, self.variant, self.window, self.n_global, p, rows=rows)
             elif self.banded(x.device, None if rows is None else q.shape[2]):
                 o = flex_window_attention(q, k, v, self.variant, self.window, self.n_global, p, rows=rows)
             else:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 from pcaf_core.config import WINDOWED_VARIANTS
@@ -177,3 +178,81 @@ def flex_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, var
     # because a discarded output reaches FlexAttention's backward as a missing output gradient, which inductor's
     # lowering of that backward (torch 2.11, CUDA) cannot take: a compiled step (train.compile=on) would fail.
     return kept * factor.unsqueeze(-1).to(kept.dtype) + 0 * full
+
+
+_BAND_MASKS: dict[tuple, torch.Tensor] = {}
+
+
+def _band_mask(T: int, p0: int, m: int, b: int, window: int, n_global: int, variant: str, heads: int,
+               device: torch.device) -> torch.Tensor:
+    """The ``[1, heads·nb, b, (b + w - 1) + g]`` bool mask of :func:`blocked_window_attention` for the queries at
+    positions ``p0 .. p0+m-1`` of T keys in blocks of b, made once per shape. Column j < b + w - 1 of block i is
+    key ``p0 + i·b - (w - 1) + j`` (masked outside ``[0, T)``), under the spec's rule; column ``b + w - 1 + c``
+    is global key c, masked where the block's band already holds that key (so no pair counts twice). A padding
+    row past the m queries sees its block's first key (b <= w), so no row is empty."""
+    key = (T, p0, m, b, window, n_global, variant, heads, torch.device(device))
+    mask = _BAND_MASKS.get(key)
+    if mask is None:
+        nb, L = -(-m // b), b + window - 1
+        start = p0 + b * torch.arange(nb, device=device)[:, None, None]  # [nb, 1, 1]: a block's first query
+        t = start + torch.arange(b, device=device)[None, :, None]  # [nb, b, 1]
+        s = start - (window - 1) + torch.arange(L, device=device)[None, None, :]  # [nb, 1, L]
+        band = attention_allowed(t, s, variant, window, n_global) & (s >= 0) & (s < T)
+        c = torch.arange(n_global, device=device)[None, None, :]  # [1, 1, g]
+        in_band = (c >= start - (window - 1)) & (c <= start + b - 1)
+        glob = (c <= t) & ~in_band
+        mask = torch.cat([band, glob.expand(nb, b, n_global)], dim=-1)  # [nb, b, L + g]
+        mask = _BAND_MASKS[key] = mask.expand(heads, *mask.shape).reshape(1, heads * nb, b, L + n_global)
+    return mask
+
+
+def _blocked_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p0: int, variant: str, window: int,
+                  g: int, dropout_p: float) -> torch.Tensor:
+    """:func:`blocked_window_attention` of queries ``q [B, H, m, hd]`` at the consecutive positions ``p0 ..``."""
+    B, H, m, hd = q.shape
+    T = k.shape[2]
+    b = max(1, min(window, m))
+    nb, L = -(-m // b), b + window - 1
+    pad_q = nb * b - m
+    qb = F.pad(q, (0, 0, 0, pad_q)).reshape(B, H * nb, b, hd)
+
+    def band(x: torch.Tensor) -> torch.Tensor:
+        # Key u of the padded tensor is position u - (w - 1); block i's band starts at padded p0 + i·b.
+        xp = F.pad(x, (0, 0, window - 1, max(0, p0 + nb * b - T)))
+        bands = xp[:, :, p0: p0 + (nb - 1) * b + L].unfold(2, L, b).transpose(-1, -2)  # [B, H, nb, L, hd]
+        if g:
+            bands = torch.cat([bands, x[:, :, None, :g].expand(B, H, nb, g, hd)], dim=3)
+        return bands.reshape(B, H * nb, L + g, hd)
+
+    mask = _band_mask(T, p0, m, b, window, g, variant, H, q.device)
+    o = F.scaled_dot_product_attention(qb, band(k), band(v), attn_mask=mask, dropout_p=dropout_p)
+    return o.reshape(B, H, nb * b, hd)[:, :, :m]
+
+
+def blocked_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: str, window: int,
+                             n_global: int, dropout_p: float = 0.0, *,
+                             rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Windowed softmax attention ``[B, H, T, hd] x 3 -> [B, H, T, hd]`` (scale ``1/√hd``) as a blocked band
+    through ``scaled_dot_product_attention``: queries in blocks of b = min(w, T) positions, each block against
+    its window's ``b + w - 1`` keys (a strided view of the keys, no gather) and the g global keys, under the
+    spec's rule (:func:`_band_mask`). ``O(T·(b + w + g))`` work, no ``[T, T]`` array, and SDPA's fused kernels
+    with its own dropout on the attention weights, as the masked path's. ``model.attention_impl=blocked``
+    (docs/KERNELS.md, "Windowed attention").
+
+    ``rows``: q holds only those M rows of the T keys (:func:`pcaf_core.reference.layer_rows`): its first
+    ``first`` and last ``last`` rows, each a run of consecutive positions computed on its own, ``-> [B, H, M,
+    hd]``.
+    """
+    if variant not in WINDOWED_VARIANTS:
+        raise ValueError(f"blocked_window_attention computes {list(WINDOWED_VARIANTS)}, not {variant!r}")
+    T, M = k.shape[2], q.shape[2]
+    m, first, offset = query_shape(T, rows)
+    if m != M:
+        raise ValueError(f"q has {M} rows, but rows={rows} of {T} keys are {m}")
+    g = min(n_global_keys(variant, n_global), T)
+    if rows is None or first == 0:
+        return _blocked_part(q, k, v, offset, variant, window, g, dropout_p)
+    parts = [_blocked_part(q[:, :, :first], k, v, 0, variant, window, g, dropout_p)]
+    if M > first:
+        parts.append(_blocked_part(q[:, :, first:], k, v, first + offset, variant, window, g, dropout_p))
+    return torch.cat(parts, dim=2)
