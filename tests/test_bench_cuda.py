@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -342,7 +343,10 @@ def test_make_bench_cuda_runs_in_two_halves_and_with_a_gpu_machines_python() -> 
     root = Path(__file__).resolve().parents[1]
 
     def plan(*args: str) -> list[str]:
-        out = subprocess.run(["make", "-n", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+        # Outside any make that runs this test (make test): its MAKEFLAGS would print directories, or run jobs.
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+        out = subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=root, capture_output=True, text=True,
+                             check=True, env=env).stdout
         return [" ".join(line.split()) for line in out.replace("\\\n", " ").splitlines() if line.strip()]
 
     gpu = plan("bench-cuda", "GPU_PY=python3")
