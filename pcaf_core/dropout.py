@@ -1,5 +1,6 @@
 """The training-mode dropout of both backends (the spec's forward, :mod:`pcaf_core.reference`, has none),
-except torch's on attention weights, which is ``scaled_dot_product_attention``'s own (``dropout_p``).
+except torch's on attention weights: ``scaled_dot_product_attention``'s own (``dropout_p``) on the masked and
+blocked paths, float masks from ``torch.rand`` on the FlexAttention one (:mod:`backends.torch.window_attention`).
 
 Inverted dropout whose mask compares uniform 16-bit integers ("levels", one per element) with a threshold:
 an element whose level is below ``round(p·2^16)`` is dropped, and kept elements are scaled by the inverse of
