@@ -10,13 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.torch import build_model, load_canonical
 from backends.torch import window_attention as wa
 from backends.torch.layers import attention_mask
 from pcaf_core import reference
-from pcaf_core.config import MemoryConfig, ModelConfig
-from pcaf_core.profiles import get_profile
-from tests.spec_helpers import spec_params
+from tests.test_torch_window_attention import _grads, _model, _tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -31,11 +28,6 @@ CASES = [(50, 7, 3, None), (300, 20, 0, None), (40, 64, 5, None), (9, 1, 2, None
 def _qkv(T: int, dtype=torch.float64, seed: int = 0) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(2, 3, T, 8, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
-
-
-def _grads(out: torch.Tensor, inputs) -> tuple[torch.Tensor, ...]:
-    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
-    return torch.autograd.grad((out * weights).sum(), inputs)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -92,24 +84,14 @@ def test_blocked_builds_no_square_array() -> None:
     assert mask.shape == (1, 3 * 8, 128, 128 + 127 + 16)  # 3 heads x 8 blocks
 
 
-def _model(impl: str, variant: str, T: int, window: int) -> torch.nn.Module:
-    model = ModelConfig(variant=variant, vocab_size=40, d_model=16, d_hidden=24, n_layers=2, n_heads=2,
-                        window=window, n_global=3, max_seq_len=T, attention_impl=impl)
-    profile = get_profile("corrected")  # dropout 0
-    net = build_model(model, MemoryConfig(), profile)
-    load_canonical(net, spec_params(model, MemoryConfig(), profile, seed=1))
-    return net
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_next_token_step_of_a_blocked_model_matches_the_masked_full_window(variant) -> None:
     """A next-token training step of a ``blocked`` model (the sub-window, each layer's query rows as blocks) gives
     the ``masked`` model's full-window loss and gradients; in full AR the two models' losses agree too."""
-    g = torch.Generator().manual_seed(5)
-    x, y = torch.randint(0, 40, (2, 300), generator=g), torch.randint(0, 40, (2, 300), generator=g)
+    x, y = _tokens(300)
     results = {}
     for impl, receptive in (("blocked", True), ("masked", False)):
-        net = _model(impl, variant, 300, 130).train()
+        net = _model(impl, variant, 300, window=130).train()  # corrected profile: dropout 0
         net.nt_receptive_field = receptive
         loss = net(x, y[:, -1], "nt", need_log_probs=False, need_predictions=False).loss
         loss.backward()
@@ -124,9 +106,8 @@ def test_blocked_model_compiles_into_one_graph_and_trains_like_masked() -> None:
     """``train.compile=on``: the blocked path (its mask built inside the traced step, as in a fresh process) traces
     into one graph (``fullgraph=True`` raises at any break) and gives the masked model's loss and gradients
     (``aot_eager``: inductor's capture without code generation)."""
-    g = torch.Generator().manual_seed(5)
-    x, y = torch.randint(0, 40, (2, 300), generator=g), torch.randint(0, 40, (2, 300), generator=g)
-    nets = {impl: _model(impl, "transformer_global_local", 300, 130).train() for impl in ("blocked", "masked")}
+    x, y = _tokens(300)
+    nets = {impl: _model(impl, "transformer_global_local", 300, window=130).train() for impl in ("blocked", "masked")}
     wa._BAND_MASKS.clear()
     torch._dynamo.reset()
     step = torch.compile(lambda: nets["blocked"](x, y, "ar", need_log_probs=False, need_predictions=False).loss,

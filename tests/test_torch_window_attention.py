@@ -219,6 +219,7 @@ def test_auto_is_masked_on_cpu_and_banded_on_cuda() -> None:
     assert [attn[i].banded(cpu) for i in ("auto", "banded", "masked")] == [False, True, False]
     assert [attn[i].banded(cuda) for i in ("auto", "banded", "masked")] == [True, True, False]
     assert not Attention(8, 2, "transformer_dense", 4, 0, 4, 0.0, "auto").banded(cuda)
+    assert not Attention(8, 2, "transformer_local", 4, 0, 4, 0.0, "blocked").banded(cuda)  # SDPA, not FlexAttention
 
 
 def test_training_banded_on_cpu_is_refused_in_one_line() -> None:

@@ -267,7 +267,7 @@ class Attention(nn.Module):
         layer whose query rows are fewer than one FlexAttention block (the top layer's one row) runs masked SDPA
         over its rows of the mask either way: a block-sparse kernel has nothing to skip there, and FlexAttention
         would switch to its decoding kernels. ``query_rows``: that layer's query rows (None: a whole window)."""
-        if self.variant not in WINDOWED_VARIANTS or self.impl == "masked":
+        if self.variant not in WINDOWED_VARIANTS or self.impl in ("masked", "blocked"):
             return False
         if query_rows is not None and query_rows < FLEX_BLOCK:
             return False
