@@ -402,6 +402,13 @@ def head_loss_label(chunks: tuple[int, int] | None) -> str:
     return "head loss in one tile" if chunks is None else f"head loss in {chunks[0]}x{chunks[1]} tiles"
 
 
+def attention_label(kernel: str) -> str:
+    """How a windowed-attention run's attention ran (``kernel``: the backend's name for what
+    ``model.attention_impl`` chose on its device), for its record's ``device`` field: ``auto`` differs by device,
+    and the record says which one ran."""
+    return f"windowed attention by {kernel}"
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Re-run every section's checks (after fields were mutated) and return ``cfg``."""
     for f in fields(cfg):

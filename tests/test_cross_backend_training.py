@@ -86,3 +86,26 @@ def test_both_backends_report_bad_data_identically(tmp_path):
     assert errors["torch"] == errors["jax"] and str(V + 3) in errors["jax"]
     shapes = param_shapes(cfg.model, cfg.memory, cfg.profile)
     assert set(jax_weights.to_canonical(JaxBackend("cpu").init(cfg).params)) == set(shapes)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.parametrize(("variant", "impl", "kernel"), [
+    ("transformer_local", "auto", {"torch": "masked SDPA", "jax": "banded GEMMs"}),
+    ("transformer_global_local", "masked", {"torch": "masked SDPA", "jax": "masked softmax"}),
+    ("transformer_local", "blocked", {"torch": "blocked SDPA", "jax": "banded GEMMs"}),
+    ("transformer_dense", "auto", None),
+])
+def test_the_record_says_how_windowed_attention_ran(backend, variant, impl, kernel):
+    """``model.attention_impl=auto`` runs a different kernel per device (torch: FlexAttention on CUDA, masked SDPA on
+    a CPU), so a windowed run's record names the one that ran, beside the head loss's form; other models carry no
+    such label."""
+    cfg = tiny_cfg(variant=variant, model={"attention_impl": impl})
+    b = TorchBackend("cpu") if backend == "torch" else JaxBackend("cpu")
+    b.init(cfg)
+    labels = b.device.split("; ")
+    assert "head loss in one tile" in labels
+    if kernel is None:
+        assert not [x for x in labels if "attention" in x]
+    else:
+        assert f"windowed attention by {kernel[backend]}" in labels
+

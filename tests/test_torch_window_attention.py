@@ -22,9 +22,9 @@ from torch.nn.attention import flex_attention as torch_flex
 
 from backends.torch import build_model, load_canonical
 from backends.torch import window_attention as wa
-from backends.torch.layers import Attention, attention_mask
+from backends.torch.layers import Attention, attention_kernel, attention_mask
 from pcaf_core import reference
-from pcaf_core.config import ConfigError, MemoryConfig, ModelConfig
+from pcaf_core.config import ATTENTION_IMPLS, ConfigError, MemoryConfig, ModelConfig
 from pcaf_core.profiles import get_profile
 from tests.compiled_steps import attention_step_config, compare_steps
 from tests.spec_helpers import spec_params
@@ -220,6 +220,24 @@ def test_auto_is_masked_on_cpu_and_banded_on_cuda() -> None:
     assert [attn[i].banded(cuda) for i in ("auto", "banded", "masked")] == [True, True, False]
     assert not Attention(8, 2, "transformer_dense", 4, 0, 4, 0.0, "auto").banded(cuda)
     assert not Attention(8, 2, "transformer_local", 4, 0, 4, 0.0, "blocked").banded(cuda)  # SDPA, not FlexAttention
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_record_names_the_attention_kernel_that_runs(device) -> None:
+    """The record's label (:func:`backends.torch.layers.attention_kernel`) names what ``Attention`` computes with:
+    FlexAttention exactly where ``banded()`` says so, and a next-token run's short layers as masked SDPA."""
+    dev = torch.device(device)
+    names = {(impl, nt): attention_kernel(impl, dev, nt) for impl in ATTENTION_IMPLS for nt in (False, True)}
+    flex = "FlexAttention (masked SDPA in layers of under 128 query rows)"
+    assert names == {("auto", False): "FlexAttention" if device == "cuda" else "masked SDPA",
+                     ("auto", True): flex if device == "cuda" else "masked SDPA",
+                     ("banded", False): "FlexAttention", ("banded", True): flex,
+                     ("blocked", False): "blocked SDPA", ("blocked", True): "blocked SDPA",
+                     ("masked", False): "masked SDPA", ("masked", True): "masked SDPA"}
+    for impl in ATTENTION_IMPLS:
+        attn = Attention(8, 2, "transformer_local", 4, 0, 4, 0.0, impl)
+        assert names[(impl, False)].startswith("FlexAttention") == attn.banded(dev)
+        assert not attn.banded(dev, query_rows=wa.FLEX_BLOCK - 1)  # the short layers the suffix names
 
 
 def test_training_banded_on_cpu_is_refused_in_one_line() -> None:

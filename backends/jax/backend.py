@@ -33,10 +33,11 @@ import optax
 
 from backends.jax import checkpoint as ckpt
 from backends.jax import sharding, weights
+from backends.jax.layers import attention_kernel
 from backends.jax.optim import build_optimizer, set_learning_rate
 from backends.jax.precision import matmul_precision as matmul_precision_context
 from pcaf_core.backend import EvalOutputs
-from pcaf_core.config import RunConfig, head_loss_chunks, head_loss_label
+from pcaf_core.config import WINDOWED_VARIANTS, RunConfig, attention_label, head_loss_chunks, head_loss_label
 from pcaf_core.params import check_params, param_shapes
 from pcaf_core.profiles import matmul_precision
 from pcaf_core.sysinfo import peak_rss_mb
@@ -169,9 +170,12 @@ class JaxBackend:
     def _compile(self, cfg: RunConfig, params: Any) -> _Compiled:
         """Model, optimiser and jitted steps for ``cfg`` (reused while the config stays the same)."""
         self._check_batches(cfg)
-        label = head_loss_label(head_loss_chunks(cfg, self.num_devices))
-        if label not in self.device.split("; "):
-            self.device += f"; {label}"
+        labels = [head_loss_label(head_loss_chunks(cfg, self.num_devices))]
+        if cfg.model.variant in WINDOWED_VARIANTS:
+            labels.append(attention_label(attention_kernel(cfg.model.attention_impl)))
+        for label in labels:
+            if label not in self.device.split("; "):
+                self.device += f"; {label}"
         key = (tuple(self.devices), numerics_key(cfg))
         if key in _COMPILED:
             self._compiled = _COMPILED[key]

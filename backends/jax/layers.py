@@ -424,6 +424,12 @@ def causal_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int
     return out.reshape(B, H, n * c, hd)[:, :, :T]
 
 
+def attention_kernel(impl: str) -> str:
+    """What computes windowed attention under ``model.attention_impl=impl`` (:class:`Attention`; the same on every
+    device), for the run record."""
+    return "masked softmax" if impl == "masked" else "banded GEMMs"
+
+
 class Attention(nn.Module):
     """Module form of :func:`pcaf_core.reference.attention`, with dropout (:mod:`pcaf_core.reference`). Linear
     attention runs in ``wide(dtype)``: its running sums would lose too much in bfloat16.

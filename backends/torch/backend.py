@@ -28,11 +28,12 @@ from backends.torch.compile import (
     use_compile,
     use_cuda_graphs,
 )
+from backends.torch.layers import attention_kernel
 from backends.torch.optim import build_optimizer, fill_missing_grads
 from backends.torch.precision import set_matmul_precision
 from backends.torch.runtime import configure_mkl
 from pcaf_core.backend import EvalOutputs
-from pcaf_core.config import RunConfig, head_loss_chunks, head_loss_label
+from pcaf_core.config import WINDOWED_VARIANTS, RunConfig, attention_label, head_loss_chunks, head_loss_label
 from pcaf_core.profiles import matmul_precision
 from pcaf_core.sysinfo import cpu_has_bf16_matmul, peak_rss_mb
 
@@ -167,6 +168,9 @@ class TorchBackend:
         module = build_model(cfg.model, cfg.memory, cfg.profile, seed=cfg.train.seed, device=self.torch_device,
                              head_chunks=chunks)
         self._label(head_loss_label(chunks))
+        if cfg.model.variant in WINDOWED_VARIANTS:
+            self._label(attention_label(attention_kernel(cfg.model.attention_impl, self.torch_device,
+                                                         cfg.train.mode == "nt")))
         if hasattr(module, "nt_receptive_field"):
             # Next-token runs compute each prediction from the receptive fields it reads (PCAFModel. and
             # TransformerLM.nt_receptive_read): the same loss and gradients at a fraction of the window's work.

@@ -242,6 +242,23 @@ def causal_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return out.reshape(B, H, n * c, hd)[:, :, :T]
 
 
+def uses_flex_attention(impl: str, device: torch.device) -> bool:
+    """Whether windowed attention under ``model.attention_impl=impl`` runs FlexAttention on ``device`` (``banded``,
+    and ``auto`` on CUDA: FlexAttention has no backward pass on a CPU, so ``auto`` trains masked there)."""
+    return impl == "banded" or (impl == "auto" and torch.device(device).type == "cuda")
+
+
+def attention_kernel(impl: str, device: torch.device, next_token: bool) -> str:
+    """What computes windowed attention under ``impl`` on ``device`` (:class:`Attention`), for the run record;
+    ``next_token``: a next-token run, whose layers above the first read fewer query rows
+    (:meth:`Attention.banded`)."""
+    if impl == "blocked":
+        return "blocked SDPA"
+    if uses_flex_attention(impl, device):
+        return "FlexAttention" + (f" (masked SDPA in layers of under {FLEX_BLOCK} query rows)" if next_token else "")
+    return "masked SDPA"
+
+
 class Attention(nn.Module):
     """Module form of :func:`pcaf_core.reference.attention`, with dropout (:mod:`pcaf_core.reference`).
 
@@ -267,11 +284,9 @@ class Attention(nn.Module):
         layer whose query rows are fewer than one FlexAttention block (the top layer's one row) runs masked SDPA
         over its rows of the mask either way: a block-sparse kernel has nothing to skip there, and FlexAttention
         would switch to its decoding kernels. ``query_rows``: that layer's query rows (None: a whole window)."""
-        if self.variant not in WINDOWED_VARIANTS or self.impl in ("masked", "blocked"):
+        if self.variant not in WINDOWED_VARIANTS or not uses_flex_attention(self.impl, device):
             return False
-        if query_rows is not None and query_rows < FLEX_BLOCK:
-            return False
-        return self.impl == "banded" or device.type == "cuda"
+        return query_rows is None or query_rows >= FLEX_BLOCK
 
     def forward(self, x: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """``[B, T, d] -> [B, T, d]``; with ``rows`` (windowed variants) the queries are those M rows of x
