@@ -62,6 +62,35 @@ def test_band_matches_spec_and_masked_path(variant, T, w, g, block, x64) -> None
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-11, atol=1e-12)
 
 
+# (T, w, g, rows): a next-token layer's runs: the global rows and a suffix not starting on a block boundary (the
+# suffix shorter and longer than w), a suffix alone (local: no global rows), the top layer's one row, and both
+# runs overlapping every key block.
+ROW_CASES = [(50, 7, 3, (3, 13)), (50, 7, 3, (3, 5)), (40, 16, 0, (0, 23)), (37, 9, 4, (4, 1)), (30, 40, 5, (5, 25))]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("T,w,g,rows", ROW_CASES)
+def test_band_of_some_rows_equals_those_rows_of_the_whole_band(variant, T, w, g, rows, x64) -> None:
+    """``rows`` computes the band of those query rows only: the same values and gradients as those rows of the
+    whole band (:func:`pcaf_core.reference.layer_rows`), each run blocked from its own first position."""
+    rng = np.random.default_rng(T + w + rows[1])
+    q, k, v = (rng.standard_normal((2, T, 2, 4)) for _ in range(3))
+    kept = reference.layer_rows(T, rows)
+    cot = rng.standard_normal((2, len(kept), 2, 4))
+
+    @jax.jit
+    def out_and_grads(q, k, v):
+        some, vjp_some = jax.vjp(lambda *a: banded_attention(*a, variant, w, g, rows=rows), q, k, v)
+        every, vjp_every = jax.vjp(lambda *a: banded_attention(*a, variant, w, g)[:, kept], q, k, v)
+        return some, every, vjp_some(cot), vjp_every(cot)
+
+    some, every, got, want = out_and_grads(q, k, v)
+    assert some.shape == (2, len(kept), 2, 4)
+    np.testing.assert_allclose(np.asarray(some), np.asarray(every), rtol=1e-12, atol=1e-12)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-11, atol=1e-12)
+
+
 def test_float32_band_matches_float32_masked_path() -> None:
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 261, 4, 16)), jnp.float32) for _ in range(3))

@@ -456,8 +456,7 @@ class Attention(nn.Module):
 
     def __call__(self, x: jax.Array, deterministic: bool = True, rows: tuple[int, int] | None = None) -> jax.Array:
         """``[B, T, d] -> [B, T, d]``; with ``rows`` (windowed variants, static) the outputs of those M rows of x
-        only (:func:`pcaf_core.reference.layer_rows`), ``-> [B, M, d]``: the masked path's queries are those rows;
-        the band computes every row and keeps those."""
+        only (:func:`pcaf_core.reference.layer_rows`), ``-> [B, M, d]``: both paths take those rows as queries."""
         B, T, d = x.shape
         H = self.n_heads
         if rows is not None and self.variant not in WINDOWED_VARIANTS:
@@ -470,8 +469,8 @@ class Attention(nn.Module):
             q, k, v = (y.astype(work).transpose(0, 2, 1, 3) for y in (q, k, v))
             o = causal_linear_attention(q, k, v, self.linear_chunk).transpose(0, 2, 1, 3)
         elif self.variant in WINDOWED_VARIANTS and self.attention_impl != "masked":
-            o = layer_rows(banded_attention(q, k, v, self.variant, self.window, self.n_global,
-                                            lambda p: self.drop(p, deterministic=deterministic)), rows)
+            o = banded_attention(q, k, v, self.variant, self.window, self.n_global,
+                                 lambda p: self.drop(p, deterministic=deterministic), rows=rows)
         else:
             mask = layer_rows(attention_mask(T, self.variant, self.window, self.n_global), rows, axis=0)
             o = attention(layer_rows(q, rows), k, v, mask, lambda p: self.drop(p, deterministic=deterministic))

@@ -33,34 +33,56 @@ def band_block(window: int, seq_len: int) -> int:
 
 
 def banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, variant: str, window: int, n_global: int,
-                     drop: Callable[[jax.Array], jax.Array] | None = None, *, block: int | None = None) -> jax.Array:
+                     drop: Callable[[jax.Array], jax.Array] | None = None, *, block: int | None = None,
+                     rows: tuple[int, int] | None = None) -> jax.Array:
     """Windowed softmax attention. q, k, v ``[B, T, H, hd]`` -> ``[B, T, H, hd]``, scale ``1/√hd``.
 
     Logits and softmax in at least float32 (float64 inputs stay float64), as the masked path
     (:func:`backends.jax.layers.attention`); ``drop`` acts on the weights. ``block``: b (static; default
-    :func:`band_block`).
+    :func:`band_block`). ``rows`` (static): only those M query rows of the T (:func:`pcaf_core.reference.layer_rows`:
+    the first ``first`` and the last ``last``), ``-> [B, M, H, hd]``; q still holds all T rows. Each of the two runs
+    of consecutive positions is banded on its own, so a next-token layer computes the rows the layers above read
+    and no others.
     """
     if variant not in WINDOWED_VARIANTS:
         raise ValueError(f"banded_attention computes {list(WINDOWED_VARIANTS)}, not {variant!r}")
-    B, T, H, hd = q.shape
-    b = band_block(window, T) if block is None else block
-    nb = -(-T // b)
-    c = min(-(-(window - 1) // b), nb - 1)  # key blocks before a query's own that hold keys within w of it
+    T = q.shape[1]
+    if rows is None:
+        return _band(q, k, v, 0, variant, window, n_global, drop, block)
+    first, last = rows
+    parts = [_band(q[:, :first], k, v, 0, variant, window, n_global, drop, block)] if first else []
+    if last:
+        parts.append(_band(q[:, T - last:], k, v, T - last, variant, window, n_global, drop, block))
+    return jnp.concatenate(parts, axis=1)
+
+
+def _band(q: jax.Array, k: jax.Array, v: jax.Array, p0: int, variant: str, window: int, n_global: int,
+          drop: Callable[[jax.Array], jax.Array] | None, block: int | None) -> jax.Array:
+    """:func:`banded_attention` of the queries ``q [B, m, H, hd]`` at the consecutive positions ``p0 .. p0+m-1`` (static
+    p0) over all T keys, ``-> [B, m, H, hd]``."""
+    B, m, H, hd = q.shape
+    T = k.shape[1]
+    b = band_block(window, m) if block is None else block
+    nb = -(-m // b)
+    # Key blocks before a query's own: enough to reach w - 1 back, and never more than reach position 0 from the
+    # last block (its first query is at p0 + (nb-1)·b).
+    c = min(-(-(window - 1) // b), -(-p0 // b) + nb - 1)
     g = min(n_global, T) if variant == "transformer_global_local" else 0
-    pad = nb * b - T
     work = jnp.promote_types(q.dtype, jnp.float32)
     scale = 1.0 / math.sqrt(hd)
 
-    qb = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, nb, b, H, hd)
+    qb = jnp.pad(q, ((0, 0), (0, nb * b - m), (0, 0), (0, 0))).reshape(B, nb, b, H, hd)
 
     def key_band(x: jax.Array) -> jax.Array:
-        """``[B, T, H, hd] -> [B, nb, (c+1)·b, H, hd]``: block i's keys are positions ``(i-c)·b ..
-        (i+1)·b - 1`` (c zero blocks first, so block i starts at padded block i)."""
-        blocks = jnp.pad(x, ((0, 0), (c * b, pad), (0, 0), (0, 0))).reshape(B, nb + c, b, H, hd)
+        """``[B, T, H, hd] -> [B, nb, (c+1)·b, H, hd]``: block i's keys are positions ``p0 + (i-c)·b .. p0 +
+        (i+1)·b - 1`` (x padded with c·b zero rows first, so they start at padded row p0 + i·b)."""
+        back = max(0, p0 + nb * b - T)
+        xp = jnp.pad(x, ((0, 0), (c * b, back), (0, 0), (0, 0)))[:, p0: p0 + (nb + c) * b]
+        blocks = xp.reshape(B, nb + c, b, H, hd)
         return jnp.concatenate([blocks[:, j: j + nb] for j in range(c + 1)], axis=2)
 
-    t = (jnp.arange(nb)[:, None] * b + jnp.arange(b)[None, :])[:, :, None]  # [nb, b, 1] query positions
-    s = ((jnp.arange(nb)[:, None] - c) * b + jnp.arange((c + 1) * b)[None, :])[:, None, :]  # [nb, 1, (c+1)b]
+    t = p0 + (jnp.arange(nb)[:, None] * b + jnp.arange(b)[None, :])[:, :, None]  # [nb, b, 1] query positions
+    s = p0 + ((jnp.arange(nb)[:, None] - c) * b + jnp.arange((c + 1) * b)[None, :])[:, None, :]  # [nb, 1, (c+1)b]
     in_band = (s >= 0) & attention_allowed(t, s, "transformer_local", window, 0)  # [nb, b, (c+1)b]
     logits = jnp.einsum("bnqhd,bnkhd->bhnqk", qb, key_band(k), preferred_element_type=work) * scale
     logits = jnp.where(in_band, logits, -jnp.inf)
@@ -71,7 +93,7 @@ def banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, variant: str, win
             t, sg, "transformer_local", window, 0)  # [nb, b, g]
         glog = jnp.einsum("bnqhd,bkhd->bhnqk", qb, k[:, :g], preferred_element_type=work) * scale
         logits = jnp.concatenate([logits, jnp.where(outside, glog, -jnp.inf)], axis=-1)
-    # Every query sees itself (padded queries past T too: their own zero key), so no row is empty.
+    # Every query sees itself (padded queries past the run too: their own key, zero past T), so no row is empty.
     probs = jax.nn.softmax(logits, axis=-1)
     if drop is not None:
         probs = drop(probs)
@@ -80,4 +102,4 @@ def banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, variant: str, win
     out = jnp.einsum("bhnqk,bnkhd->bnqhd", probs[..., :width], key_band(v))
     if g:
         out = out + jnp.einsum("bhnqk,bkhd->bnqhd", probs[..., width:], v[:, :g])
-    return out.reshape(B, nb * b, H, hd)[:, :T]
+    return out.reshape(B, nb * b, H, hd)[:, :m]
