@@ -31,7 +31,8 @@ A next-token window predicts once. Two counts are defined for it:
   computes the sub-window of :func:`pcaf_core.reference.nt_attention_crop` (the g global positions and the last
   R = L·(w − 1) + 1), each layer only the rows of :func:`pcaf_core.reference.nt_attention_rows`: the ``qkv``
   projection ``6d²`` over the layer's input rows, the queries, the output projection ``2d²`` and the MLP over
-  the rows it keeps; dense and linear attention the full window.
+  the rows it keeps; dense attention the full window below its top layer and the last row at the top, linear
+  attention the full window.
 """
 
 from __future__ import annotations
@@ -90,10 +91,10 @@ def attention_key_count(model: ModelConfig, seq_len: int, attention_keys: str = 
 
 
 def _attention_rows_flops(model: ModelConfig, seq_len: int, attention_keys: str) -> float:
-    """The blocks of a next-token window of windowed attention, layer by layer over the rows of
+    """The blocks of a next-token window of softmax attention, layer by layer over the rows of
     :func:`pcaf_core.reference.nt_attention_rows` (module docstring)."""
     d, h = model.d_model, model.d_hidden
-    g, start = nt_attention_crop(model, seq_len)
+    g, start = nt_attention_crop(model, seq_len) or (0, 0)
     n = g + seq_len - start
     total = 0.0
     for rows in nt_attention_rows(model, seq_len):
@@ -117,8 +118,8 @@ def forward_flops(model: ModelConfig, memory: MemoryConfig, mode: str, seq_len: 
     ar = mode == "ar"
     heads = T if ar else 1
     if model.variant in TRANSFORMER_VARIANTS:
-        crop = None if ar or nt_count == "full_window" else nt_attention_crop(model, T)
-        if crop is not None:
+        rows = None if ar or nt_count == "full_window" else nt_attention_rows(model, T)
+        if rows is not None:
             return _attention_rows_flops(model, T, attention_keys) + heads * head_flops(model)
         per_pos = model.n_layers * (8 * d * d + 4 * d * model.d_hidden)
         attn = model.n_layers * 4 * d * attention_key_count(model, T, attention_keys)

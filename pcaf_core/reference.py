@@ -154,6 +154,7 @@ def nt_attention_crop(model: ModelConfig, seq_len: int) -> tuple[int, int] | Non
     whose windows the cut truncates feed nothing the prediction reads. Next-token training and evaluation
     compute this sub-window only (``nt_receptive_field`` in the backends): the same loss and gradients, at
     ``(g + R) / T`` of the work (up to float rounding; dropout draws its masks for the computed positions only).
+    Dense attention has no crop, but its top layer computes one row (:func:`nt_attention_rows`).
     """
     if model.variant not in ("transformer_local", "transformer_global_local"):
         return None
@@ -174,11 +175,12 @@ def nt_attention_positions(model: ModelConfig, seq_len: int) -> np.ndarray:
     return np.concatenate([np.arange(g), np.arange(start, seq_len)])
 
 
-def nt_attention_rows(model: ModelConfig, seq_len: int) -> list[tuple[int, int]] | None:
-    """Per layer of a next-token forward on :func:`nt_attention_crop`'s sub-window, the rows of the layer's
-    input whose outputs the prediction reads: ``(first, last)``, the input's first ``first`` rows and its last
-    ``last`` rows (:func:`layer_rows`). The layer's output is those rows only, and it is the next layer's input.
-    None when there is no crop.
+def nt_attention_rows(model: ModelConfig, seq_len: int) -> list[tuple[int, int] | None] | None:
+    """Per layer of a next-token forward on :func:`nt_attention_crop`'s sub-window (dense attention: on the whole
+    window), the rows of the layer's input whose outputs the prediction reads: ``(first, last)``, the input's
+    first ``first`` rows and its last ``last`` rows (:func:`layer_rows`), or None for every row. The layer's
+    output is those rows only, and it is the next layer's input. None when nothing is cut (linear attention, and
+    a window with nothing to cut).
 
     The top layer's output is read at the last position only: ``(0, 1)``. A layer's queries read keys up to
     w - 1 rows back and the g global rows, so below the top, layer i of L keeps the g global rows and the last
@@ -187,7 +189,14 @@ def nt_attention_rows(model: ModelConfig, seq_len: int) -> list[tuple[int, int]]
     the same pairs: the global rows are the first g, every other row keeps its distance to the others. Each
     row's state is the one the full window computes at that position, up to float rounding; backends compute a
     next-token Transformer step this way, at ``Σ rows / (L·(g + R))`` of the sub-window's per-position work.
+
+    Dense attention reads every earlier position, so every layer below the top keeps all rows (None) and only
+    the top one is cut, to its last row, whose query reads every key (no mask): ``(L-1)/L`` of the window's
+    per-position work, and of its attention products. Linear attention's top layer could be cut the same way;
+    its chunked form computes every row at once, so it is not.
     """
+    if model.variant == "transformer_dense":
+        return [None] * (model.n_layers - 1) + [(0, 1)]
     crop = nt_attention_crop(model, seq_len)
     if crop is None:
         return None
@@ -271,7 +280,7 @@ def attention(p: dict[str, np.ndarray], prefix: str, x: np.ndarray, model: Model
 
 def transformer_stack(
     p: dict[str, np.ndarray], x: np.ndarray, model: ModelConfig, gelu_form: str,
-    rows: list[tuple[int, int]] | None = None,
+    rows: list[tuple[int, int] | None] | None = None,
 ) -> np.ndarray:
     """Pre-LN blocks ``x += Attn(LN x)`` (:func:`attention`); ``x += W2·GELU(W1·LN x)``. ``[B, T, d] -> [B, T, d]``;
     with ``rows`` (:func:`nt_attention_rows`) block i keeps the rows ``rows[i]`` of its input, ``-> [B, 1, d]``."""
@@ -405,7 +414,7 @@ def memory_read(
 
 def hidden_states(
     p: dict[str, np.ndarray], tokens: np.ndarray, model: ModelConfig, profile: ProfileConfig,
-    positions: np.ndarray | None = None, rows: list[tuple[int, int]] | None = None,
+    positions: np.ndarray | None = None, rows: list[tuple[int, int] | None] | None = None,
 ) -> np.ndarray:
     """Final hidden states ``[B, T, d]`` of the backbone (conv stack or Transformer).
 

@@ -73,17 +73,22 @@ def test_next_token_receptive_field_counts_only_the_positions_it_reads() -> None
 @pytest.mark.parametrize("variant", ["transformer_local", "transformer_global_local", "transformer_dense"])
 def test_next_token_receptive_field_of_attention_is_its_sub_window(variant: str) -> None:
     """Windowed attention executes the global prefix and the last L·(w-1)+1 positions as a window of their own;
-    dense attention reads every position, so both counts agree."""
+    dense attention reads every position, and its top layer computes the last row only."""
     model = ModelConfig(variant=variant, vocab_size=500, d_model=32, d_hidden=64, n_layers=2, n_heads=2, window=8,
                         n_global=4)
     memory = MemoryConfig()
     executed = forward_flops(model, memory, "nt", T, nt_count="receptive_field")
+    d, h, head = 32, 64, 2 * 32 * 64 + 2 * 64 * 500
     if variant == "transformer_dense":
-        assert executed == forward_flops(model, memory, "nt", T)
+        # Layer 1 over every row (T(T+1)/2 causal keys), layer 2's qkv over every row, the rest over the last.
+        layer1 = (8 * d * d + 4 * d * h) * T + 4 * d * T * (T + 1) // 2
+        layer2 = 6 * d * d * T + (2 * d * d + 4 * d * h) * 1 + 4 * d * T
+        assert executed == layer1 + layer2 + head
+        assert forward_flops(model, memory, "nt", T) - executed == (2 * d * d + 4 * d * h) * (T - 1) + 4 * d * (
+            T * (T + 1) // 2 - T)
         return
     g = 4 if variant == "transformer_global_local" else 0
     # Layer 1 reads the sub-window's g + 15 rows and keeps g + 8 (w = 8), layer 2 reads those and keeps the last.
-    d, h, head = 32, 64, 2 * 32 * 64 + 2 * 64 * 500
     allowed = reference.attention_mask(g + 15, variant, 8, 4)
     keys1 = int(allowed[reference.layer_rows(g + 15, (g, 8))].sum())
     keys2 = int(allowed[-1].sum())  # the last row sees the same keys in layer 2's row coordinates

@@ -86,12 +86,15 @@ def test_receptive_forward_under_jit_with_dropout_draws_finite_losses() -> None:
     assert np.isfinite(a) and np.isfinite(b) and a != b
 
 
-@pytest.mark.parametrize("impl", ["banded", "blocked", "masked"])
-@pytest.mark.parametrize("variant", ["transformer_local", "transformer_global_local"])
+@pytest.mark.parametrize(("variant", "impl"), [
+    *((v, i) for v in ("transformer_local", "transformer_global_local") for i in ("banded", "blocked", "masked")),
+    ("transformer_dense", "auto"),
+])
 def test_attention_next_token_forward_from_its_sub_window_equals_the_full_window(x64, variant, impl) -> None:
     """Windowed attention from the global prefix and the last n_layers·(w-1)+1 positions, each layer computing
-    the rows the prediction reads (pcaf_core.reference.nt_attention_rows), on both attention paths (mirrors
-    tests/test_torch_nt_receptive.py, which also covers the profiles and dense and linear attention)."""
+    the rows the prediction reads (pcaf_core.reference.nt_attention_rows), on every attention path; dense
+    attention over the whole window with its top layer's last row only (mirrors
+    tests/test_torch_nt_receptive.py, which also covers the profiles and linear attention)."""
     model = ModelConfig(variant=variant, vocab_size=40, d_model=12, d_hidden=16, n_layers=3, n_heads=2, window=4,
                         n_global=2, max_seq_len=40, attention_impl=impl)
     memory, prof = MemoryConfig(), get_profile("reference_jax")  # the trainable positional table

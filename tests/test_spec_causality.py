@@ -114,11 +114,26 @@ def test_next_token_state_of_windowed_attention_is_its_sub_window_s(variant, pro
     assert not np.allclose(reference.hidden_states(params, inside, model, prof)[:, -1], full)
     for other in ("transformer_dense", "linear_attention"):
         assert reference.nt_attention_crop(tiny_model(other), T) is None
-        assert reference.nt_attention_rows(tiny_model(other), T) is None
+    assert reference.nt_attention_rows(tiny_model("linear_attention"), T) is None
     np.testing.assert_array_equal(reference.layer_rows(6, (2, 3)), [0, 1, 3, 4, 5])
     np.testing.assert_array_equal(reference.layer_rows(6, None), np.arange(6))
     assert reference.nt_attention_crop(model, g + 2 * 3 + 1) is None  # nothing to cut
     np.testing.assert_array_equal(reference.nt_attention_positions(model, 5), np.arange(5))
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_next_token_state_of_dense_attention_from_one_top_row(layers):
+    """Dense attention reads every earlier position: no crop, every row of each layer below the top, and the top
+    layer's last row alone (reference.nt_attention_rows), whose query reads every key; the full window's state."""
+    model, prof = tiny_model("transformer_dense", max_seq_len=T, n_layers=layers), get_profile("reference_torch")
+    params = init_params(model, tiny_memory(), prof, seed=5)
+    rows = reference.nt_attention_rows(model, T)
+    assert rows == [None] * (layers - 1) + [(0, 1)]
+    tokens = np.random.default_rng(3).integers(0, 40, (3, T))
+    last = reference.hidden_states(params, tokens, model, prof, rows=rows)
+    assert last.shape == (3, 1, model.d_model)
+    np.testing.assert_allclose(last[:, 0], reference.hidden_states(params, tokens, model, prof)[:, -1],
+                               rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("layers,kernel", [(2, 5), (3, 3)])

@@ -126,8 +126,9 @@ def _attention_model(variant: str, profile: str, impl: str = "auto"):
 def test_attention_next_token_forward_from_its_sub_window_equals_the_full_window(variant, T: int,
                                                                                  profile: str) -> None:
     """Windowed attention reads the global prefix and the last n_layers·(w-1)+1 positions (T=37 cuts, T=5 does
-    not), each layer computing the rows the prediction reads (pcaf_core.reference.nt_attention_rows); dense and
-    linear attention read everything. Outputs and gradients equal the full window's. (The
+    not), each layer computing the rows the prediction reads (pcaf_core.reference.nt_attention_rows); dense
+    attention reads the whole window and computes its top layer's last row only; linear attention computes
+    everything. Outputs and gradients equal the full window's. (The
     masked path; FlexAttention's block mask applies the same rule, pcaf_core.reference.attention_allowed, in the
     same sub-window coordinates.)"""
     rng = np.random.default_rng(T)

@@ -455,12 +455,12 @@ class Attention(nn.Module):
         self.drop = Dropout(self.dropout)
 
     def __call__(self, x: jax.Array, deterministic: bool = True, rows: tuple[int, int] | None = None) -> jax.Array:
-        """``[B, T, d] -> [B, T, d]``; with ``rows`` (windowed variants, static) the outputs of those M rows of x
+        """``[B, T, d] -> [B, T, d]``; with ``rows`` (softmax variants, static) the outputs of those M rows of x
         only (:func:`pcaf_core.reference.layer_rows`), ``-> [B, M, d]``: both paths take those rows as queries."""
         B, T, d = x.shape
         H = self.n_heads
-        if rows is not None and self.variant not in WINDOWED_VARIANTS:
-            raise ValueError(f"query rows apply to {list(WINDOWED_VARIANTS)}, not {self.variant!r}")
+        if rows is not None and self.variant == "linear_attention":
+            raise ValueError("query rows apply to softmax attention, not 'linear_attention'")
         qkv = self.qkv(x)
         q, k, v = (qkv[..., i * d : (i + 1) * d].reshape(B, T, H, d // H) for i in range(3))
         if self.variant == "linear_attention":
@@ -502,7 +502,7 @@ class TransformerBlock(nn.Module):
         self.drop = Dropout(self.dropout)
 
     def __call__(self, x: jax.Array, deterministic: bool = True, rows: tuple[int, int] | None = None) -> jax.Array:
-        """``[B, T, d] -> [B, T, d]``; with ``rows`` (static) only those M rows of x go on (windowed attention's
+        """``[B, T, d] -> [B, T, d]``; with ``rows`` (static) only those M rows of x go on (softmax attention's
         next-token layers, :func:`pcaf_core.reference.nt_attention_rows`), ``-> [B, M, d]``."""
         a = self.attn(self.attn_norm(x), deterministic, rows)
         x = layer_rows(x, rows) + self.drop(a, deterministic=deterministic).astype(x.dtype)

@@ -435,7 +435,7 @@ class TransformerLM(CanonicalLM):
         return self._blocks(self.embed(tokens), tokens.shape[1], None, deterministic)
 
     def _blocks(self, x: jax.Array, seq_len: int, crop: tuple[int, int] | None, deterministic: bool,
-                rows: list[tuple[int, int]] | None = None) -> jax.Array:
+                rows: list[tuple[int, int] | None] | None = None) -> jax.Array:
         """The blocks over embeddings ``x`` plus the positional encodings of a window of ``seq_len``, or of its
         :func:`~pcaf_core.reference.nt_attention_crop` sub-window (``crop``, static); ``rows`` (static): block i
         keeps ``rows[i]`` of its input (:func:`~pcaf_core.reference.nt_attention_rows`)."""
@@ -456,15 +456,14 @@ class TransformerLM(CanonicalLM):
         self, tokens: jax.Array, deterministic: bool = True, *, need_p_cache: bool = True
     ) -> tuple[jax.Array, None]:
         """The next-token forward's final state ``[B, 1, d]`` from the sub-window of
-        :func:`pcaf_core.reference.nt_attention_crop`, each layer computing the rows of
-        :func:`pcaf_core.reference.nt_attention_rows` only; no memory read."""
+        :func:`pcaf_core.reference.nt_attention_crop` (the whole window where it has none), each layer computing
+        the rows of :func:`pcaf_core.reference.nt_attention_rows` only; no memory read."""
         T = tokens.shape[1]
         crop = nt_attention_crop(self.model_config, T)
-        if crop is None:
-            return self.hidden_states(tokens, deterministic)[:, -1:], None
-        g, start = crop
-        sub = jnp.concatenate([tokens[:, :g], tokens[:, start:]], axis=1)
         rows = nt_attention_rows(self.model_config, T)
+        if rows is None:
+            return self.hidden_states(tokens, deterministic)[:, -1:], None
+        sub = tokens if crop is None else jnp.concatenate([tokens[:, :crop[0]], tokens[:, crop[1]:]], axis=1)
         return self._blocks(self.embed(sub), T, crop, deterministic, rows), None
 
 

@@ -289,11 +289,11 @@ class Attention(nn.Module):
         return query_rows is None or query_rows >= FLEX_BLOCK
 
     def forward(self, x: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """``[B, T, d] -> [B, T, d]``; with ``rows`` (windowed variants) the queries are those M rows of x
+        """``[B, T, d] -> [B, T, d]``; with ``rows`` (softmax variants) the queries are those M rows of x
         (:func:`pcaf_core.reference.layer_rows`), ``-> [B, M, d]``."""
         B, T, d = x.shape
-        if rows is not None and self.variant not in WINDOWED_VARIANTS:
-            raise ValueError(f"query rows apply to {list(WINDOWED_VARIANTS)}, not {self.variant!r}")
+        if rows is not None and self.variant == "linear_attention":
+            raise ValueError("query rows apply to softmax attention, not 'linear_attention'")
         q, k, v = (y.reshape(B, T, self.n_heads, d // self.n_heads).transpose(1, 2)
                    for y in self.qkv(x).split(d, dim=-1))
         q = layer_rows(q, rows, dim=2)
@@ -302,8 +302,11 @@ class Attention(nn.Module):
             o = causal_linear_attention(q, k, v, self.linear_chunk)
         else:
             p = self.dropout if self.training else 0.0
-            if self.variant == "transformer_dense":
+            if self.variant == "transformer_dense" and rows is None:
                 o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            elif self.variant == "transformer_dense" and rows == (0, 1):
+                # The next-token top layer's last row reads every key: no mask, and SDPA's fused kernels.
+                o = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
             elif self.variant in WINDOWED_VARIANTS and self.impl == "blocked":
                 o = blocked_window_attention(q, k, v, self.variant, self.window, self.n_global, p, rows=rows)
             elif self.banded(x.device, None if rows is None else q.shape[2]):
@@ -329,7 +332,7 @@ class TransformerBlock(nn.Module):
         self.gelu_form = gelu_form
 
     def forward(self, x: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """``[B, T, d] -> [B, T, d]``; with ``rows`` only those M rows of x go on (windowed attention's
+        """``[B, T, d] -> [B, T, d]``; with ``rows`` only those M rows of x go on (softmax attention's
         next-token layers, :func:`pcaf_core.reference.nt_attention_rows`), ``-> [B, M, d]``."""
         x = layer_rows(x, rows) + self.drop(self.attn(self.attn_norm(x), rows))
         y = self.mlp_out(self.drop(gelu(self.mlp_in(self.mlp_norm(x)), self.gelu_form)))

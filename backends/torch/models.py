@@ -396,7 +396,8 @@ class TransformerLM(CanonicalLM):
         g, start = crop
         return torch.cat([pe[:g], pe[start:]])
 
-    def _blocks(self, x: torch.Tensor, pe: torch.Tensor, rows: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    def _blocks(self, x: torch.Tensor, pe: torch.Tensor,
+                rows: list[tuple[int, int] | None] | None = None) -> torch.Tensor:
         """The blocks over embeddings plus positions; ``rows``: block i keeps ``rows[i]`` of its input
         (:func:`pcaf_core.reference.nt_attention_rows`)."""
         x = x + pe
@@ -406,15 +407,14 @@ class TransformerLM(CanonicalLM):
 
     def nt_receptive_read(self, tokens: torch.Tensor, *, need_p_cache: bool = True) -> tuple[torch.Tensor, None]:
         """The next-token forward's final state ``[B, 1, d]`` from the sub-window of
-        :func:`pcaf_core.reference.nt_attention_crop`, each layer computing the rows of
-        :func:`pcaf_core.reference.nt_attention_rows` only; no memory read."""
+        :func:`pcaf_core.reference.nt_attention_crop` (the whole window where it has none), each layer computing
+        the rows of :func:`pcaf_core.reference.nt_attention_rows` only; no memory read."""
         T = tokens.shape[1]
         crop = nt_attention_crop(self.model_config, T)
-        if crop is None:
-            return self.hidden_states(tokens)[:, -1:], None
-        g, start = crop
-        sub = torch.cat([tokens[:, :g], tokens[:, start:]], dim=1)
         rows = nt_attention_rows(self.model_config, T)
+        if rows is None:
+            return self.hidden_states(tokens)[:, -1:], None
+        sub = tokens if crop is None else torch.cat([tokens[:, :crop[0]], tokens[:, crop[1]:]], dim=1)
         return self._blocks(self.embed(sub), self._positions(T, crop), rows), None
 
 
