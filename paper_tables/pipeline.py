@@ -38,15 +38,23 @@ from paper_tables.specs import get_table
 from pcaf_core.fsutil import atomic_write_text, file_lock
 
 
-def _vocabulary_caveat(agg) -> str:
+def _vocabulary_caveat(agg, scale: str) -> str:
     """A second title line naming the measured vocabulary: perplexities at different vocabularies are not
-    on one scale, and a reduced scale may shrink it."""
+    on one scale, and a reduced scale may shrink it. At ``scale=paper`` the vocabulary is the paper's, and the
+    line says so where a measured row deviates from the paper's settings (the data, for instance); with no
+    deviation there is no caveat."""
     if "vocab_size" not in agg.columns:
         return ""
     vocabs = sorted({int(v) for v in agg["vocab_size"].dropna()})
     if not vocabs:
         return ""
-    return f"\nmeasured at V={'/'.join(f'{v:,}' for v in vocabs)}, the paper at its own V: compare orderings, not PPL"
+    named = "/".join(f"{v:,}" for v in vocabs)
+    if scale == "paper":
+        deviations = agg["deviations"].dropna() if "deviations" in agg.columns else ()
+        if not any(len(d) for d in deviations):
+            return ""
+        return f"\nmeasured at the paper's V={named}, with the table's deviations: compare orderings, not PPL"
+    return f"\nmeasured at V={named}, the paper at its own V: compare orderings, not PPL"
 
 
 def _device_caveat(spec, agg) -> str:
@@ -143,7 +151,7 @@ def _render_locked(table, scale, backend, runs, out_dir: Path, stem: str, profil
                                           + _device_caveat(spec, report.agg)),
             "speed_quality": plot_speed_quality(spec, report.agg, pubs,
                                                 title=f"{table} ({scale}, {backend}): speed vs quality"
-                                                + _vocabulary_caveat(report.agg)),
+                                                + _vocabulary_caveat(report.agg, scale)),
         }
         for name, fig in figs.items():
             png, pdf = save_figure(fig, out_dir / f"{stem}_{name}")

@@ -19,7 +19,7 @@ from paper_tables.figures import (
     plot_throughput,
     save_figure,
 )
-from paper_tables.pipeline import _device_caveat
+from paper_tables.pipeline import _device_caveat, _vocabulary_caveat
 from paper_tables.published import load_published
 from paper_tables.specs import get_table
 from paper_tables.sweep import aggregate_sweep, load_sweep, swept_value
@@ -327,3 +327,15 @@ def test_sweep_table_labels_throughput_measured_while_jobs_shared_the_machine(tm
     lines = {line.split(" | ")[0]: line for line in md.splitlines() if line.startswith("| ")}
     assert "(shared)" in lines["| 16"] and "(shared)" not in lines["| 4"]
     assert "(shared): tokens/s measured while sharing the machine" in md
+
+
+def test_the_vocabulary_caveat_names_the_paper_s_vocabulary_at_the_paper_s_scale():
+    """Below the paper's scale the figure warns that the vocabularies differ; at the paper's scale the vocabulary
+    is the paper's, so the line says so, and only where a row deviates from the paper's settings."""
+    agg = pd.DataFrame({"vocab_size": [8000, 8000], "deviations": [[], []]})
+    assert _vocabulary_caveat(agg, "cpu") == "\nmeasured at V=8,000, the paper at its own V: compare orderings, not PPL"
+    agg = pd.DataFrame({"vocab_size": [20000, None], "deviations": [["data.layout=tokens (command line)"], None]})
+    assert _vocabulary_caveat(agg, "paper") == ("\nmeasured at the paper's V=20,000, with the table's deviations: "
+                                                "compare orderings, not PPL")
+    assert _vocabulary_caveat(pd.DataFrame({"vocab_size": [20000], "deviations": [[]]}), "paper") == ""
+    assert _vocabulary_caveat(pd.DataFrame({"vocab_size": [None]}), "cpu") == ""
