@@ -431,3 +431,35 @@ def test_no_cache_trains_exactly_as_local_conv(profile: str) -> None:
         assert torch.equal(nc[name][0], value), name
         assert (grad is None and nc[name][1] is None) or torch.equal(nc[name][1], grad), name  # None: unused
     assert all(nc[name][1] is None for name in set(nc) - set(lc))  # the memory and gate get no signal
+
+
+@pytest.mark.parametrize("mode", ["nt", "ar"])
+def test_no_cache_trains_exactly_as_local_conv_with_clipping(mode: str) -> None:
+    """Through the backend's whole training step, clipping active at every step, dropout on: the two rows' losses
+    and shared weights stay the same bits. The memory and gate's zero gradients stay out of the clip's norm, whose
+    sums would otherwise run in another order."""
+    from backends.torch.backend import TorchBackend
+    from pcaf_core.config import DataConfig, EvalConfig, RunConfig, TrainConfig
+
+    rng = np.random.default_rng(4)
+    T, B, V = 10, 4, TINY["vocab_size"]
+    batches = [(rng.integers(0, V, (B, T)), rng.integers(0, V, (B,) if mode == "nt" else (B, T))) for _ in range(8)]
+    runs = {}
+    for variant in ("pcaf_no_cache", "local_conv"):
+        model, memory, _ = _configs(variant)
+        cfg = RunConfig(model=model, memory=memory, profile=get_profile("reference_torch", grad_clip_norm=1e-3),
+                        data=DataConfig(max_vocab=V), eval=EvalConfig(),
+                        train=TrainConfig(mode=mode, seq_len=T, batch_size=B, steps=len(batches), seed=5,
+                                          checkpoint_every=0, compile="off"))
+        assert cfg.profile.dropout > 0
+        backend = TorchBackend("cpu")
+        state = backend.init(cfg)
+        losses = []
+        for x, y in batches:
+            state, loss = backend.train_step(state, x, y, 1e-2)
+            losses.append(loss)
+        runs[variant] = (losses, {n: p.detach().clone() for n, p in state.module.named_parameters()})
+    (loss_nc, nc), (loss_lc, lc) = runs["pcaf_no_cache"], runs["local_conv"]
+    assert loss_nc == loss_lc
+    for name, value in lc.items():
+        assert torch.equal(nc[name], value), name

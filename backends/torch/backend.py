@@ -258,9 +258,14 @@ class TorchBackend:
             with self._autocast(cfg):
                 loss = state.wrapped(x, y, cfg.train.mode)
             loss.backward()
+        # The clip's norm runs over the gradients backward produced. The zero ones fill_missing_grads adds (for
+        # parameters the forward never read) add nothing to it, but a longer list changes the order of the
+        # norm's sums: pcaf_no_cache would then drift from local_conv by float rounding, where without them it
+        # trains bitwise as local_conv does.
+        produced = [p for p in state.params if p.grad is not None]
         fill_missing_grads(state.params)
         if cfg.profile.grad_clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(state.params, cfg.profile.grad_clip_norm)
+            torch.nn.utils.clip_grad_norm_(produced, cfg.profile.grad_clip_norm)
         state.optimizer.step()
         # .item() synchronises the device, so the loop's step timer measures the whole step.
         return state, float(loss.detach().float().item())
