@@ -54,7 +54,9 @@ _WT2_ROWS_2048 = (
 
 _NO_CACHE_NOTE = ("the parametric path alone: local conv's network, with the memory and gate parameters built, "
                   "counted and unused. Both rows draw the shared weights from the same seed here, so they train "
-                  "identically, dropout masks included; the paper's two rows differ by their initialisation order only")
+                  "identically, dropout masks included (torch records on a CPU before 954fd1a differ by float "
+                  "rounding: its gradient clip summed the unused parameters' zero gradients in another order); "
+                  "the paper's two rows differ by their initialisation order only")
 
 
 def _wt2_rows(table: str, seq_len: int, rows: tuple[tuple[str, str, str], ...]) -> tuple[RowSpec, ...]:
