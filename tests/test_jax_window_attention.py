@@ -1,7 +1,8 @@
 """JAX windowed attention as a blocked band (``model.attention_impl=banded``, the default;
 :mod:`backends.jax.window_attention`) against the spec and the masked path: values and gradients, at T below,
 above and not a multiple of the block, w = 1 to w > T, g = 0 to more than a block; no ``[T, T]`` array in the
-model's program; dropout acting on the weights."""
+model's program; dropout acting on the weights. Dense causal attention in query blocks against the masked path
+and, in the model, the spec."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from backends.jax import build_model, to_variables
+from backends.jax import build_model, layers, to_variables
 from backends.jax.layers import attention, attention_mask
-from backends.jax.window_attention import band_block, banded_attention
+from backends.jax.window_attention import band_block, banded_attention, causal_attention_in_blocks
 from pcaf_core import reference
 from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.profiles import get_profile
@@ -187,3 +188,67 @@ def _equations(jaxpr):
             inner = getattr(param, "jaxpr", param)  # a ClosedJaxpr holds its Jaxpr
             if hasattr(inner, "eqns"):
                 yield from _equations(inner)
+
+
+# (T, block): one block (T <= block); several blocks with a partial last one; blocks of one row.
+CAUSAL_SHAPES = [(9, 16), (23, 5), (12, 4), (7, 1)]
+
+
+@pytest.mark.parametrize("T,block", CAUSAL_SHAPES)
+def test_causal_blocks_match_spec_and_masked_path(T, block, x64) -> None:
+    """Values equal the spec's, and gradients the masked path's, with ``drop`` an elementwise map of the weights
+    (each block's weights are the masked path's rows, so any elementwise ``drop`` gives the same output)."""
+    rng = np.random.default_rng(T + block)
+    q, k, v, cot = (rng.standard_normal((2, T, 2, 4)) for _ in range(4))
+
+    def square(p):
+        return p * p
+
+    def blocked(q, k, v):
+        return causal_attention_in_blocks(q, k, v, square, block=block)
+
+    def masked(q, k, v):
+        return attention(q, k, v, attention_mask(T, "transformer_dense", 0, 0), square)
+
+    @jax.jit
+    def out_and_grads(q, k, v):
+        out, vjp = jax.vjp(blocked, q, k, v)
+        plain = causal_attention_in_blocks(q, k, v, block=block)
+        return out, plain, vjp(cot), jax.vjp(masked, q, k, v)
+
+    out, plain, got, (want_out, want_vjp) = out_and_grads(q, k, v)
+    np.testing.assert_allclose(np.asarray(plain), _spec_attention(q, k, v, "transformer_dense", 0, 0),
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-12, atol=1e-12)
+    for a, b in zip(got, want_vjp(cot), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-11, atol=1e-12)
+
+
+def test_dense_model_runs_causal_blocks_and_equals_spec(monkeypatch, x64) -> None:
+    """The dense Transformer's attention over every row runs in query blocks (``layers.CAUSAL_BLOCK``, here 8 rows
+    so that a short window has several): the spec's loss, no ``[T, T]`` array in its program, and the masked
+    path's gradients."""
+    monkeypatch.setattr(layers, "CAUSAL_BLOCK", 8)
+    rng = np.random.default_rng(5)
+    T = 30
+    tokens, targets = rng.integers(0, 40, (2, T)), rng.integers(0, 40, (2, T))
+    model = ModelConfig(variant="transformer_dense", vocab_size=40, d_model=16, d_hidden=24, n_layers=1, n_heads=2,
+                        max_seq_len=T)
+    memory, profile = MemoryConfig(), get_profile("reference_torch")
+    params = spec_params(model, memory, profile, seed=3)
+    spec = reference.forward(params, tokens, model, memory, profile, "ar", targets)
+    net = build_model(model, memory, profile, dtype=jnp.float64)
+
+    def loss(p):
+        return net.apply({"params": p}, tokens, targets, "ar", need_log_probs=False, need_predictions=False).loss
+
+    variables = to_variables(params, jnp.float64)
+    value, grads = jax.jit(jax.value_and_grad(loss))(variables["params"])
+    np.testing.assert_allclose(float(value), spec.loss, rtol=1e-12)
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(variables["params"])
+    assert not any(getattr(var.aval, "shape", ())[-2:] == (T, T) for eqn in _equations(jaxpr.jaxpr)
+                   for var in eqn.outvars)
+    monkeypatch.setattr(layers, "CAUSAL_BLOCK", T)  # one block: the masked path itself
+    whole = jax.jit(jax.grad(loss))(variables["params"])
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-9,
+                                                                   atol=1e-12), grads, whole)

@@ -26,10 +26,16 @@ import jax.numpy as jnp
 
 from backends.jax.dropout import Dropout
 from backends.jax.head_loss import chunked_target_log_softmax
-from backends.jax.window_attention import banded_attention
+from backends.jax.window_attention import (
+    CAUSAL_BLOCK,
+    attention,
+    attention_mask,
+    banded_attention,
+    causal_attention_in_blocks,
+)
 from pcaf_core.config import WINDOWED_VARIANTS
 from pcaf_core.params import sinusoidal_table
-from pcaf_core.reference import LN_EPS, attention_allowed
+from pcaf_core.reference import LN_EPS
 
 L2_RSQRT_EPS = 1e-6  # rsqrt_eps form: x / sqrt(Σx² + 1e-6)
 L2_MAX_EPS = 1e-12  # max_eps form: x / max(‖x‖, 1e-12)
@@ -371,30 +377,6 @@ def elu_plus_one(x: jax.Array) -> jax.Array:
     return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
 
 
-def attention_mask(seq_len: int, variant: str, window: int, n_global: int) -> jax.Array:
-    """See :func:`pcaf_core.reference.attention_mask`; traced, so XLA builds it rather than embedding a constant."""
-    pos = jnp.arange(seq_len)
-    return attention_allowed(pos[:, None], pos[None, :], variant, window, n_global)
-
-
-def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, drop: Callable[[jax.Array], jax.Array] | None = None
-) -> jax.Array:
-    """The softmax attention of :func:`pcaf_core.reference.attention` on split heads: q, k, v ``[B, T, H, hd]``;
-    mask ``[T, T]`` bool -> ``[B, T, H, hd]`` (M query rows: q ``[B, M, H, hd]``, mask ``[M, T]``,
-    ``-> [B, M, H, hd]``).
-
-    Logits and softmax in ``wide(q.dtype)`` (exact float64 when the inputs are float64, unlike
-    ``jax.nn.dot_product_attention``, whose softmax is always float32); ``drop`` acts on the weights.
-    """
-    work = wide(q.dtype)
-    logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=work) / math.sqrt(q.shape[-1])
-    probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
-    if drop is not None:
-        probs = drop(probs)
-    return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v)
-
-
 def causal_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
     """The linear attention of :func:`pcaf_core.reference.attention`, chunked as stated there, on split heads."""
     B, H, T, hd = q.shape
@@ -436,7 +418,9 @@ class Attention(nn.Module):
 
     Windowed variants (local, global-local) follow ``attention_impl`` (``model.attention_impl``): ``banded``
     (and ``auto``) is the blocked band of :func:`backends.jax.window_attention.banded_attention`, ``masked``
-    every ``[T, T]`` score under the mask (:func:`attention`).
+    every ``[T, T]`` score under the mask (:func:`attention`). Dense attention over all rows runs in causal query
+    blocks (:func:`backends.jax.window_attention.causal_attention_in_blocks`); over some rows (a next-token
+    step's top layer) it is :func:`attention` of those rows.
     """
 
     d_model: int
@@ -471,6 +455,9 @@ class Attention(nn.Module):
         elif self.variant in WINDOWED_VARIANTS and self.attention_impl != "masked":
             o = banded_attention(q, k, v, self.variant, self.window, self.n_global,
                                  lambda p: self.drop(p, deterministic=deterministic), rows=rows)
+        elif self.variant == "transformer_dense" and rows is None:
+            o = causal_attention_in_blocks(q, k, v, lambda p: self.drop(p, deterministic=deterministic),
+                                           block=CAUSAL_BLOCK)
         else:
             mask = layer_rows(attention_mask(T, self.variant, self.window, self.n_global), rows, axis=0)
             o = attention(layer_rows(q, rows), k, v, mask, lambda p: self.drop(p, deterministic=deterministic))

@@ -1,6 +1,8 @@
-"""Windowed softmax attention (``transformer_local``, ``transformer_global_local``) as a blocked band.
+"""Softmax attention without the ``[T, T]`` work it does not need: the masked form every variant reduces to
+(:func:`attention`), dense causal attention in query blocks (:func:`causal_attention_in_blocks`), and windowed
+attention (``transformer_local``, ``transformer_global_local``) as a blocked band (:func:`banded_attention`).
 
-The spec's rule (:func:`pcaf_core.reference.attention_allowed`: key s visible to query t when
+The band: the spec's rule (:func:`pcaf_core.reference.attention_allowed`: key s visible to query t when
 ``s <= t ∧ (t-s < w ∨ s < g)``) without a ``[T, T]`` array: queries go in blocks of b positions, and block i
 is multiplied by its own key block and the ``c = ceil((w-1)/b)`` blocks before it (every key within w of a
 query of the block, one batched GEMM), plus the g global keys for global-local. The scores of one block are
@@ -26,6 +28,53 @@ from pcaf_core.config import WINDOWED_VARIANTS
 from pcaf_core.reference import attention_allowed
 
 
+def attention_mask(seq_len: int, variant: str, window: int, n_global: int) -> jax.Array:
+    """See :func:`pcaf_core.reference.attention_mask`; traced, so XLA builds it rather than embedding a constant."""
+    pos = jnp.arange(seq_len)
+    return attention_allowed(pos[:, None], pos[None, :], variant, window, n_global)
+
+
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, drop: Callable[[jax.Array], jax.Array] | None = None
+) -> jax.Array:
+    """The softmax attention of :func:`pcaf_core.reference.attention` on split heads: q, k, v ``[B, T, H, hd]``;
+    mask ``[T, T]`` bool -> ``[B, T, H, hd]`` (M query rows: q ``[B, M, H, hd]``, mask ``[M, T]``,
+    ``-> [B, M, H, hd]``).
+
+    Logits and softmax in at least float32 (exact float64 when the inputs are float64, unlike
+    ``jax.nn.dot_product_attention``, whose softmax is always float32); ``drop`` acts on the weights.
+    """
+    work = jnp.promote_types(q.dtype, jnp.float32)
+    logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=work) / math.sqrt(q.shape[-1])
+    probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+    if drop is not None:
+        probs = drop(probs)
+    return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v)
+
+CAUSAL_BLOCK = 128
+"""Query rows per block of :func:`causal_attention_in_blocks` (dense attention over more rows than this runs in
+blocks)."""
+
+
+def causal_attention_in_blocks(q: jax.Array, k: jax.Array, v: jax.Array,
+                               drop: Callable[[jax.Array], jax.Array] | None = None, *,
+                               block: int = CAUSAL_BLOCK) -> jax.Array:
+    """Causal softmax attention (``transformer_dense``), q, k, v ``[B, T, H, hd]`` -> ``[B, T, H, hd]``, as
+    :func:`attention` over query blocks of ``block`` rows (static), each against the keys up to its last row under
+    its rows of the causal mask: ``(T + block) / 2T`` of the ``[T, T]`` scores, and never the whole array at once.
+    The same values as :func:`attention` up to float rounding; ``drop`` draws each block's weights on its own,
+    which leaves every weight's distribution as it was (the torch backend's ``causal_attention_in_blocks``)."""
+    T = q.shape[1]
+    if T <= block:
+        return attention(q, k, v, attention_mask(T, "transformer_dense", 0, 0), drop)
+    parts = []
+    for start in range(0, T, block):
+        end = min(T, start + block)
+        rows = attention_allowed(jnp.arange(start, end)[:, None], jnp.arange(end)[None, :], "transformer_dense", 0, 0)
+        parts.append(attention(q[:, start:end], k[:, :end], v[:, :end], rows, drop))
+    return jnp.concatenate(parts, axis=1)
+
+
 def band_block(window: int, seq_len: int) -> int:
     """The query block b: the window (a block and the one before it then cover every visible local key), at
     most T."""
@@ -38,7 +87,7 @@ def banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, variant: str, win
     """Windowed softmax attention. q, k, v ``[B, T, H, hd]`` -> ``[B, T, H, hd]``, scale ``1/√hd``.
 
     Logits and softmax in at least float32 (float64 inputs stay float64), as the masked path
-    (:func:`backends.jax.layers.attention`); ``drop`` acts on the weights. ``block``: b (static; default
+    (:func:`attention`); ``drop`` acts on the weights. ``block``: b (static; default
     :func:`band_block`). ``rows`` (static): only those M query rows of the T (:func:`pcaf_core.reference.layer_rows`:
     the first ``first`` and the last ``last``), ``-> [B, M, H, hd]``; q still holds all T rows. Each of the two runs
     of consecutive positions is banded on its own, so a next-token layer computes the rows the layers above read
