@@ -51,9 +51,10 @@ def attention(
         probs = drop(probs)
     return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v)
 
+
 CAUSAL_BLOCK = 128
 """Query rows per block of :func:`causal_attention_in_blocks` (dense attention over more rows than this runs in
-blocks)."""
+blocks): the torch backend's block size; on JAX only 128 was timed (docs/KERNELS.md)."""
 
 
 def causal_attention_in_blocks(q: jax.Array, k: jax.Array, v: jax.Array,
