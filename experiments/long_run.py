@@ -60,7 +60,8 @@ def runs_on_cpu(backend: str, device: str) -> bool:
 def train_seconds(run, rate: float) -> float:
     """Lower bound on the training time of a :class:`~pcaf_core.config.RunConfig` at ``rate`` FLOP/s."""
     # Every next-token step computes from receptive fields (both backends turn nt_receptive_field on for each
-    # model that has one; linear attention's count is its full window), so the count is the executed one.
+    # model that has one; linear attention's count is its full window), so the count is the executed one, but for
+    # torch's context-route topk_score selection, which the count bounds from above (pcaf_core.flops).
     flops = train_step_flops(run.model, run.memory, run.train.mode, run.train.seq_len, run.train.batch_size,
                              nt_count="receptive_field")
     return run.train.steps * flops / rate

@@ -102,11 +102,13 @@ def conv_stack(p: dict[str, np.ndarray], x: np.ndarray, model: ModelConfig, gelu
     (``nt_receptive_field``): a prediction reads the query's final state and the keys of its C candidate slots
     (K, 2K for the hybrid route; none without a cache), so they compute ``B·(1 + C)·R`` positions instead of
     ``B·T``. Routes that select from the tokens alone (``recent`` / ``first`` context routes) select first;
-    routes that rank by states (``topk_score``, the semantic routes) select on a full forward without
-    gradients, then recompute the selected states with gradients. Inside a receptive field each block's MLP
-    runs on the rows the blocks above read only (:func:`nt_conv_rows`): for 2 blocks of k = 5, 5 and 1 rows
-    instead of 9 and 9. Same outputs as the full forward up to float rounding (dropout draws its masks for the
-    computed positions only).
+    routes that rank by states select without gradients, then recompute the selected states with gradients:
+    the semantic and hybrid routes on a full forward (every position's state sets its semantic bucket), the
+    context route's ``topk_score`` on the keys of the query's bucket alone, which the tokens name (torch computes
+    them from their receptive fields; JAX, in static shapes, runs the full forward). Inside a receptive field
+    each block's MLP runs on the rows the blocks above read only (:func:`nt_conv_rows`): for 2 blocks of k = 5,
+    5 and 1 rows instead of 9 and 9. Same outputs as the full forward up to float rounding (dropout draws its
+    masks for the computed positions only).
     """
     for i in range(model.n_layers):
         pre = f"blocks.{i}"

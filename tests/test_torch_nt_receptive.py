@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from backends.torch.layers import l2_normalize
 from backends.torch.models import build_model
 from pcaf_core.config import MemoryConfig, ModelConfig
 from pcaf_core.profiles import get_profile
@@ -103,6 +104,36 @@ def test_dropout_runs_on_the_computed_positions_in_training() -> None:
     a = net(tokens, torch.full((4,), 5), "nt", need_log_probs=False, need_predictions=False).loss
     b = net(tokens, torch.full((4,), 5), "nt", need_log_probs=False, need_predictions=False).loss
     assert torch.isfinite(a) and not torch.equal(a, b)  # fresh masks each call
+
+
+@pytest.mark.parametrize("strategy, sparse_window", [("auto", None), ("auto", 2), ("dense", None)])
+def test_topk_score_ranks_its_query_bucket_from_receptive_fields(strategy: str, sparse_window) -> None:
+    # Three token values in 120 positions: ~40 records a bucket, far past K=3 and the sparse window M, so
+    # the route's sparse pass, its proof and its dense pass all rank keys that bucket_keys computed.
+    net = _model(("pcaf", "context", "dense", "topk_score"), "reference_jax")
+    net.topk_strategy, net.sparse_window = strategy, sparse_window
+    rng = np.random.default_rng(7)
+    tokens = torch.as_tensor(rng.integers(3, 6, (4, 120)))
+    targets = torch.as_tensor(rng.integers(3, 40, 4))
+    qpos = torch.tensor([119])
+    with torch.no_grad():
+        query, keys = net.bucket_keys(tokens, qpos)
+        h = net.hidden_states(tokens)
+        want_keys = l2_normalize(net.memory.key(h), net.profile.l2norm)
+        want_query = l2_normalize(net.memory.query(h[:, -1:]), net.profile.l2norm)
+    addr = net.memory_read(tokens, h, "nt")[0].addresses
+    member = addr == addr[:, -1:]
+    assert member.sum() > 4 * 30  # the buckets overflow
+    torch.testing.assert_close(keys[member], want_keys[member], rtol=1e-10, atol=1e-12)
+    assert not keys[~member].any()  # nothing outside the query's bucket is computed
+    torch.testing.assert_close(query, want_query, rtol=1e-10, atol=1e-12)
+    full, g_full = _run(net, tokens, targets, False)
+    part, g_part = _run(net, tokens, targets, True)
+    assert torch.equal(part.memory.cand.index, full.memory.cand.index)
+    assert part.memory.cand.valid.all()
+    torch.testing.assert_close(part.loss, full.loss, rtol=1e-10, atol=1e-12)
+    for name in g_full:
+        torch.testing.assert_close(g_part[name], g_full[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
 ATTENTION = ["transformer_local", "transformer_global_local", "transformer_dense", "linear_attention"]
