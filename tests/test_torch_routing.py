@@ -84,6 +84,23 @@ def test_torch_records_helpers_match_spec() -> None:
 
 
 @settings(max_examples=40, deadline=None)
+@given(st.integers(1, 300), st.integers(0, 2**16), st.floats(1e-3, 1e3), st.booleans())
+def test_torch_max_norm_bound_holds_and_is_tight(d: int, seed: int, scale: float, unit: bool) -> None:
+    """The topk_score proof's key-norm bound, from norms in the keys' own float32: never below the exact
+    maximum (float64 norms of the same float32 values), and above it by at most (d + 3)·eps."""
+    rng = np.random.default_rng(seed)
+    keys = rng.standard_normal((3, 17, d)) * scale
+    if unit:  # the models' L2-normalised keys, all of norm ~1: the case the bound is tight for
+        keys /= np.linalg.norm(keys, axis=-1, keepdims=True)
+    k32 = torch.tensor(keys, dtype=torch.float32)
+    exact = torch.linalg.vector_norm(k32.to(torch.float64), dim=-1).amax(-1, keepdim=True)
+    got = troute.max_norm_bound(k32)
+    assert got.dtype == torch.float64 and got.shape == (3, 1)
+    assert torch.all(got >= exact)
+    assert torch.all(got <= exact * (1 + (d + 3) * torch.finfo(torch.float32).eps))
+
+
+@settings(max_examples=40, deadline=None)
 @given(st.integers(1, 40), st.integers(1, 12), st.integers(1, 7), st.integers(0, 2**16),
        st.sampled_from([torch.float32, torch.float64]))
 def test_torch_window_topk_matches_lexsort(n: int, M: int, k: int, seed: int, dtype: torch.dtype) -> None:
