@@ -332,8 +332,10 @@ class PCAFModel(CanonicalLM):
         at the positions whose address is the query's (the records the route can rank) and zero elsewhere (never
         read: the route scores its query's bucket alone).
 
-        A window holds T positions but a query's bucket a few dozen (43 on average at T=1,024 on WikiText-2,
-        V=8,000, n=1), so this computes about an eighth of a full forward's rows. Run without gradients."""
+        A window holds T positions but a query's bucket a few dozen records (26 on average at T=1,024 and 55 at
+        T=2,048 on WikiText-2, V=8,000, n=1), each computed on its R-row receptive field with L + (k-1)·L(L-1)/2
+        MLP rows (6 for 2 blocks of k = 5) against a full forward's L a position: about a twelfth of the full
+        forward's MLP rows at either T. Run without gradients."""
         B, T = tokens.shape
         mcfg, prof = self.memory_config, self.profile
         addr = hashing.addresses(tokens, mcfg.context_order, mcfg.num_buckets,
