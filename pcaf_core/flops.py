@@ -23,19 +23,18 @@ A next-token window predicts once. Two counts are defined for it:
 
 - ``full_window``: the formulation the paper's code computes, the backbone over all T positions, T−1 records
   and one head;
-- ``receptive_field``: what a receptive-field step executes (``PCAFModel.nt_receptive_read``): the backbone
-  on 1 + C receptive fields of R = L·(k − 1) + 1 positions (C keys), each block's conv over its input rows and
-  its MLP over the rows it keeps (:func:`pcaf_core.reference.nt_conv_rows`), one head; routes that rank by states
-  (``topk_score`` context, semantic, hybrid) add one forward (no backward) over the window of the backbone
-  and of what ranks (the router ``2dS``, the key and query projections ``4d²``). That is the JAX backend's
-  selection; torch's ``topk_score`` on the context route computes the keys of the query's bucket alone, from
-  their receptive fields (:func:`pcaf_core.reference.conv_stack`), a count the data sets and this one bounds
-  from above. Windowed attention
-  computes the sub-window of :func:`pcaf_core.reference.nt_attention_crop` (the g global positions and the last
-  R = L·(w − 1) + 1), each layer only the rows of :func:`pcaf_core.reference.nt_attention_rows`: the ``qkv``
-  projection ``6d²`` over the layer's input rows, the queries, the output projection ``2d²`` and the MLP over
-  the rows it keeps; dense attention the full window below its top layer and the last row at the top, linear
-  attention the full window.
+- ``receptive_field``: what a receptive-field step executes (``PCAFModel.nt_receptive_read``): the backbone on 1 + C
+  receptive fields of R = L·(k − 1) + 1 positions (C keys), each block's conv over its input rows and its MLP over
+  the rows it keeps (:func:`pcaf_core.reference.nt_conv_rows`), one head; routes that rank by states (``topk_score``
+  context, semantic, hybrid) add one forward (no backward) over the window of the backbone and of what ranks (the
+  router ``2dS``, the key and query projections ``4d²``). That is the JAX backend's selection; torch's
+  ``topk_score`` on the context route computes the keys of the query's bucket alone, from their receptive fields
+  (:func:`pcaf_core.reference.conv_stack`), a count the data sets and this one bounds from above. Windowed attention
+  computes the sub-window of :func:`pcaf_core.reference.nt_attention_crop` (the g global positions and the last R =
+  L·(w − 1) + 1), each layer only the rows of :func:`pcaf_core.reference.nt_attention_rows`: the ``qkv`` projection
+  ``6d²`` over the layer's input rows, the queries, the output projection ``2d²`` and the MLP over the rows it
+  keeps; dense attention the full window below its top layer and the last row at the top, linear attention the full
+  window.
 """
 
 from __future__ import annotations
