@@ -6,7 +6,8 @@ the analytic FLOPs of one training step (:func:`pcaf_core.flops.train_step_flops
 receptive-field next-token steps, full windows otherwise) times the run's steps, divided by this CPU's
 measured fp32 matrix-product rate. Real steps carry work the FLOP count leaves out and never reach the peak
 (a next-token PCAF step's routing and gathers, in particular), and evaluation is not counted, so the estimate
-is a lower bound. Above :data:`NOTICE_MINUTES` the command prints it before it starts; above
+is a lower bound (but for torch's next-token ``topk_score`` context rows, whose selection pass it overcounts:
+:func:`train_seconds`). Above :data:`NOTICE_MINUTES` the command prints it before it starts; above
 :data:`LONG_RUN_HOURS` the command is refused with one line that gives the estimate and the flag that starts
 it anyway (``--yes`` for ``experiments.reproduce``, ``confirm=true`` for ``experiments.run``). ``make
 step-cost`` times real steps of a table's rows for a closer figure. Runs on an accelerator are not estimated here.
@@ -58,10 +59,11 @@ def runs_on_cpu(backend: str, device: str) -> bool:
 
 
 def train_seconds(run, rate: float) -> float:
-    """Lower bound on the training time of a :class:`~pcaf_core.config.RunConfig` at ``rate`` FLOP/s."""
+    """The training time of a :class:`~pcaf_core.config.RunConfig` at ``rate`` FLOP/s: a lower bound, except for
+    torch's next-token ``topk_score`` context rows, whose selection the count bounds from above
+    (:mod:`pcaf_core.flops`)."""
     # Every next-token step computes from receptive fields (both backends turn nt_receptive_field on for each
-    # model that has one; linear attention's count is its full window), so the count is the executed one, but for
-    # torch's context-route topk_score selection, which the count bounds from above (pcaf_core.flops).
+    # model that has one; linear attention's count is its full window), so the count is the executed one.
     flops = train_step_flops(run.model, run.memory, run.train.mode, run.train.seq_len, run.train.batch_size,
                              nt_count="receptive_field")
     return run.train.steps * flops / rate
