@@ -3,7 +3,8 @@
     python3 -m experiments.gpu_paper_rows --make-site          # here, once: .gpu_site/ from this environment
     python3 -m experiments.gpu_paper_rows --unpack records.tar.gz [--into docs/results/runs]   # here, after
     python3 -m experiments.gpu_paper_rows [--step-cost wt2-nt-1024,wt2-nt-2048] [--out DIR] [--budget-s S]
-                                          [--scale paper] [--device cuda] [--override KEY=VALUE ...] TABLE/ROW ...
+                                          [--scale paper] [--device cuda] [--override KEY=VALUE ...]
+                                          [--stop-on-failure] TABLE/ROW ...
 
 On the GPU machine (docs/EXPERIMENTS.md, "Paper rows on a GPU"), in order:
 
@@ -24,6 +25,9 @@ On the GPU machine (docs/EXPERIMENTS.md, "Paper rows on a GPU"), in order:
 Back here, ``--unpack <out>/records.tar.gz --into docs/results/runs`` puts the records where the tables read
 them: only record files at ``<table>/<scale>/<torch|jax>/<row>/<run>/`` are accepted, and a record that already
 exists with other contents is refused, not overwritten.
+
+``--stop-on-failure``: once a row fails (its command exits non-zero, or leaves no completed run), the rows after
+it are not started; the line saying so names them.
 
 ``--budget-s``: a row whose run predicted by step 1 (``wall_s``: its first step, training and evaluation; process
 start-up not included) exceeds the seconds left is skipped, with a line saying so. The tables render here, from the
@@ -230,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-root", default="outputs/gpu", help="the runs themselves, checkpoints included")
     parser.add_argument("--budget-s", type=float, default=0.0, help="skip rows predicted to train longer than the "
                         "seconds left (0: no budget)")
+    parser.add_argument("--stop-on-failure", action="store_true", help="train no further row once one fails (e.g. "
+                        "a first try of --override train.compile=on: the next command then trains the rest otherwise)")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a Hydra override for every step cost and row, e.g. train.compile=on (repeatable); "
                         "one that changes a row's numbers makes its runs extra runs, not the row's")
@@ -280,7 +286,14 @@ def main(argv: list[str] | None = None) -> int:
         packed = pack_records(out / "runs", out / ARCHIVE_NAME) if (out / "runs").is_dir() else 0
         print(f"[gpu_paper_rows] {table}/{row}: exit {rc}, {len(copied)} completed run record(s) -> "
               f"{', '.join(str(p) for p in copied) or 'none'}; {out / ARCHIVE_NAME}: {packed} file(s)", flush=True)
-        code = code or rc or (0 if copied else 1)
+        failed = rc or not copied
+        code = code or rc or (1 if failed else 0)
+        if failed and args.stop_on_failure:
+            left = [f"{t}/{r}" for t, r in rows[rows.index((table, row)) + 1:]]
+            if left:
+                print(f"[gpu_paper_rows] stopped after {table}/{row} failed (--stop-on-failure); not trained: "
+                      f"{' '.join(left)}", flush=True)
+            break
     print(f"[gpu_paper_rows] done in {time.monotonic() - start:.0f} s (exit {code})", flush=True)
     return code
 

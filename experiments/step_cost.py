@@ -18,7 +18,9 @@ step cheaper), the other steps at the step cost, and every evaluation batch the 
 as measured (``first_eval_s``: an evaluation graph's compilation included), the others at the median of
 ``--steps`` timed ``Backend.eval_batch`` calls on the row's eval batch (``eval_batch_ms``). The batches
 (``eval_batches``) are the reference protocol's ``eval.batches`` at step 1, every ``eval.every`` steps and the last
-step, and the full protocol's deterministic pass. Data loading and process start-up are not in it.
+step, and the full protocol's deterministic pass (``full_batches`` of them). Where the pass batches its windows
+otherwise (``eval.full_batch_size``: ``full_batch`` windows), its batches are timed at that size the same way
+(``first_full_s``, ``full_batch_ms``). Data loading and process start-up are not in it.
 Run it alone on the machine, as any timing.
 """
 
@@ -37,7 +39,7 @@ import numpy as np
 from experiments.table_plan import compose_row, select_rows
 from pcaf_core.config import ConfigError
 from pcaf_core.data import load_corpus
-from pcaf_core.evaluation import eval_batch_size, evaluation_tokens, full_windows, reference_due
+from pcaf_core.evaluation import eval_batch_size, evaluation_tokens, full_batch_size, full_windows, reference_due
 from pcaf_core.results import SCALES
 
 BACKEND_CLASSES = {"torch": ("backends.torch.backend", "TorchBackend"), "jax": ("backends.jax.backend", "JaxBackend")}
@@ -78,9 +80,16 @@ def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: 
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    first_eval_s, eval_batch_s = eval_batch_times(backend, state, cfg, steps, corpus)
-    n_eval = eval_batch_count(cfg, corpus)
-    eval_s = first_eval_s + eval_batch_s * (n_eval - 1) if n_eval else 0.0
+    batch, full_batch = eval_batch_size(cfg), full_batch_size(cfg)
+    first_eval_s, eval_batch_s = eval_batch_times(backend, state, cfg, steps, corpus, batch)
+    n_ref, n_full = eval_batch_counts(cfg, corpus)
+    if full_batch == batch:
+        first_full_s, full_batch_s = first_eval_s, eval_batch_s
+        eval_s = first_eval_s + eval_batch_s * (n_ref + n_full - 1) if n_ref + n_full else 0.0
+    else:  # a batch of another size: its own first call (a new shape compiles) and its own median
+        first_full_s, full_batch_s = eval_batch_times(backend, state, cfg, steps, corpus, full_batch)
+        eval_s = ((first_eval_s + eval_batch_s * (n_ref - 1) if n_ref else 0.0)
+                  + (first_full_s + full_batch_s * (n_full - 1) if n_full else 0.0))
     unit = B if cfg.train.mode == "nt" else B * T
     return {"table": table, "row": row, "scale": scale, "backend": backend_name, "mode": cfg.train.mode, "T": T,
             "batch": B, "variant": cfg.model.variant, "route": cfg.memory.route, "top_k": cfg.memory.top_k,
@@ -89,29 +98,32 @@ def measure_row(table: str, row: str, scale: str, backend_name: str, overrides: 
             "ms_per_unit": round(step_s * 1e3 / unit, 4), "steps": cfg.train.steps,
             "train_s": round(step_s * cfg.train.steps, 1), "timed_steps": steps, "device": backend.device,
             "first_step_s": round(first_step_s, 4), "first_eval_s": round(first_eval_s, 4),
-            "eval_batch_ms": round(eval_batch_s * 1e3, 2), "eval_batches": n_eval, "eval_s": round(eval_s, 1),
+            "eval_batch_ms": round(eval_batch_s * 1e3, 2), "eval_batches": n_ref + n_full,
+            "full_batch": full_batch, "full_batches": n_full, "first_full_s": round(first_full_s, 4),
+            "full_batch_ms": round(full_batch_s * 1e3, 2), "eval_s": round(eval_s, 1),
             "wall_s": round(first_step_s + step_s * (cfg.train.steps - 1) + eval_s, 1)}
 
 
-def eval_batch_count(cfg, corpus=None) -> int:
-    """How many batches a run of ``cfg`` scores: ``eval.batches`` at each reference evaluation (step 1, every
-    ``eval.every`` steps, the last step) and the full protocol's batches over the evaluation split of ``corpus``
-    (default: ``cfg``'s, loaded), as :mod:`pcaf_core.loop` runs them."""
-    n = 0
+def eval_batch_counts(cfg, corpus=None) -> tuple[int, int]:
+    """How many batches a run of ``cfg`` scores, as :mod:`pcaf_core.loop` runs them: ``eval.batches`` at each
+    reference evaluation (step 1, every ``eval.every`` steps, the last step), and the full protocol's batches of
+    :func:`~pcaf_core.evaluation.full_batch_size` windows over the evaluation split of ``corpus`` (default:
+    ``cfg``'s, loaded). ``(reference, full)``."""
+    n_ref = n_full = 0
     if cfg.eval.protocol in ("reference", "both"):
-        n += sum(reference_due(step, cfg) for step in range(1, cfg.train.steps + 1)) * cfg.eval.batches
+        n_ref = sum(reference_due(step, cfg) for step in range(1, cfg.train.steps + 1)) * cfg.eval.batches
     if cfg.eval.protocol in ("full", "both"):
         tokens = evaluation_tokens(corpus if corpus is not None else load_corpus(cfg.data))
-        n += len(full_windows(tokens, cfg, eval_batch_size(cfg), capped=True))
-    return n
+        n_full = len(full_windows(tokens, cfg, full_batch_size(cfg), capped=True))
+    return n_ref, n_full
 
 
-def eval_batch_times(backend, state, cfg, repeats: int, corpus) -> tuple[float, float]:
+def eval_batch_times(backend, state, cfg, repeats: int, corpus, batch: int) -> tuple[float, float]:
     """The first ``Backend.eval_batch`` call's time (an evaluation graph's compilation included) and the median of
-    ``repeats`` more, on the row's eval batch of windows of ``corpus``'s evaluation split; each call returns its
-    outputs on the host, so the times are complete."""
-    inputs, targets = spread_windows(evaluation_tokens(corpus), eval_batch_size(cfg),
-                                     cfg.train.seq_len, cfg.train.mode, "evaluation")
+    ``repeats`` more, on ``batch`` windows of ``corpus``'s evaluation split; each call returns its outputs on the
+    host, so the times are complete."""
+    inputs, targets = spread_windows(evaluation_tokens(corpus), batch, cfg.train.seq_len, cfg.train.mode,
+                                     "evaluation")
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
@@ -144,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row:34} {r['mode']:2} T={r['T']:<5} B={r['batch']:<4} {r['step_ms']:9.1f} ms/step "
                   f"{r['ms_per_unit']:8.3f} ms/{r['unit']:6} x {r['steps']} steps = {r['train_s']:8.1f} s; "
                   f"run {r['wall_s']:.0f} s (first step {r['first_step_s']:.1f} s, {r['eval_batches']} eval "
-                  f"batches {r['eval_s']:.0f} s)", flush=True)
+                  f"batches {r['eval_s']:.0f} s, the full pass's {r['full_batches']} of {r['full_batch']} windows)",
+                  flush=True)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -335,6 +335,7 @@ class EvalConfig:
     every: int = 500
     batches: int = 50
     batch_size: int = 0  # 0 = the training batch size
+    full_batch_size: int = 0  # windows per batch of the full protocol's pass; 0 = the eval batch size
     eval_sample_seed: int = 20001
     full_max_windows: int = 0  # 0 = every window of the split (the full protocol)
     full_nt_stride: int = 1  # NT full protocol: a target every N positions (1 = every position)
@@ -347,6 +348,8 @@ class EvalConfig:
         _require(self.every >= 1, s, "every", self.every, "must be >= 1")
         _require(self.batches >= 1, s, "batches", self.batches, "must be >= 1")
         _require(self.batch_size >= 0, s, "batch_size", self.batch_size, "must be >= 0 (0 = train batch)")
+        _require(self.full_batch_size >= 0, s, "full_batch_size", self.full_batch_size,
+                 "must be >= 0 (0 = the eval batch size)")
         _require(self.full_max_windows >= 0, s, "full_max_windows", self.full_max_windows, "must be >= 0")
         _require(self.full_nt_stride >= 1, s, "full_nt_stride", self.full_nt_stride, "must be >= 1")
 

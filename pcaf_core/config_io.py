@@ -23,6 +23,7 @@ from pcaf_core.config import (
     RunConfig,
     TrainConfig,
 )
+from pcaf_core.run_identity import BATCHING_FIELDS
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -56,9 +57,10 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
 
 
 def hashable_config(cfg: RunConfig) -> dict[str, Any]:
-    """:func:`config_to_dict` without the location fields."""
+    """:func:`config_to_dict` without the location fields and the batching fields
+    (:data:`pcaf_core.run_identity.BATCHING_FIELDS`)."""
     data = config_to_dict(cfg)
-    for section, name in LOCATION_FIELDS:
+    for section, name in (*LOCATION_FIELDS, *(f.split(".") for f in BATCHING_FIELDS)):
         data[section].pop(name, None)
     return data
 

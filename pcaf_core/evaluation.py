@@ -47,6 +47,14 @@ def eval_batch_size(cfg: RunConfig) -> int:
     return cfg.eval.batch_size or cfg.train.batch_size
 
 
+def full_batch_size(cfg: RunConfig) -> int:
+    """Windows per batch of the full protocol's pass: ``eval.full_batch_size``, or :func:`eval_batch_size` when it
+    is 0. Each window is scored on its own (dropout off, nothing carried between windows), so the batching changes
+    no score beyond float rounding (a product's summation order may depend on its batch); it is left out of a
+    run's identity and of its checkpoints' config hash (:data:`pcaf_core.run_identity.BATCHING_FIELDS`)."""
+    return cfg.eval.full_batch_size or eval_batch_size(cfg)
+
+
 def reference_due(step: int, cfg: RunConfig) -> bool:
     """Whether a run evaluates with the reference protocol after ``step`` (1-based): at step 1, every
     ``eval.every`` steps and at the last step (``train.steps``)."""

@@ -69,6 +69,7 @@ from pcaf_core.evaluation import (
     evaluate_full,
     evaluate_reference,
     evaluation_tokens,
+    full_batch_size,
     reference_due,
     unigram_ppl,
 )
@@ -205,7 +206,8 @@ class TrainingLoop:
     def evaluate_full(self, step: int) -> EvalResult:
         """See :func:`pcaf_core.evaluation.evaluate_full`."""
         result, self.full_total_windows = evaluate_full(self.backend, self.state, self.cfg,
-                                                        evaluation_tokens(self.corpus), self.eval_batch_size, step)
+                                                        evaluation_tokens(self.corpus), full_batch_size(self.cfg),
+                                                        step)
         return result
 
     # ----------------------------------------------------------------- checkpoints

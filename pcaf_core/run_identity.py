@@ -47,12 +47,19 @@ IDENTITY_LABELS = ("table", "row")
 LOCATION_FIELDS = ("data.data_dir", "data.cache_dir")
 """Where the corpus and its cache live: never compared (a run may resume after its data moved)."""
 
-NON_RESULT_FIELDS = ("train.compile", "train.checkpoint_every", "train.log_every")
-"""Fields that change how a run is executed or recorded, not its numbers: left out of the identity, kept
-in the resume view (a checkpoint's config hash includes them)."""
+BATCHING_FIELDS = ("eval.full_batch_size",)
+"""Fields that set only how a pass's windows are batched (:func:`pcaf_core.evaluation.full_batch_size`): left out
+of the identity, of the resume view and of a checkpoint's config hash (``pcaf_core.config_io.hashable_config``),
+so a run may continue, and a record count for its row, whatever batching its full pass used. Batching may
+change float rounding, never what is scored."""
 
-RESUMABLE_CHANGES = ("backend.device", "backend.world_size")
-"""Fields a command may change when it continues a run (part of the identity, not of the resume view)."""
+NON_RESULT_FIELDS = ("train.compile", "train.checkpoint_every", "train.log_every", *BATCHING_FIELDS)
+"""Fields that change how a run is executed or recorded, not its numbers: left out of the identity, kept
+in the resume view (a checkpoint's config hash includes them) except :data:`BATCHING_FIELDS`."""
+
+RESUMABLE_CHANGES = ("backend.device", "backend.world_size", *BATCHING_FIELDS)
+"""Fields a command may change when it continues a run (left out of the resume view; the first two are part of
+the identity)."""
 
 
 def _drop(view: dict[str, Any], dotted: tuple[str, ...]) -> None:

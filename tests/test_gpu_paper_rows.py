@@ -43,6 +43,23 @@ def test_overrides_reach_the_step_cost_and_every_row(tmp_path: Path, monkeypatch
             gpr.main(["--override", bad, "wt2-nt-1024/transformer_local"])
 
 
+def test_stop_on_failure_starts_no_row_after_a_failed_one(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A row whose command fails (here: exit 1, no record) ends the command under ``--stop-on-failure``, with a
+    line naming the rows not trained; without it the next rows still run."""
+    launched = []
+    monkeypatch.setattr(gpr.subprocess, "call", lambda cmd, **kw: launched.append(cmd) or 1)
+    rows = ["wt2-nt-1024/transformer_global_local", "wt2-nt-2048/transformer_local",
+            "wt2-nt-2048/transformer_global_local"]
+    common = ["--step-cost", "", "--out", str(tmp_path), "--output-root", str(tmp_path / "outputs")]
+    assert gpr.main([*common, "--stop-on-failure", *rows]) == 1
+    assert len(launched) == 1
+    assert ("stopped after wt2-nt-1024/transformer_global_local failed (--stop-on-failure); not trained: "
+            "wt2-nt-2048/transformer_local wt2-nt-2048/transformer_global_local") in capsys.readouterr().out
+    launched.clear()
+    assert gpr.main([*common, *rows]) == 1
+    assert len(launched) == 3
+
+
 def test_site_goes_first_on_the_path(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(gpr, "SITE", tmp_path / "site")
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")

@@ -214,6 +214,42 @@ def test_full_protocol_ar_and_cap_is_labelled(tmp_path):
     assert m2.extra["full_targets"] == 1200 - 1 and m2.extra["full_protocol_label"] == "full"
 
 
+def test_full_pass_batches_by_full_batch_size_and_scores_the_same(tmp_path):
+    """``eval.full_batch_size`` sets how many windows a batch of the full pass holds, and nothing else: the same
+    targets to the same loss and accuracy, the reference batches at the eval batch size, and a config hash and
+    run identity that ignore it (so a record counts for its row whatever batching its pass used)."""
+    from pcaf_core.config_io import config_to_dict
+    from pcaf_core.run_identity import identity_digest, resume_diff
+
+    class Sizes(BigramBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[int] = []
+
+        def eval_batch(self, state, inputs, targets, mode):
+            self.sizes.append(len(inputs))
+            return super().eval_batch(state, inputs, targets, mode)
+
+    corpus = markov_corpus()
+    runs = {}
+    for full in (0, 48):
+        cfg = small_cfg(steps=4, eval={"batch_size": 8, "batches": 2, "full_batch_size": full})
+        backend = Sizes()
+        m = run_training(cfg, backend, tmp_path / str(full), corpus=corpus, progress=False)
+        runs[full] = (cfg, m, backend.sizes)
+    (cfg0, m0, sizes0), (cfg48, m48, sizes48) = runs[0], runs[48]
+    reference = 2 * 2  # steps 1 and 4, two batches each
+    assert set(sizes0) == {8} and set(sizes48[:reference]) == {8}
+    assert sizes48[reference:] == [48] * (len(sizes48) - reference)
+    assert len(sizes0) - reference == -(-m0.full_windows // 8) and len(sizes48) - reference == -(-m0.full_windows // 48)
+    assert m48.full_windows == m0.full_windows and m48.extra["full_targets"] == m0.extra["full_targets"]
+    assert m48.full_ppl == pytest.approx(m0.full_ppl, rel=1e-12) and m48.full_acc == m0.full_acc
+    assert m48.best_ppl == m0.best_ppl
+    assert loop.config_hash(cfg48) == loop.config_hash(cfg0) == m0.config_hash == m48.config_hash
+    d0, d48 = config_to_dict(cfg0), config_to_dict(cfg48)
+    assert identity_digest(d48) == identity_digest(d0) and resume_diff(d0, d48) == []
+
+
 def test_record_template_identity_is_kept(tmp_path):
     from pcaf_core.results import RunMetrics
 

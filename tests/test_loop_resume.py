@@ -93,6 +93,23 @@ def test_data_location_does_not_change_the_config_hash():
     assert loop.config_hash(a) != loop.config_hash(b)
 
 
+def test_a_run_may_resume_with_its_full_pass_batched_otherwise(tmp_path):
+    """``eval.full_batch_size`` is not in a checkpoint's config hash: a run cut off before its full pass finishes
+    it in other batches (a checkpoint written before the field existed hashes the same), and scores the same."""
+    corpus = markov_corpus()
+    cfg = small_cfg(steps=9, checkpoint_every=3, eval={"batch_size": 4})
+    ref = run_training(cfg, BigramBackend(), tmp_path / "ref", corpus=corpus, progress=False)
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="injected failure at step 8"):
+        run_training(cfg, BigramBackend(raise_at_step=8), run, corpus=corpus, progress=False)
+    wide = small_cfg(steps=9, checkpoint_every=3, eval={"batch_size": 4, "full_batch_size": 64})
+    assert loop.config_hash(wide) == loop.config_hash(cfg)
+    assert "full_batch_size" not in read_loop_state(latest_checkpoint(run)).config["eval"]
+    m = run_training(wide, BigramBackend(), run, corpus=corpus, progress=False)
+    assert m.status == "completed" and m.extra["segments"] == 2
+    assert m.full_ppl == pytest.approx(ref.full_ppl, rel=1e-12) and m.full_windows == ref.full_windows
+
+
 def test_incomplete_or_corrupt_checkpoint_falls_back_to_the_previous(tmp_path):
     corpus = markov_corpus()
     cfg = small_cfg(steps=9, checkpoint_every=3)
