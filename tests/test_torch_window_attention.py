@@ -302,6 +302,67 @@ def test_model_under_torch_compile_trains_like_masked(flex_backward_on_cpu) -> N
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+def _compiled_next_token_step_cold(variant: str, device: str, backend: str) -> None:
+    """A next-token training step with the reference profile's dropout, whose two lower layers put at least a
+    block of rows through FlexAttention's dropout form, compiled by ``backend`` from an empty block-mask cache (as
+    a fresh process, a paper row's first step, meets it): one graph with no break (Dynamo's counters), and the
+    eager step's loss and gradients under the same dropout draws."""
+    from torch._dynamo.utils import counters
+
+    import backends.torch.layers as torch_layers
+    from backends.torch.backend import TorchBackend, TrainingLoss
+    from backends.torch.compile import compile_training
+    from pcaf_core.config import RunConfig, TrainConfig
+
+    T = 450  # past the receptive field (g + 3·127 + 1 rows), so the step reads a sub-window
+    cfg = RunConfig(model=ModelConfig(variant=variant, vocab_size=64, d_model=32, d_hidden=24, n_layers=3, n_heads=2,
+                                      window=128, n_global=2, max_seq_len=T, attention_impl="banded"),
+                    profile=get_profile("reference_torch"), train=TrainConfig(mode="nt", seq_len=T, batch_size=2))
+    state = TorchBackend(device).init(cfg)
+    state.module.train()
+    x, y = (t.to(device) for t in _tokens(T))
+    y = y[:, -1]
+    torch._dynamo.reset()
+    counters.clear()
+    wa._BLOCK_MASKS.clear()
+    wa._SCALARS.clear()
+    flex_rows, flex = [], wa.flex_window_attention
+
+    def counted(q, *args, **kwargs):
+        flex_rows.append(q.shape[2])
+        return flex(q, *args, **kwargs)
+
+    results = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch_layers, "flex_window_attention", counted)
+        for name, step in (("compiled", compile_training(state.module, TrainingLoss(state.module), backend=backend)),
+                           ("eager", TrainingLoss(state.module))):
+            torch.manual_seed(11)
+            loss = step(x, y, "nt")
+            loss.backward()
+            results[name] = (loss.detach(), {n: p.grad.clone() for n, p in state.module.named_parameters()
+                                             if p.grad is not None})
+            state.module.zero_grad(set_to_none=True)
+            if name == "compiled":  # before the eager step compiles FlexAttention calls of its own
+                graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+    assert graphs == 1 and not breaks, breaks
+    g = wa.n_global_keys(variant, 2)
+    assert sorted(set(flex_rows), reverse=True) == [g + 2 * 127 + 1, g + 127 + 1]  # the two lower layers' rows
+    torch.testing.assert_close(results["compiled"][0], results["eager"][0], rtol=1e-5, atol=0)
+    scale = max(float(grad.abs().max()) for grad in results["eager"][1].values())
+    for name, want in results["eager"][1].items():
+        torch.testing.assert_close(results["compiled"][1][name], want, rtol=1e-4, atol=1e-6 * scale, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_compiled_next_token_step_with_dropout_traces_flex_rows_cold(variant, flex_backward_on_cpu) -> None:
+    """``train.compile=on`` as a paper row's first step meets it (:func:`_compiled_next_token_step_cold`), through
+    ``aot_eager``: inductor's capture without its code generation, which has no CPU backward."""
+    _compiled_next_token_step_cold(variant, "cpu", "aot_eager")
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_next_token_step_on_flex_rows_matches_the_masked_full_window(variant, flex_backward_on_cpu,
                                                                        monkeypatch) -> None:
@@ -390,6 +451,18 @@ def _compiled_flex_matches_masked(variant) -> None:
             loss.backward()
             losses[impl] = (loss.item(), net.blocks[0].attn.qkv.weight.grad.norm().item())
         np.testing.assert_allclose(losses["auto"], losses["masked"], rtol=1e-4, err_msg=mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="inductor compiles FlexAttention's backward for CUDA only; on a CPU "
+                    "test_compiled_next_token_step_with_dropout_traces_flex_rows_cold checks the graph it gets")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_inductor_next_token_step_on_flex_rows_from_a_cold_start_on_cuda(variant) -> None:
+    """The paper rows' ``train.compile=on`` first step on CUDA (:func:`_compiled_next_token_step_cold`, inductor,
+    fp32 with TF32 off): one graph, FlexAttention's kernels for the two lower layers' rows, the eager step's loss
+    and gradients."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _compiled_next_token_step_cold(variant, "cuda", "inductor")
 
 
 @pytest.mark.gpu
