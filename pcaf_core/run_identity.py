@@ -7,12 +7,13 @@ through this module, and only this module:
 * **identity** (:func:`identity_view`): what a run's numbers depend on. The spec's sections (``model``,
   ``memory``, ``profile``, ``data``, ``train``, ``eval``), the ``backend`` section and the labels ``table``,
   ``row`` and ``scale.name``, without the fields that cannot change a number: where files live
-  (:data:`LOCATION_FIELDS`) and how often the run writes checkpoints and curve rows or whether its step is
-  compiled (:data:`NON_RESULT_FIELDS`). The scale's override tables, the row's seed list and notes are not
-  compared either: what they change is already in the sections. A table row uses a run only when the run's
-  identity equals the identity of the row's composed config at that scale and backend (one per seed entry):
-  ``experiments.reproduce`` reuses and resumes by it, ``paper_tables.collect`` renders by it. A sweep job
-  differs from its row in the swept key, so it is never taken for the row, wherever its directory is.
+  (:data:`LOCATION_FIELDS`) and how often the run writes checkpoints and curve rows, whether its step is
+  compiled and how its full pass is batched (:data:`NON_RESULT_FIELDS`). The scale's override tables, the row's
+  seed list and notes are not compared either: what they change is already in the sections. A table row uses a
+  run only when the run's identity equals the identity of the row's composed config at that scale and backend
+  (one per seed entry): ``experiments.reproduce`` reuses and resumes by it, ``paper_tables.collect`` renders by
+  it. A sweep job differs from its row in the swept key, so it is never taken for the row, wherever its
+  directory is.
 * **resume view** (:func:`resume_view`): what a command must repeat to continue a run in its own directory:
   the identity plus :data:`NON_RESULT_FIELDS`, less :data:`RESUMABLE_CHANGES` (a checkpoint holds the global
   state, so a run may go on on another device or with another number of data-parallel processes). A
