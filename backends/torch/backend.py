@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from backends.torch import checkpoint as ckpt
-from backends.torch import cpu_gemm
+from backends.torch import cpu_gemm, weight_casts
 from backends.torch.compile import (
     check_compile_device,
     compile_training,
@@ -85,6 +85,9 @@ class TorchState:
     params: tuple[nn.Parameter, ...] = ()
     """``module``'s trainable parameters, listed once: each step gives them zero gradients where they have none
     and clips their norm, and walking the module tree for them every step is host time a GPU waits on."""
+    weight_casts: tuple[nn.Parameter, ...] = ()
+    """The parameters each step casts to bf16 in one multi-tensor copy (:mod:`backends.torch.weight_casts`):
+    those of the eager bf16 step of one process, else none (autocast casts them one by one)."""
 
 
 class TorchBackend:
@@ -139,9 +142,10 @@ class TorchBackend:
 
     # ------------------------------------------------------------------ state
 
-    def _autocast(self, cfg: RunConfig) -> AbstractContextManager[Any]:
+    def _autocast(self, cfg: RunConfig, casts: Sequence[nn.Parameter] = ()) -> AbstractContextManager[Any]:
+        """bf16 autocast for a ``bf16`` run, with ``casts`` copied in one pass (:mod:`backends.torch.weight_casts`)."""
         if cfg.train.precision == "bf16":
-            return torch.autocast(device_type=self.torch_device.type, dtype=torch.bfloat16)
+            return weight_casts.autocast(self.torch_device.type, torch.bfloat16, casts)
         return nullcontext()
 
     def _label(self, label: str) -> None:
@@ -196,12 +200,18 @@ class TorchBackend:
                 static_graph=True,
             )
         graphs = use_cuda_graphs(cfg, self.torch_device, self.world_size)
-        if use_compile(cfg, self.torch_device):
+        compiled = use_compile(cfg, self.torch_device)
+        if compiled:
             wrapped = compile_training(module, wrapped, cuda_graphs=graphs)
             self._label(compiled_label(graphs))
         optimizer = build_optimizer(module, cfg.train, cfg.profile)
+        # An eager bf16 step of one process casts its weights in one pass each way (weight_casts: a compiled
+        # step fuses the casts itself; DDP would get every gradient at once, at the end of the backward pass).
+        casts = ()
+        if cfg.train.precision == "bf16" and not compiled and self.world_size == 1:
+            casts = weight_casts.castable(module)
         return TorchState(module=module, wrapped=wrapped, optimizer=optimizer, cfg=cfg, cuda_graphs=graphs,
-                          params=tuple(p for p in module.parameters() if p.requires_grad))
+                          params=tuple(p for p in module.parameters() if p.requires_grad), weight_casts=casts)
 
     def init(self, cfg: RunConfig) -> TorchState:
         """Build the model (``backends.torch.models.build_model``, seeded by ``train.seed``), AdamW,
@@ -255,7 +265,7 @@ class TorchBackend:
             state.wrapped.train()
         state.optimizer.zero_grad(set_to_none=True)
         with cuda_graph_errors(cfg, state.cuda_graphs):
-            with self._autocast(cfg):
+            with self._autocast(cfg, state.weight_casts):
                 loss = state.wrapped(x, y, cfg.train.mode)
             loss.backward()
         # The clip's norm runs over the gradients backward produced. The zero ones fill_missing_grads adds (for
@@ -276,7 +286,7 @@ class TorchBackend:
         reduces them: :func:`pcaf_core.evaluation.reduce_outputs`)."""
         x, y = self._tensors(inputs, targets)
         state.module.eval()
-        with self._autocast(state.cfg):
+        with self._autocast(state.cfg, state.weight_casts):
             out = state.module(x, y, mode)
         log_probs = out.log_probs if out.log_probs is not None else out.param_log_probs
         return EvalOutputs(

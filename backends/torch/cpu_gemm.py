@@ -33,8 +33,10 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from backends.torch import weight_casts
 from pcaf_core.sysinfo import cpu_vendor
 
 ONEDNN_VENDORS = ("AuthenticAMD",)
@@ -140,10 +142,14 @@ def weight_grad(dy: torch.Tensor, x: torch.Tensor, like: torch.Tensor) -> torch.
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, initialisation and state dict) whose float32 CPU products run on oneDNN
     where :func:`uses_onednn`, forward and backward (:func:`onednn_linear`); anywhere else (autocast, CUDA,
-    another CPU) it is ``nn.Linear``. Results differ from oneMKL's by float32 rounding only."""
+    another CPU) it is ``nn.Linear``, under autocast with the weight copies of :mod:`backends.torch.weight_casts`
+    where a step made them. Results differ from oneMKL's by float32 rounding only."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == 0 or torch.is_autocast_enabled(x.device.type) or not uses_onednn(x, self.weight):
+        if torch.is_autocast_enabled(x.device.type):
+            # The weight copies of an eager autocast step where it made them (backends.torch.weight_casts).
+            return F.linear(x, weight_casts.weight(self.weight), weight_casts.weight(self.bias))
+        if x.numel() == 0 or not uses_onednn(x, self.weight):
             return super().forward(x)
         out = onednn_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])

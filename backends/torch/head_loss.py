@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from backends.torch import cpu_gemm
+from backends.torch import cpu_gemm, weight_casts
 from backends.torch.kernels import head_softmax
 
 
@@ -103,6 +103,8 @@ def _apply_flat(fn, z: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, t
     zf = z.reshape(-1, z.shape[-1])
     if torch.is_autocast_enabled(zf.device.type):
         dtype = torch.get_autocast_dtype(zf.device.type)
+        # The step's weight copies where it made them (backends.torch.weight_casts); .to is then a no-op.
+        weight, bias = weight_casts.weight(weight), weight_casts.weight(bias)
         zf, weight, bias = zf.to(dtype), weight.to(dtype), bias.to(dtype)
     with torch.autocast(zf.device.type, enabled=False):
         out = fn(zf, weight, bias, targets.reshape(-1), *args)

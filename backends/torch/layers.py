@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch import cpu_gemm
+from backends.torch import cpu_gemm, weight_casts
 from backends.torch.dropout import Dropout
 from backends.torch.head_loss import chunked_target_log_softmax, target_log_softmax, widen
 from backends.torch.window_attention import FLEX_BLOCK, blocked_window_attention, flex_window_attention
@@ -104,7 +104,9 @@ class ConvBlock(nn.Module):
             y = causal_depthwise_conv(y, self.conv.weight, self.conv.bias)
         else:
             y = y.transpose(1, 2)  # [B, d, T]
-            y = self.conv(F.pad(y, (self.conv.kernel_size[0] - 1, 0))).transpose(1, 2)
+            conv = self.conv  # its weight copies under an eager autocast step (backends.torch.weight_casts)
+            y = F.conv1d(F.pad(y, (conv.kernel_size[0] - 1, 0)), weight_casts.weight(conv.weight),
+                         weight_casts.weight(conv.bias), groups=conv.groups).transpose(1, 2)
         y = self.mlp_out(self.drop(gelu(self.mlp_in(layer_rows(y, rows)), self.gelu_form)))
         return layer_rows(x, rows) + self.drop(y)
 
