@@ -463,3 +463,37 @@ def test_no_cache_trains_exactly_as_local_conv_with_clipping(mode: str) -> None:
     assert loss_nc == loss_lc
     for name, value in lc.items():
         assert torch.equal(nc[name], value), name
+
+
+def _l2_normalize_by_autograd(x: torch.Tensor, form: str) -> torch.Tensor:
+    """The normalisation as plain ops, differentiated by autograd's chain rule."""
+    from backends.torch.layers import L2_MAX_EPS, L2_RSQRT_EPS
+
+    if form == "rsqrt_eps":
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2_RSQRT_EPS)
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=L2_MAX_EPS)
+
+
+@pytest.mark.parametrize("form", ["rsqrt_eps", "max_eps"])
+def test_l2_normalize_gradient_is_autograds(form: str) -> None:
+    from backends.torch.layers import l2_normalize
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=gen)
+    x[0, 1] = 0.0  # a zero row: max_eps's floor holds, rsqrt_eps's eps dominates
+    x[1, 2] *= 1e-14  # a row below max_eps's floor
+    g = torch.randn(3, 5, 8, dtype=torch.float64, generator=gen)
+    got_x, want_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = l2_normalize(got_x, form), _l2_normalize_by_autograd(want_x, form)
+    assert torch.equal(got, want)
+    got.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(got_x.grad, want_x.grad, rtol=1e-12, atol=0)
+    torch.autograd.gradcheck(lambda t: l2_normalize(t, form), (x[2].clone().requires_grad_(),))
+    # bf16 (autocast's projections): the same value, the gradient within bf16 rounding.
+    xb, xr = x.bfloat16().requires_grad_(), x.bfloat16().requires_grad_()
+    yb, yr = l2_normalize(xb, form), _l2_normalize_by_autograd(xr, form)
+    assert torch.equal(yb, yr)
+    yb.backward(g.bfloat16())
+    yr.backward(g.bfloat16())
+    torch.testing.assert_close(xb.grad.double(), xr.grad.double(), rtol=3e-2, atol=3e-2 * xr.grad.abs().max().item())

@@ -83,6 +83,30 @@ def test_torch_records_helpers_match_spec() -> None:
         trec.query_rows(torch.zeros(1, 3, 2), "bidirectional")
 
 
+def test_torch_step_constants_are_made_once_outside_compile_and_inference_mode(monkeypatch) -> None:
+    monkeypatch.setattr(trec, "_constants", {})
+    first = trec.recency(7, "ar", torch.float32)
+    assert trec.recency(7, "ar", torch.float32) is first  # kept...
+    assert trec.recency(7, "nt", torch.float32) is not first  # ...per key
+    assert trec.recency(7, "ar", torch.float64) is not first
+    assert trec.query_positions(7, "ar") is trec.query_positions(7, "ar")
+    np.testing.assert_array_equal(trec.recency(7, "ar", torch.float64).numpy(), records.recency(7, "ar"))
+    with torch.inference_mode():
+        fresh = trec.recency(7, "ar", torch.float32)
+    assert fresh is not first and fresh.is_inference()
+    assert not trec.recency(7, "ar", torch.float32).is_inference()
+    made = []
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert trec.step_constant(("k",), lambda: made.append(1) or torch.zeros(1)) is not None
+    assert trec.step_constant(("k",), lambda: made.append(1) or torch.zeros(1)) is not None
+    assert made == [1, 1] and ("k",) not in trec._constants
+    monkeypatch.undo()
+    monkeypatch.setattr(trec, "_constants", {})
+    for T in range(trec.CONSTANTS_KEPT + 1):  # a bounded store: full, it starts again
+        trec.recency(T + 1, "ar")
+    assert len(trec._constants) == 1
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 300), st.integers(0, 2**16), st.floats(1e-3, 1e3), st.booleans())
 def test_torch_max_norm_bound_holds_and_is_tight(d: int, seed: int, scale: float, unit: bool) -> None:

@@ -9,6 +9,7 @@ result", and this avoids relying on signed-overflow behaviour of any particular 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pcaf_core.hashing import BUCKET_ADD, HASH_ADD, HASH_MOD, HASH_MULT
 
@@ -28,13 +29,16 @@ def context_hash(tokens: torch.Tensor, order: int, *, int32_wraparound: bool = F
     x = tokens.to(torch.int64)
     if int32_wraparound:
         x = wrap_int32(x)
-    h = torch.zeros_like(x)
     T = x.shape[-1]
+    h = None  # 0: the first step's h·HASH_MULT term is left out, and shift 0 reads x itself (fewer kernels)
     for shift in range(order - 1, -1, -1):
-        v = torch.zeros_like(x)
-        if shift < T:
-            v[..., shift:] = x[..., : T - shift]
-        step = h * HASH_MULT + v + HASH_ADD
+        if shift == 0:
+            v = x
+        elif shift < T:
+            v = F.pad(x[..., : T - shift], (shift, 0))
+        else:
+            v = torch.zeros_like(x)
+        step = v + HASH_ADD if h is None else torch.add(v, h, alpha=HASH_MULT) + HASH_ADD
         if int32_wraparound:
             step = wrap_int32(step)
         h = torch.remainder(step, HASH_MOD)

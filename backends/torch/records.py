@@ -7,6 +7,8 @@ recency ``s / (T-1)``. Recency is the absolute position in the window, independe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pcaf_core.config import MODES
@@ -17,13 +19,38 @@ def check_mode(mode: str) -> None:
         raise ValueError(f"mode={mode!r} is unknown: expected one of {list(MODES)}")
 
 
+CONSTANTS_KEPT = 64
+"""Most step constants :func:`step_constant` keeps at once (a few window lengths, modes and dtypes in a run)."""
+
+_constants: dict[tuple, torch.Tensor] = {}
+
+
+def step_constant(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()``, made once per ``key`` and handed out again by later eager calls: each step would otherwise make
+    its positions and recencies again, a few kernel launches each that an eager GPU step waits on. Callers only
+    read the tensor. Made afresh under ``torch.compile`` (the graph holds its own; a tensor made while a CUDA
+    graph is captured lives in the graph's pool) and under inference mode (an inference tensor cannot be saved
+    for a later step's backward pass)."""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return make()
+    t = _constants.get(key)
+    if t is None:
+        if len(_constants) >= CONSTANTS_KEPT:
+            _constants.clear()
+        t = _constants[key] = make()
+    return t
+
+
 def query_positions(seq_len: int, mode: str, device: torch.device | str | None = None) -> torch.Tensor:
-    """``[Q]`` int64 query positions: ``[T-1]`` in NT, ``0..T-1`` in AR."""
+    """``[Q]`` int64 query positions: ``[T-1]`` in NT, ``0..T-1`` in AR (a :func:`step_constant`)."""
     check_mode(mode)
+    device = torch.device(device) if device is not None else torch.get_default_device()
     if mode == "nt":
         # A fill, not torch.tensor: a host-to-device copy would make every step wait on the device.
-        return torch.full((1,), seq_len - 1, dtype=torch.int64, device=device)
-    return torch.arange(seq_len, dtype=torch.int64, device=device)
+        return step_constant(("qpos", seq_len, mode, device),
+                             lambda: torch.full((1,), seq_len - 1, dtype=torch.int64, device=device))
+    return step_constant(("qpos", seq_len, mode, device),
+                         lambda: torch.arange(seq_len, dtype=torch.int64, device=device))
 
 
 def query_rows(x: torch.Tensor, mode: str) -> torch.Tensor:
@@ -37,10 +64,13 @@ def query_rows(x: torch.Tensor, mode: str) -> torch.Tensor:
 def recency(
     seq_len: int, mode: str, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """``[T]`` recency of every position as a record, computed in float64 and cast to ``dtype``."""
+    """``[T]`` recency of every position as a record, computed in float64 and cast to ``dtype`` (a
+    :func:`step_constant`)."""
     check_mode(mode)
     denom = max(seq_len - 2, 1) if mode == "nt" else max(seq_len - 1, 1)
-    return (torch.arange(seq_len, dtype=torch.float64, device=device) / denom).to(dtype)
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    return step_constant(("recency", seq_len, mode, dtype, device),
+                         lambda: (torch.arange(seq_len, dtype=torch.float64, device=device) / denom).to(dtype))
 
 
 def successor_values(tokens: torch.Tensor) -> torch.Tensor:
