@@ -77,21 +77,20 @@ def smoke_pcaf_run(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def cuda_code_paths(monkeypatch: pytest.MonkeyPatch):
+def cuda_code_paths():
     """The torch device whose code paths a step takes: CUDA where present; on a CPU, CPU tensors with the choices
-    a CUDA tensor gets (the Triton candidate kernels, run by the interpreter; gathered scores instead of the CPU's
-    sparse products; the segmented key-gradient op; the head loss's kernels over 16-bit logits)."""
+    a CUDA tensor gets (benchmarks.op_census.cuda_code_paths: the Triton candidate kernels, run by the interpreter;
+    gathered scores instead of the CPU's sparse products; the segmented key-gradient op; the head loss's kernels
+    over 16-bit logits)."""
     import torch
 
     if HAS_CUDA:
-        return torch.device("cuda")
-    from backends.torch import head_loss, ops, routing
+        yield torch.device("cuda")
+        return
+    from benchmarks.op_census import cuda_code_paths as chosen
 
-    monkeypatch.setattr(routing, "kernels_by_default", lambda addresses: True)
-    monkeypatch.setattr(head_loss, "kernels_by_default", lambda z: True)
-    monkeypatch.setattr(ops, "_sparse_path", lambda x, y, index: False)
-    monkeypatch.setattr(ops, "_segment_kernel_for", lambda grad, y: True)
-    return torch.device("cpu")
+    with chosen():
+        yield torch.device("cpu")
 
 
 @pytest.fixture(scope="module")

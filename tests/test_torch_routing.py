@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from backends.torch import hashing as thash
@@ -109,9 +109,11 @@ def test_torch_step_constants_are_made_once_outside_compile_and_inference_mode(m
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 300), st.integers(0, 2**16), st.floats(1e-3, 1e3), st.booleans())
+@example(d=71, seed=13408, scale=930.0625, unit=False)  # the float32 norm rounded up by a whole eps here
 def test_torch_max_norm_bound_holds_and_is_tight(d: int, seed: int, scale: float, unit: bool) -> None:
     """The topk_score proof's key-norm bound, from norms in the keys' own float32: never below the exact
-    maximum (float64 norms of the same float32 values), and above it by at most (d + 3)·eps."""
+    maximum (float64 norms of the same float32 values), and above it by at most the float32 norm's own error
+    bound, (d + 1)·eps, times the widening, 1 + (d + 2)·eps."""
     rng = np.random.default_rng(seed)
     keys = rng.standard_normal((3, 17, d)) * scale
     if unit:  # the models' L2-normalised keys, all of norm ~1: the case the bound is tight for
@@ -121,7 +123,8 @@ def test_torch_max_norm_bound_holds_and_is_tight(d: int, seed: int, scale: float
     got = troute.max_norm_bound(k32)
     assert got.dtype == torch.float64 and got.shape == (3, 1)
     assert torch.all(got >= exact)
-    assert torch.all(got <= exact * (1 + (d + 3) * torch.finfo(torch.float32).eps))
+    eps = torch.finfo(torch.float32).eps
+    assert torch.all(got <= exact * (1 + (d + 1) * eps) * (1 + (d + 2) * eps))
 
 
 @settings(max_examples=40, deadline=None)

@@ -134,3 +134,18 @@ def test_compiled_and_float32_steps_make_no_copies():
     assert backend.init(fp32).weight_casts == ()
     compiled = bf16_cfg("pcaf", "nt", compile="on")
     assert backend.init(compiled).weight_casts == ()
+
+
+def test_a_compiled_product_under_autocast_traces_weight_without_a_graph_break():
+    """A compiled step's layers still call :func:`weight_casts.weight`; Dynamo must trace it as ``p`` (a graph
+    break would split a step that CUDA graphs replay as one graph)."""
+    lin = torch.nn.Linear(4, 3)
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        x = x * 2.0  # an op before the call: a break there leaves two graphs, not an empty first one
+        return torch.nn.functional.linear(x, weight_casts.weight(lin.weight), weight_casts.weight(lin.bias))
+
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(product)(torch.ones(2, 4))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

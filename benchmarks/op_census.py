@@ -1,0 +1,103 @@
+"""How many ops an eager training step dispatches on the CUDA code paths, counted on a CPU.
+
+An eager step on a GPU launches about one kernel per dispatched op, each from the host while the GPU waits
+(on an H100 the eager bf16 full-AR PCAF-context step was busy 9.2 of its 20.4 ms). This counts the ops of one
+eager training step (forward, backward, optimiser) at the WikiText-2 paper shape (short T and batch: the count
+does not depend on them), with CPU tensors taking the code paths a CUDA tensor takes: the Triton candidate
+kernels (under the interpreter), gathered scores, the segmented key-gradient op and the head loss's kernels
+over 16-bit logits; the products through ATen rather than the CPU's oneDNN path. Counted are the ops that launch
+a kernel on a GPU (not views, aliases or allocations); a custom op such as a Triton kernel's counts as one.
+
+    python -m benchmarks.op_census                       # full-AR PCAF-context, bf16 and fp32
+    python -m benchmarks.op_census --mode nt --top 30
+
+It needs no GPU; what the count saves on a GPU is measured by ``make bench-cuda`` (``profile.csv``'s
+``kernels_per_step``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def cuda_code_paths() -> Iterator[None]:
+    """CPU tensors take the code paths a CUDA tensor takes, until the context ends: the Triton candidate kernels,
+    gathered scores instead of the CPU's sparse products, the segmented key-gradient op, the head loss's kernels
+    over 16-bit logits (tests/conftest.py's ``cuda_code_paths`` fixture)."""
+    from unittest import mock
+
+    from backends.torch import head_loss, ops, routing
+
+    with contextlib.ExitStack() as stack:  # the choices of the code paths, each made once in its module
+        stack.enter_context(mock.patch.object(routing, "kernels_by_default", lambda addresses: True))
+        stack.enter_context(mock.patch.object(head_loss, "kernels_by_default", lambda z: True))
+        stack.enter_context(mock.patch.object(ops, "_sparse_path", lambda x, y, index: False))
+        stack.enter_context(mock.patch.object(ops, "_segment_kernel_for", lambda grad, y: True))
+        yield
+
+
+def census(model: str = "PCAF-context", mode: str = "ar", precision: str = "bf16", T: int = 64,
+           batch: int = 2) -> collections.Counter[str]:
+    """The ops that launch a kernel on CUDA, by schema name, of one eager training step of ``model`` after two
+    warm-up steps (the optimiser's state and the step's cached constants exist by then). Left out: views, aliases,
+    allocations and profiler marks. A custom op (``pcaf::``) counts once: its own ops are not seen."""
+    from unittest import mock
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from backends.torch import cpu_gemm
+    from backends.torch.backend import TorchBackend
+    from benchmarks.bench_cuda_cases import GpuCase, case_config
+    from benchmarks.bench_models import Case, _batch
+
+    class _Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count: collections.Counter[str] = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not (func.is_view or func.namespace == "profiler" or func in _NO_KERNEL):
+                self.count[func._schema.name] += 1
+            return func(*args, **(kwargs or {}))
+
+    case = Case(model, mode, T, batch, 0.1, "eager", precision)
+    cfg = case_config(GpuCase(model, mode, T, batch, precision, "eager"), case)
+    backend = TorchBackend("cpu")
+    aten = torch.ops.aten
+    _NO_KERNEL = {aten.detach.default, aten.lift_fresh.default, aten._unsafe_view.default,  # aliases, as views
+                  aten.empty_like.default, aten.new_empty.default, aten.empty.memory_format}  # allocations
+    with cuda_code_paths(), mock.patch.object(cpu_gemm, "onednn_on_this_cpu", lambda: False):
+        state = backend.init(cfg)  # products through ATen, as on CUDA: the CPU's oneDNN path is for CPUs only
+        x, y, _ = _batch(cfg)
+        for _ in range(2):
+            state, _ = backend.train_step(state, x, y, 1e-4)
+        with _Count() as counted:
+            backend.train_step(state, x, y, 1e-4)
+    return counted.count
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="PCAF-context")
+    parser.add_argument("--mode", choices=("ar", "nt"), default="ar")
+    parser.add_argument("--precision", choices=("bf16", "fp32", "both"), default="both")
+    parser.add_argument("--top", type=int, default=15, help="how many of the most frequent ops to list")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    for precision in (("bf16", "fp32") if args.precision == "both" else (args.precision,)):
+        count = census(args.model, args.mode, precision)
+        print(f"{args.model} {args.mode} {precision}, eager, CUDA code paths: {sum(count.values())} ops a step")
+        for name, n in count.most_common(args.top):
+            print(f"  {n:4d}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

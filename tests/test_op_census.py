@@ -1,0 +1,36 @@
+"""``benchmarks/op_census``: the eager step's ops on the CUDA code paths, counted on a CPU tensor."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import op_census
+
+pytestmark = pytest.mark.slow  # a paper-shape model, bf16 products in this CPU's scalar fallback: about 5 s
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return {p: op_census.census(precision=p, T=16, batch=1) for p in ("bf16", "fp32")}
+
+
+def test_the_census_takes_the_cuda_code_paths(counts) -> None:
+    for count in counts.values():
+        assert count["pcaf::ar_candidates"] == 1  # the Triton candidate kernel, not the CPU's selection
+        assert count["pcaf::gather_dot_grad_y"] == 1  # the segmented key gradient
+        assert "pcaf::onednn_linear" not in count  # products through ATen, as on CUDA
+        assert count["aten::mm"] > 0
+        assert not any(name in count for name in ("aten::view", "aten::detach", "aten::empty_like"))
+    assert counts["bf16"]["pcaf::head_log_normaliser"] == 1  # the head's kernels over 16-bit logits
+
+
+def test_a_bf16_step_casts_its_weights_in_one_copy_each_way(counts) -> None:
+    assert counts["bf16"]["aten::_foreach_copy_"] == 2
+    assert "aten::_foreach_copy_" not in counts["fp32"]
+
+
+def test_main_prints_the_total_and_the_most_frequent_ops(capsys: pytest.CaptureFixture[str]) -> None:
+    assert op_census.main(["--precision", "fp32", "--top", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("PCAF-context ar fp32, eager, CUDA code paths: ") and lines[0].endswith(" ops a step")
+    assert len(lines) == 4 and all(int(line.split()[0]) > 0 for line in lines[1:])
