@@ -127,3 +127,60 @@ def test_jax_mask_split_over_devices_is_one_devices_mask() -> None:
     proc = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True, env=env, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (-0.0 and 0.0 told apart)."""
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype])
+
+
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device; on a CPU the Triton interpreter runs the kernel")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_torch_mask_kernel_is_the_aten_mask_bit_for_bit(monkeypatch, dtype, device) -> None:
+    """``pcaf::dropout_mask`` (the CUDA path; on a CPU run by the Triton interpreter) against the ATen mask: the
+    same outputs and input gradients, bit for bit (NaN where ATen's are NaN), over more than one program's block
+    with a partial last one, and with negative zeros, NaN and infinities among the inputs."""
+    from backends.torch import dropout as torch_dropout
+    from backends.torch.kernels import dropout_mask as kernel
+
+    assert kernel.triton is not None and torch_dropout.triton_enabled(torch.zeros(1, device=device))
+    x = torch.randn(3, 7, 101).to(dtype)  # 2,121 elements: two programs of 2,048, the second partial
+    x.view(-1)[:4] = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf")]).to(dtype)
+    x, g = x.to(device), torch.randn(3, 7, 101).to(dtype).to(device)
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(torch_dropout, "kernels_by_default", lambda t, fused=fused: fused)
+        leaf = x.clone().requires_grad_(True)
+        torch.manual_seed(3)
+        out = TorchDropout(0.3).train()(leaf)
+        out.backward(g)
+        results[fused] = (out.detach(), leaf.grad)
+        assert (out.grad_fn.name() == "_LevelMaskBackward") == fused
+    for a, b in zip(results[True], results[False]):
+        nan = torch.isnan(b)
+        assert a.dtype == dtype and torch.equal(torch.isnan(a), nan)
+        assert torch.equal(_bits(a[~nan]), _bits(b[~nan]))
+    assert torch.isnan(results[False][0]).sum() == 1  # x's NaN, kept or dropped (x · 0)
+    dropped = results[False][0] == 0
+    assert 0.2 < dropped.float().mean() < 0.4
+
+
+def test_torch_mask_kernel_inputs_it_refuses_and_the_layers_fallback(monkeypatch) -> None:
+    from backends.torch import dropout as torch_dropout
+    from backends.torch.kernels.dropout_mask import dropout_mask
+
+    levels = torch.zeros(6, dtype=torch.int16)
+    with pytest.raises(ValueError, match="contiguous float32/bfloat16/float16"):
+        dropout_mask(torch.zeros(6, dtype=torch.float64), levels, 0, 1.0)
+    with pytest.raises(ValueError, match="contiguous float32/bfloat16/float16"):
+        dropout_mask(torch.zeros(3, 2).t(), levels, 0, 1.0)
+    with pytest.raises(ValueError, match="6 contiguous int16 levels"):
+        dropout_mask(torch.zeros(6), levels[:5], 0, 1.0)
+    # The layer keeps the ATen mask for what the kernel does not take: float64, non-contiguous inputs.
+    monkeypatch.setattr(torch_dropout, "kernels_by_default", lambda t: True)
+    for x in (torch.ones(4, 3, dtype=torch.float64, requires_grad=True), torch.ones(3, 4).t().requires_grad_(True)):
+        assert TorchDropout(0.5).train()(x).grad_fn.name() == "_ScaledMaskBackward"

@@ -22,6 +22,8 @@ def test_the_census_takes_the_cuda_code_paths(counts) -> None:
         assert count["aten::mm"] > 0
         assert not any(name in count for name in ("aten::view", "aten::detach", "aten::empty_like"))
     assert counts["bf16"]["pcaf::head_log_normaliser"] == 1  # the head's kernels over 16-bit logits
+    for count in counts.values():  # dropout: the draw, then one kernel each way
+        assert count["pcaf::dropout_mask"] == 2 * count["aten::randint"] > 0
 
 
 def test_a_bf16_step_casts_its_weights_in_one_copy_each_way(counts) -> None:

@@ -3,7 +3,7 @@
 Without a GPU the kernel tests run under Triton's interpreter, which accepts some programs the compiler
 rejects. The first test therefore compiles every kernel variant ahead of time for Hopper (sm_90) with
 Triton's own toolchain (bundled ptxas; no device needed) and checks ptxas reports no register spills: the routing
-kernels, the gather_dot key gradient and the head loss's passes over 16-bit logits.
+kernels, the gather_dot key gradient, the head loss's passes over 16-bit logits and dropout's mask.
 The second runs the compiled kernels on a real CUDA device when one is present.
 """
 
@@ -29,6 +29,7 @@ _AOT_SCRIPT = textwrap.dedent(
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from backends.torch.kernels import dropout_mask as dm
     from backends.torch.kernels import gather_grad as gg
     from backends.torch.kernels import head_softmax as hs
     from backends.torch.kernels import triton_impl as ti
@@ -83,6 +84,11 @@ _AOT_SCRIPT = textwrap.dedent(
                                       "dlogits_ptr": f"*{half}", "partial_ptr": "*fp32", "N": "i32", "V": "i32",
                                       "stride": "i32"},
               {"ROWS": hs.GRAD_ROWS, "BLOCK_N": hs.GRAD_BLOCK_N, "BLOCK_V": hs.GRAD_BLOCK_V})
+    # Dropout's mask and scale, for each dtype it takes.
+    for dtype in ("fp32", "bf16", "fp16"):
+        check(dm._dropout_mask_kernel, {"x_ptr": f"*{dtype}", "levels_ptr": "*i16", "out_ptr": f"*{dtype}", "n": "i32",
+                                        "cutoff": "i32", "scale": "fp32"},
+              {"BLOCK": dm.BLOCK, "OUT_BF16": dtype == "bf16"})
     print("compiled")
     """
 )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backends.torch.kernels import triton_enabled
+from backends.torch.kernels.dropout_mask import KERNEL_DTYPES, dropout_mask
 from pcaf_core.dropout import DROPOUT_LEVELS, dropout_scale, dropout_threshold
 
 
@@ -14,7 +16,9 @@ class Dropout(nn.Module):
     comparison makes the mask; on a 2-core CPU the mask costs 11-20 ms against 27-41 ms for ``nn.Dropout``'s
     ``bernoulli_`` over 4.2M elements (the NT training step's activations at the cpu scale). Compiled steps
     draw the same masks (:mod:`backends.torch.compile` keeps ATen's random ops), so compiled and eager
-    training still agree.
+    training still agree. An eager step on CUDA applies the mask with one kernel each way
+    (:mod:`backends.torch.kernels.dropout_mask`) where ATen takes four forward and one backward, with the same
+    values bit for bit.
     """
 
     def __init__(self, p: float) -> None:
@@ -42,8 +46,17 @@ class Dropout(nn.Module):
         # (an in-place random_ breaks the compiled graph at every dropout).
         bits = torch.randint(-(2**31), 2**31, ((n + 1) // 2,), dtype=torch.int32, device=x.device)
         # The signed 16-bit view holds level - 2^15, so level >= threshold reads as below.
-        keep = bits.view(torch.int16)[:n].view(x.shape) >= self.threshold - DROPOUT_LEVELS // 2
-        return _ScaledMask.apply(x, keep, self.scale)
+        levels, cutoff = bits.view(torch.int16)[:n], self.threshold - DROPOUT_LEVELS // 2
+        if not torch.compiler.is_compiling() and kernels_by_default(x) and x.dtype in KERNEL_DTYPES \
+                and x.is_contiguous():
+            # One kernel each way on CUDA (pcaf::dropout_mask); a compiled step fuses the ATen form below itself.
+            return _LevelMask.apply(x, levels, cutoff, self.scale)
+        return _ScaledMask.apply(x, levels.view(x.shape) >= cutoff, self.scale)
+
+
+def kernels_by_default(x: torch.Tensor) -> bool:
+    """Whether :class:`Dropout` masks ``x`` with ``pcaf::dropout_mask``'s kernel: on CUDA tensors."""
+    return x.is_cuda and triton_enabled(x)
 
 
 class _ScaledMask(torch.autograd.Function):
@@ -61,3 +74,19 @@ class _ScaledMask(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (mask,) = ctx.saved_tensors
         return grad * mask, None, None
+
+
+class _LevelMask(torch.autograd.Function):
+    """``x · keep · scale`` by :func:`backends.torch.kernels.dropout_mask.dropout_mask`, one kernel each way, with
+    the int16 levels kept for the backward: the same values as :class:`_ScaledMask`, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, levels: torch.Tensor, cutoff: int, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(levels)
+        ctx.cutoff, ctx.scale = cutoff, scale
+        return dropout_mask(x, levels, cutoff, scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (levels,) = ctx.saved_tensors
+        return dropout_mask(grad.contiguous(), levels, ctx.cutoff, ctx.scale), None, None, None

@@ -2,8 +2,8 @@
 
 Under ``torch.autocast`` each matrix product casts its float32 weight and bias to the autocast dtype (autocast
 caches the cast for the rest of the forward), and the backward pass casts each of their bf16 gradients back to
-float32: two kernels a parameter a step, each launched from the host while an eager step's GPU waits. Of the 374
-ops an eager bf16 full-AR PCAF-context step at the WikiText-2 paper shape launches otherwise, 36 are these casts
+float32: two kernels a parameter a step, each launched from the host while an eager step's GPU waits. Of the 298
+ops an eager bf16 full-AR PCAF-context step at the WikiText-2 paper shape launches otherwise, 44 are these casts
 (``python -m benchmarks.op_census``).
 
 :func:`autocast` is ``torch.autocast`` that also makes the copies of the given parameters with one
