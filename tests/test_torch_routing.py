@@ -90,6 +90,10 @@ def test_torch_step_constants_are_made_once_outside_compile_and_inference_mode(m
     assert trec.recency(7, "nt", torch.float32) is not first  # ...per key
     assert trec.recency(7, "ar", torch.float64) is not first
     assert trec.query_positions(7, "ar") is trec.query_positions(7, "ar")
+    from backends.torch.ops import row_offsets
+
+    assert row_offsets(3, 5, torch.device("cpu")) is row_offsets(3, 5, "cpu")
+    assert row_offsets(3, 5, "cpu").tolist() == [0, 5, 10] and row_offsets(2, 0, "cpu").tolist() == [0, 0]
     np.testing.assert_array_equal(trec.recency(7, "ar", torch.float64).numpy(), records.recency(7, "ar"))
     with torch.inference_mode():
         fresh = trec.recency(7, "ar", torch.float32)

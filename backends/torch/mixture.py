@@ -67,11 +67,27 @@ def candidate_scores(
 
 def cache_weights(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """See :func:`pcaf_core.mixture.cache_weights`."""
-    top = torch.where(valid, scores, torch.full_like(scores, MASKED_SCORE)).amax(-1, keepdim=True).detach()
-    # exp(-inf) = 0 with a zero gradient: junk scores of empty slots never reach the softmax.
-    e = torch.exp(torch.where(valid, scores - top, torch.full_like(scores, -math.inf)))
-    z = e.sum(-1, keepdim=True)
-    return e / torch.clamp(z, min=torch.finfo(scores.dtype).tiny)
+    return _CacheWeights.apply(scores, valid)
+
+
+class _CacheWeights(torch.autograd.Function):
+    """The masked softmax with its gradient as one expression, ``w·(g − Σ g·w)``: 4 backward ops where autograd's
+    chain through the division, clamp, exp and masks took 11 (an eager GPU step launches each). Junk scores of
+    empty slots never reach the softmax (exp(-inf) = 0), and get a zero gradient (their weight is 0); an empty
+    query's weights are all 0, and so is its gradient (its sum is clamped at ``tiny``, not divided by 0)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        top = torch.where(valid, scores, MASKED_SCORE).amax(-1, keepdim=True)
+        e = torch.exp(torch.where(valid, scores - top, -math.inf))
+        w = e / e.sum(-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).tiny)
+        ctx.save_for_backward(w)
+        return w
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (w,) = ctx.saved_tensors
+        return w * (g - (g * w).sum(-1, keepdim=True)), None
 
 
 def cache_distribution(weights: torch.Tensor, cand_values: torch.Tensor, valid: torch.Tensor, vocab_size: int
@@ -133,7 +149,7 @@ def target_log_prob(
     if mode == "nt" and nt_floor:
         p_cache = torch.clamp(p_cache, min=NT_CACHE_FLOOR)
     if mode == "ar" and ar_floor:
-        return torch.log(torch.clamp((1.0 - gate) * torch.exp(param_log_prob) + gate * p_cache, min=AR_PROB_FLOOR))
+        return _FlooredMixture.apply(param_log_prob, p_cache, gate)
     log_keep, log_gate = gate_log_weights(gate, per_term=gate_per_term and mode == "nt")
     return torch.logaddexp(log_keep + param_log_prob, log_gate + safe_log(p_cache))
 
@@ -145,3 +161,22 @@ def predictions(mixture_lp: torch.Tensor | None, param_log_probs: torch.Tensor, 
     if src is None:
         raise ValueError("mixture predictions need the mixture log-probs")
     return torch.argmax(src, dim=-1)
+
+
+class _FlooredMixture(torch.autograd.Function):
+    """``log(max((1 − λ)·exp(lp) + λ·p_cache, AR_PROB_FLOOR))`` (the reference profiles' full-AR target), with its
+    three gradients as one expression each: 8 backward ops where autograd's chain took 11. Below the floor the
+    gradient is 0, as the clamp's is."""
+
+    @staticmethod
+    def forward(ctx, lp: torch.Tensor, p_cache: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        keep, p_param = 1.0 - gate, torch.exp(lp)
+        mix = keep * p_param + gate * p_cache
+        ctx.save_for_backward(p_cache, gate, keep, p_param, mix)
+        return torch.log(torch.clamp(mix, min=AR_PROB_FLOOR))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        p_cache, gate, keep, p_param, mix = ctx.saved_tensors
+        d = torch.where(mix >= AR_PROB_FLOOR, g / mix, 0.0)
+        return d * keep * p_param, d * gate, d * (p_cache - p_param)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from backends.torch.kernels.gather_grad import gather_dot_grad_y
+from backends.torch.records import step_constant
 
 CHUNK_ELEMENTS = 1 << 22  # elements per temporary chunk on a CPU (16 MiB in float32)
 CHUNK_ELEMENTS_CUDA = 1 << 26
@@ -45,8 +46,11 @@ def chunk_elements_for(t: torch.Tensor, chunk_elements: int | None) -> int:
 
 def row_offsets(B: int, T: int, device: torch.device) -> torch.Tensor:
     """``[B]`` int64 ``b·T``: where batch row b starts in a flattened ``[B·T, ...]`` tensor (one kernel, not an
-    arange and a multiply)."""
-    return torch.arange(0, B * T, T, device=device) if T > 0 else torch.zeros(B, dtype=torch.int64, device=device)
+    arange and a multiply; made once per shape for eager steps, :func:`backends.torch.records.step_constant`)."""
+    if T <= 0:
+        return torch.zeros(B, dtype=torch.int64, device=device)
+    return step_constant(("row_offsets", B, T, torch.device(device)),
+                         lambda: torch.arange(0, B * T, T, device=device))
 
 
 def batch_gather(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
