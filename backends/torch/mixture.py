@@ -72,7 +72,7 @@ def cache_weights(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 class _CacheWeights(torch.autograd.Function):
     """The masked softmax with its gradient as one expression, ``w·(g − Σ g·w)``: 4 backward ops where autograd's
-    chain through the division, clamp, exp and masks took 11 (an eager GPU step launches each). Junk scores of
+    chain through the division, clamp, exp and masks took 13 (an eager GPU step launches each). Junk scores of
     empty slots never reach the softmax (exp(-inf) = 0), and get a zero gradient (their weight is 0); an empty
     query's weights are all 0, and so is its gradient (its sum is clamped at ``tiny``, not divided by 0)."""
 
@@ -170,13 +170,14 @@ class _FlooredMixture(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, lp: torch.Tensor, p_cache: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        keep, p_param = 1.0 - gate, torch.exp(lp)
-        mix = keep * p_param + gate * p_cache
-        ctx.save_for_backward(p_cache, gate, keep, p_param, mix)
+        p_param = torch.exp(lp)
+        kept = (1.0 - gate) * p_param  # d mix / d lp
+        mix = kept + gate * p_cache
+        ctx.save_for_backward(p_cache, gate, p_param, kept, mix)
         return torch.log(torch.clamp(mix, min=AR_PROB_FLOOR))
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        p_cache, gate, keep, p_param, mix = ctx.saved_tensors
+        p_cache, gate, p_param, kept, mix = ctx.saved_tensors
         d = torch.where(mix >= AR_PROB_FLOOR, g / mix, 0.0)
-        return d * keep * p_param, d * gate, d * (p_cache - p_param)
+        return d * kept, d * gate, d * (p_cache - p_param)
