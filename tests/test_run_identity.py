@@ -155,6 +155,12 @@ def test_the_sampler_sees_another_training_process_and_not_its_own_tree():
     assert method in ("proc", "ps")
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "experiments.run"])
     try:
+        # Popen returns once the child has passed exec's point of no return, which is before the kernel has
+        # laid out its new command line: until then /proc shows an empty one. Wait for it to appear.
+        deadline = time.monotonic() + 10
+        while not any(o.startswith(f"pid {other.pid}: ") for o in other_training_processes()[1]):
+            assert time.monotonic() < deadline, "the child's command line never appeared in the process table"
+            time.sleep(0.02)
         tally: dict = {}
         ContentionSampler(tally).sample(force=True)
         assert tally["samples"] == 1 and tally["shared_samples"] == 1
