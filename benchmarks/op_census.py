@@ -11,6 +11,7 @@ launch a kernel on a GPU (not views, aliases or allocations); a custom op such a
 
     python -m benchmarks.op_census                       # full-AR PCAF-context, bf16 and fp32
     python -m benchmarks.op_census --mode nt --top 30
+    python -m benchmarks.op_census --profile corrected     # the benchmark's profile: reference_torch
 
 It needs no GPU; what the count saves on a GPU is measured by ``make bench-cuda`` (``profile.csv``'s
 ``kernels_per_step``).
@@ -45,10 +46,11 @@ def cuda_code_paths() -> Iterator[None]:
 
 
 def census(model: str = "PCAF-context", mode: str = "ar", precision: str = "bf16", T: int = 64,
-           batch: int = 2) -> collections.Counter[str]:
+           batch: int = 2, profile: str | None = None) -> collections.Counter[str]:
     """The ops that launch a kernel on CUDA, by schema name, of one eager training step of ``model`` after two
     warm-up steps (the optimiser's state and the step's cached constants exist by then). Left out: views, aliases,
-    allocations and profiler marks. A custom op (``pcaf::``) counts once: its own ops are not seen."""
+    allocations and profiler marks. A custom op (``pcaf::``) counts once: its own ops are not seen. ``profile``:
+    another profile than the benchmark's (``reference_torch``, the paper's PyTorch code)."""
     from unittest import mock
 
     import torch
@@ -59,6 +61,8 @@ def census(model: str = "PCAF-context", mode: str = "ar", precision: str = "bf16
     from backends.torch.layers import ConvBlock
     from benchmarks.bench_cuda_cases import GpuCase, case_config
     from benchmarks.bench_models import Case, _batch
+    from pcaf_core.config import validate
+    from pcaf_core.profiles import get_profile
 
     class _Count(TorchDispatchMode):
         def __init__(self) -> None:
@@ -72,6 +76,9 @@ def census(model: str = "PCAF-context", mode: str = "ar", precision: str = "bf16
 
     case = Case(model, mode, T, batch, 0.1, "eager", precision)
     cfg = case_config(GpuCase(model, mode, T, batch, precision, "eager"), case)
+    if profile is not None:
+        cfg.profile = get_profile(profile)
+        cfg = validate(cfg)
     backend = TorchBackend("cpu")
     aten = torch.ops.aten
     _NO_KERNEL = {aten.detach.default, aten.lift_fresh.default, aten._unsafe_view.default,  # aliases, as views
@@ -94,12 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="PCAF-context")
     parser.add_argument("--mode", choices=("ar", "nt"), default="ar")
     parser.add_argument("--precision", choices=("bf16", "fp32", "both"), default="both")
+    parser.add_argument("--profile", default=None, help="a profile other than the benchmark's reference_torch")
     parser.add_argument("--top", type=int, default=15, help="how many of the most frequent ops to list")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     for precision in (("bf16", "fp32") if args.precision == "both" else (args.precision,)):
-        count = census(args.model, args.mode, precision)
-        print(f"{args.model} {args.mode} {precision}, eager, CUDA code paths: {sum(count.values())} ops a step")
+        count = census(args.model, args.mode, precision, profile=args.profile)
+        label = f"{args.model} {args.mode} {precision}" + (f" {args.profile}" if args.profile else "")
+        print(f"{label}, eager, CUDA code paths: {sum(count.values())} ops a step")
         for name, n in count.most_common(args.top):
             print(f"  {n:4d}  {name}")
     return 0

@@ -36,3 +36,10 @@ def test_main_prints_the_total_and_the_most_frequent_ops(capsys: pytest.CaptureF
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("PCAF-context ar fp32, eager, CUDA code paths: ") and lines[0].endswith(" ops a step")
     assert len(lines) == 4 and all(int(line.split()[0]) > 0 for line in lines[1:])
+
+
+def test_another_profile_takes_its_own_mixture() -> None:
+    """The benchmark's reference_torch floors the full-AR target; corrected mixes in log space."""
+    corrected = op_census.census(precision="fp32", T=16, batch=1, profile="corrected")
+    reference = op_census.census(precision="fp32", T=16, batch=1)
+    assert corrected["aten::logaddexp"] == 1 and "aten::logaddexp" not in reference

@@ -68,3 +68,37 @@ def test_floored_full_ar_target_and_gradients_are_autograds(dtype: torch.dtype) 
     if dtype == torch.float64:
         torch.autograd.gradcheck(lambda *t: mixture.target_log_prob(*t, nt_floor=False, ar_floor=True, mode="ar"),
                                  tuple(t[1:].clone().requires_grad_() for t in (lp, pc, gate)))
+
+
+def _log_mixture_by_autograd(lp: torch.Tensor, pc: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    log_keep, log_gate = mixture.gate_log_weights(gate, per_term=False)
+    return torch.logaddexp(log_keep + lp, log_gate + mixture.safe_log(pc))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("mode", ["nt", "ar"])
+def test_log_mixture_target_and_gradients_are_autograds(dtype: torch.dtype, mode: str) -> None:
+    """The logaddexp mixture (next-token without the per-term clamp; full AR without the floor), with an empty
+    query's gate of 0, a cache miss's p_cache of 0, and both."""
+    gen = torch.Generator().manual_seed(6)
+    lp = (torch.randn(4, 7, generator=gen) * 3 - 4).to(dtype)
+    pc = torch.rand(4, 7, generator=gen).to(dtype)
+    gate = torch.rand(4, 7, generator=gen).to(dtype)
+    gate[0, :2] = 0.0
+    pc[0, 1:3] = 0.0
+    g = torch.randn(4, 7, generator=gen).to(dtype)
+    got_in = [t.clone().requires_grad_() for t in (lp, pc, gate)]
+    want_in = [t.clone().requires_grad_() for t in (lp, pc, gate)]
+    got = mixture.target_log_prob(*got_in, nt_floor=False, ar_floor=False, mode=mode)
+    want = _log_mixture_by_autograd(*want_in)
+    assert torch.equal(got, want) and torch.equal(got[0, 1], lp[0, 1])  # gate 0: the parametric term alone
+    got.backward(g)
+    want.backward(g)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for a, b in zip(got_in, want_in):
+        assert torch.isfinite(a.grad).all()
+        torch.testing.assert_close(a.grad, b.grad, rtol=tol, atol=tol * b.grad.abs().max().item())
+    assert torch.all(got_in[1].grad[0, 1:3] == 0)  # log 0's gradient is 0, as safe_log's
+    if dtype == torch.float64:
+        torch.autograd.gradcheck(lambda *t: mixture.target_log_prob(*t, nt_floor=False, ar_floor=False, mode=mode),
+                                 tuple(t[1:].clone().requires_grad_() for t in (lp, pc, gate)))

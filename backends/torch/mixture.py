@@ -150,7 +150,9 @@ def target_log_prob(
         p_cache = torch.clamp(p_cache, min=NT_CACHE_FLOOR)
     if mode == "ar" and ar_floor:
         return _FlooredMixture.apply(param_log_prob, p_cache, gate)
-    log_keep, log_gate = gate_log_weights(gate, per_term=gate_per_term and mode == "nt")
+    if not (gate_per_term and mode == "nt"):
+        return _LogMixture.apply(param_log_prob, p_cache, gate)
+    log_keep, log_gate = gate_log_weights(gate, per_term=True)
     return torch.logaddexp(log_keep + param_log_prob, log_gate + safe_log(p_cache))
 
 
@@ -181,3 +183,27 @@ class _FlooredMixture(torch.autograd.Function):
         p_cache, gate, p_param, kept, mix = ctx.saved_tensors
         d = torch.where(mix >= AR_PROB_FLOOR, g / mix, 0.0)
         return d * kept, d * gate, d * (p_cache - p_param)
+
+
+class _LogMixture(torch.autograd.Function):
+    """``logaddexp(log(1 − λ) + lp, log λ + log p_cache)``, λ and p_cache in [0, 1], with its three gradients as
+    one expression each (the mixture's weights ``w_param = exp(a − out)``, ``w_cache = exp(b − out)``). A zero λ or
+    p_cache has log −∞ and a zero gradient, as :func:`safe_log`'s; the forward is the plain ops' own. 7 forward
+    and 17 backward ops where the plain ops and autograd's chain took about 40."""
+
+    @staticmethod
+    def forward(ctx, lp: torch.Tensor, p_cache: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        a = torch.log1p(-gate) + lp
+        b = torch.log(gate) + torch.log(p_cache)  # log 0 = -inf: safe_log's value without its guard
+        out = torch.logaddexp(a, b)
+        ctx.save_for_backward(p_cache, gate, a, b, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        p_cache, gate, a, b, out = ctx.saved_tensors
+        d_lp = g * torch.exp(a - out)
+        g_cache = g * torch.exp(b - out)
+        d_cache = torch.where(p_cache > 0, g_cache / p_cache, 0.0)
+        d_gate = torch.where(gate > 0, g_cache / gate, 0.0) - d_lp / (1.0 - gate)
+        return d_lp, d_cache, d_gate
