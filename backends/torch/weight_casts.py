@@ -2,9 +2,9 @@
 
 Under ``torch.autocast`` each matrix product casts its float32 weight and bias to the autocast dtype (autocast
 caches the cast for the rest of the forward), and the backward pass casts each of their bf16 gradients back to
-float32: two kernels a parameter a step, each launched from the host while an eager step's GPU waits. Of the 298
-ops an eager bf16 full-AR PCAF-context step at the WikiText-2 paper shape launches otherwise, 44 are these casts
-(``python -m benchmarks.op_census``).
+float32: two kernels a parameter a step, each launched from the host while an eager step's GPU waits. An eager
+bf16 full-AR PCAF-context step at the WikiText-2 paper shape makes 44 of them: 22 parameters, once each way
+(``python -m benchmarks.op_census`` counts the step's ops).
 
 :func:`autocast` is ``torch.autocast`` that also makes the copies of the given parameters with one
 ``_foreach_copy_`` (one multi-tensor kernel on CUDA) and, in the backward pass, their float32 gradients with
