@@ -380,6 +380,26 @@ def test_bf16_autocast_training_step_is_finite() -> None:
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in net.parameters())
 
 
+def test_bf16_gate_is_a_float32_sigmoid_that_the_clip_keeps_below_one() -> None:
+    # JAX's Gate takes the sigmoid of the widened logit; a bf16 sigmoid would round λ >= 0.998 to exactly 1, and
+    # the mask's clip to 1 - 1e-5 (1 in bf16) would leave log(1 - λ) = -inf.
+    from backends.torch import mixture
+    from backends.torch.layers import Gate
+
+    gate = Gate(4, "tanh")
+    with torch.no_grad():
+        gate.out.bias.fill_(8.0)
+    h = torch.randn(2, 3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        raw = gate(h)
+        logit = gate.out(torch.nn.functional.gelu(gate.hidden(gate.norm(h)), approximate="tanh"))[..., 0]
+    assert logit.dtype == torch.bfloat16 and raw.dtype == torch.float32
+    assert torch.equal(raw, torch.sigmoid(logit.float()))
+    assert torch.all(raw < 1.0) and torch.all(torch.sigmoid(logit) == 1.0)  # what a bf16 sigmoid gave
+    lam = mixture.mask_gate(raw, torch.ones(2, 3, dtype=torch.bool), clip_when_empty=True)
+    assert torch.all(torch.isfinite(torch.log1p(-lam)))
+
+
 class _IndexPuts(TorchDispatchMode):
     """Every ``index_put`` (the backward of indexing a tensor with a position tensor) an op sequence runs."""
 

@@ -177,7 +177,11 @@ class Head(nn.Module):
 
 
 class Gate(nn.Module):
-    """The learned gate of :func:`pcaf_core.reference.memory_read`: raw λ, before masking."""
+    """The learned gate of :func:`pcaf_core.reference.memory_read`: raw λ, before masking, in float32 at least.
+
+    The sigmoid runs on the widened logit, as JAX's ``Gate`` does: under bf16 autocast a bf16 sigmoid rounds
+    every λ above 0.998 to exactly 1, where the mask's clip to 1 − 1e-5 (itself 1 in bf16) no longer keeps
+    log(1 − λ) finite."""
 
     def __init__(self, d: int, gelu_form: str) -> None:
         super().__init__()
@@ -187,7 +191,7 @@ class Gate(nn.Module):
         self.gelu_form = gelu_form
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.out(gelu(self.hidden(self.norm(h)), self.gelu_form))[..., 0])
+        return torch.sigmoid(widen(self.out(gelu(self.hidden(self.norm(h)), self.gelu_form))[..., 0]))
 
 
 class PositionalTable(nn.Module):
