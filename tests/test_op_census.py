@@ -38,8 +38,17 @@ def test_main_prints_the_total_and_the_most_frequent_ops(capsys: pytest.CaptureF
     assert len(lines) == 4 and all(int(line.split()[0]) > 0 for line in lines[1:])
 
 
-def test_another_profile_takes_its_own_mixture() -> None:
-    """The benchmark's reference_torch floors the full-AR target; corrected mixes in log space."""
+def test_the_memory_reads_row_passes_are_one_kernel_each_way(counts) -> None:
+    for count in counts.values():
+        for op in ("cache_weights", "target_cache_prob", "mixture_target"):
+            assert count[f"pcaf::{op}"] == count[f"pcaf::{op}_grad"] == 1
+    # The softmax's and the mixture's ATen ops are gone (fp32 logits keep them in the head loss).
+    assert "aten::amax" not in counts["bf16"] and "aten::log" not in counts["bf16"]
+
+
+def test_another_profile_is_counted_with_its_own_switches() -> None:
+    """The benchmark's reference_torch trains with dropout 0.1; corrected without dropout."""
     corrected = op_census.census(precision="fp32", T=16, batch=1, profile="corrected")
     reference = op_census.census(precision="fp32", T=16, batch=1)
-    assert corrected["aten::logaddexp"] == 1 and "aten::logaddexp" not in reference
+    assert "pcaf::dropout_mask" not in corrected and reference["pcaf::dropout_mask"] > 0
+    assert corrected["pcaf::mixture_target"] == reference["pcaf::mixture_target"] == 1

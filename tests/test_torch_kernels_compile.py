@@ -3,7 +3,8 @@
 Without a GPU the kernel tests run under Triton's interpreter, which accepts some programs the compiler
 rejects. The first test therefore compiles every kernel variant ahead of time for Hopper (sm_90) with
 Triton's own toolchain (bundled ptxas; no device needed) and checks ptxas reports no register spills: the routing
-kernels, the gather_dot key gradient, the head loss's passes over 16-bit logits and dropout's mask.
+kernels, the gather_dot key gradient, the head loss's passes over 16-bit logits, dropout's mask and the memory
+read's row passes.
 The second runs the compiled kernels on a real CUDA device when one is present.
 """
 
@@ -32,6 +33,7 @@ _AOT_SCRIPT = textwrap.dedent(
     from backends.torch.kernels import dropout_mask as dm
     from backends.torch.kernels import gather_grad as gg
     from backends.torch.kernels import head_softmax as hs
+    from backends.torch.kernels import mixture_rows as mr
     from backends.torch.kernels import triton_impl as ti
     from pcaf_core.hashing import BUCKET_ADD, HASH_MULT
 
@@ -89,6 +91,25 @@ _AOT_SCRIPT = textwrap.dedent(
         check(dm._dropout_mask_kernel, {"x_ptr": f"*{dtype}", "levels_ptr": "*i16", "out_ptr": f"*{dtype}", "n": "i32",
                                         "cutoff": "i32", "scale": "fp32"},
               {"BLOCK": dm.BLOCK, "OUT_BF16": dtype == "bf16"})
+    # The memory read's row passes, at K = 16, 32 and 64, and both mixture rules.
+    for K in (16, 32, 64):
+        _, block_r, block_k = mr._row_grid(8192, K)
+        rows = {"BLOCK_R": block_r, "BLOCK_K": block_k}
+        check(mr._cache_weights_kernel, {"scores_ptr": "*fp32", "valid_ptr": "*u8", "w_ptr": "*fp32", "R": "i32",
+                                         "K": "i32"}, {"MASKED": mr.MASKED_SCORE, "FLOOR": mr.TINY, **rows})
+        check(mr._cache_weights_grad_kernel, {"w_ptr": "*fp32", "g_ptr": "*fp32", "out_ptr": "*fp32", "R": "i32",
+                                              "K": "i32"}, rows)
+        hits = {"values_ptr": "*i64", "valid_ptr": "*u8", "targets_ptr": "*i64", "out_ptr": "*fp32", "R": "i32",
+                "K": "i32"}
+        check(mr._target_cache_prob_kernel, {"w_ptr": "*fp32", **hits}, rows)
+        check(mr._target_cache_prob_grad_kernel, {"g_ptr": "*fp32", **hits}, rows)
+    for rule in (mr.FLOORED, mr.LOG):
+        consts = {"RULE": rule, "FLOOR": mr.AR_PROB_FLOOR, "BLOCK": mr.ROW_BLOCK}
+        check(mr._mixture_target_kernel, {"lp_ptr": "*fp32", "pc_ptr": "*fp32", "gate_ptr": "*fp32",
+                                          "out_ptr": "*fp32", "R": "i32"}, consts)
+        check(mr._mixture_target_grad_kernel, {**{f"{n}_ptr": "*fp32" for n in ("g", "lp", "pc", "gate", "d_lp",
+                                                                                  "d_pc", "d_gate")}, "R": "i32"},
+              consts)
     print("compiled")
     """
 )

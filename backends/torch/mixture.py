@@ -1,5 +1,10 @@
 """Scores → cache weights → p_cache; gate masking; the mixture and its accuracy in torch, equal to
 :mod:`pcaf_core.mixture` (which also states the backends' target-entry loss path and :func:`safe_log`).
+
+The training loss's per-query passes (the cache weights, ``p_cache`` at the target, the target's mixture) have
+hand-written gradients; on CUDA an eager step runs each pass as one kernel
+(:mod:`backends.torch.kernels.mixture_rows`, :func:`kernels_by_default`), elsewhere and under ``torch.compile`` as
+that module's ATen forms.
 """
 
 from __future__ import annotations
@@ -7,10 +12,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
+from backends.torch.kernels import mixture_rows, triton_enabled
 from backends.torch.ops import banded_dot, batch_gather, gather_dot
 from backends.torch.routing import Candidates
-from pcaf_core.mixture import AR_PROB_FLOOR, GATE_CLIP, MASKED_SCORE, NT_CACHE_FLOOR, SEMANTIC_OVERLAP_FLOOR
+from pcaf_core.mixture import GATE_CLIP, NT_CACHE_FLOOR, SEMANTIC_OVERLAP_FLOOR
 from pcaf_core.routing import ScoreBand
 
 
@@ -65,6 +72,22 @@ def candidate_scores(
     return s
 
 
+def kernels_by_default(x: torch.Tensor) -> bool:
+    """Whether the memory read's row passes run as ``pcaf::`` kernels, one each way: on CUDA tensors."""
+    return x.is_cuda and triton_enabled(x)
+
+
+def _row_kernels(*xs: torch.Tensor) -> bool:
+    """The kernels for float32 rows of an eager step (a compiled one fuses the ATen forms itself)."""
+    return (all(x.dtype == torch.float32 for x in xs) and not torch.compiler.is_compiling()
+            and kernels_by_default(xs[0]))
+
+
+def _rows(x: torch.Tensor, K: int | None = None) -> torch.Tensor:
+    """``x`` as contiguous ``[R, K]`` rows (``[R]`` when K is None)."""
+    return x.contiguous().view(-1) if K is None else x.contiguous().view(-1, K)
+
+
 def cache_weights(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """See :func:`pcaf_core.mixture.cache_weights`."""
     return _CacheWeights.apply(scores, valid)
@@ -72,22 +95,29 @@ def cache_weights(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 class _CacheWeights(torch.autograd.Function):
     """The masked softmax with its gradient as one expression, ``w·(g − Σ g·w)``: 4 backward ops where autograd's
-    chain through the division, clamp, exp and masks took 13 (an eager GPU step launches each). Junk scores of
-    empty slots never reach the softmax (exp(-inf) = 0), and get a zero gradient (their weight is 0); an empty
-    query's weights are all 0, and so is its gradient (its sum is clamped at ``tiny``, not divided by 0)."""
+    chain through the division, clamp, exp and masks took 13 (an eager GPU step launches each; on CUDA each pass
+    is one kernel). Junk scores of empty slots never reach the softmax (exp(-inf) = 0), and get a zero gradient
+    (their weight is 0); an empty query's weights are all 0, and so is its gradient (its sum is clamped at
+    ``tiny``, not divided by 0)."""
 
     @staticmethod
     def forward(ctx, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        top = torch.where(valid, scores, MASKED_SCORE).amax(-1, keepdim=True)
-        e = torch.exp(torch.where(valid, scores - top, -math.inf))
-        w = e / e.sum(-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).tiny)
+        ctx.kernels = _row_kernels(scores)
+        if ctx.kernels:
+            K = scores.shape[-1]
+            w = mixture_rows.cache_weights(_rows(scores, K), _rows(valid, K)).view(scores.shape)
+        else:
+            w = mixture_rows.cache_weights_torch(scores, valid)
         ctx.save_for_backward(w)
         return w
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (w,) = ctx.saved_tensors
-        return w * (g - (g * w).sum(-1, keepdim=True)), None
+        if ctx.kernels:
+            K = w.shape[-1]
+            return mixture_rows.cache_weights_grad(_rows(w, K), _rows(g, K)).view(w.shape), None
+        return mixture_rows.cache_weights_grad_torch(w, g), None
 
 
 def cache_distribution(weights: torch.Tensor, cand_values: torch.Tensor, valid: torch.Tensor, vocab_size: int
@@ -101,8 +131,28 @@ def cache_distribution(weights: torch.Tensor, cand_values: torch.Tensor, valid: 
 def target_cache_prob(weights: torch.Tensor, cand_values: torch.Tensor, valid: torch.Tensor, targets: torch.Tensor
                       ) -> torch.Tensor:
     """``p_cache(y)`` at the targets, ``[B, Q]`` (:mod:`pcaf_core.mixture`, "Backends")."""
-    hit = valid & (cand_values == targets[..., None])
-    return torch.where(hit, weights, torch.zeros_like(weights)).sum(-1)
+    if _row_kernels(weights):
+        return _TargetCacheProb.apply(weights, cand_values, valid, targets)
+    return mixture_rows.target_cache_prob_torch(weights, cand_values, valid, targets)
+
+
+class _TargetCacheProb(torch.autograd.Function):
+    """:func:`target_cache_prob` by one kernel each way (:mod:`backends.torch.kernels.mixture_rows`)."""
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor, cand_values: torch.Tensor, valid: torch.Tensor, targets: torch.Tensor
+                ) -> torch.Tensor:
+        K = weights.shape[-1]
+        ids = (_rows(cand_values, K), _rows(valid, K), _rows(targets))
+        ctx.save_for_backward(*ids)
+        return mixture_rows.target_cache_prob(_rows(weights, K), *ids).view(targets.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: torch.Tensor):
+        values, valid, targets = ctx.saved_tensors
+        shape = (*g.shape, values.shape[-1])
+        return mixture_rows.target_cache_prob_grad(_rows(g), values, valid, targets).view(shape), None, None, None
 
 
 def mask_gate(raw_gate: torch.Tensor, any_valid: torch.Tensor, *, clip_when_empty: bool, per_term: bool = False
@@ -149,9 +199,9 @@ def target_log_prob(
     if mode == "nt" and nt_floor:
         p_cache = torch.clamp(p_cache, min=NT_CACHE_FLOOR)
     if mode == "ar" and ar_floor:
-        return _FlooredMixture.apply(param_log_prob, p_cache, gate)
+        return _MixtureTarget.apply(param_log_prob, p_cache, gate, mixture_rows.FLOORED)
     if not (gate_per_term and mode == "nt"):
-        return _LogMixture.apply(param_log_prob, p_cache, gate)
+        return _MixtureTarget.apply(param_log_prob, p_cache, gate, mixture_rows.LOG)
     log_keep, log_gate = gate_log_weights(gate, per_term=True)
     return torch.logaddexp(log_keep + param_log_prob, log_gate + safe_log(p_cache))
 
@@ -165,45 +215,36 @@ def predictions(mixture_lp: torch.Tensor | None, param_log_probs: torch.Tensor, 
     return torch.argmax(src, dim=-1)
 
 
-class _FlooredMixture(torch.autograd.Function):
-    """``log(max((1 − λ)·exp(lp) + λ·p_cache, AR_PROB_FLOOR))`` (the reference profiles' full-AR target), with its
-    three gradients as one expression each: 8 backward ops where autograd's chain took 11. Below the floor the
-    gradient is 0, as the clamp's is."""
+class _MixtureTarget(torch.autograd.Function):
+    """The target's log-probability from the head's ``lp``, ``p_cache`` at the target and the masked gate λ, with
+    its three gradients as one expression each (:mod:`backends.torch.kernels.mixture_rows`, which holds both rules'
+    formulas; on CUDA one kernel each way):
+
+    - ``FLOORED``: ``log(max((1 − λ)·exp(lp) + λ·p_cache, AR_PROB_FLOOR))``, the reference profiles' full-AR target;
+      below the floor the gradient is 0, as the clamp's is. 8 backward ops where autograd's chain took 11.
+    - ``LOG``: ``logaddexp(log(1 − λ) + lp, log λ + log p_cache)``, λ and p_cache in [0, 1]. A zero λ or p_cache
+      has log −∞ and a zero gradient, as :func:`safe_log`'s; the forward is the plain ops' own. About 24 ops
+      forward and backward where the plain ops and autograd's chain took about 40.
+
+    The kernels' backward recomputes the forward's intermediates from the three inputs (``[B, Q]`` each); the ATen
+    form keeps them.
+    """
 
     @staticmethod
-    def forward(ctx, lp: torch.Tensor, p_cache: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        p_param = torch.exp(lp)
-        kept = (1.0 - gate) * p_param  # d mix / d lp
-        mix = kept + gate * p_cache
-        ctx.save_for_backward(p_cache, gate, p_param, kept, mix)
-        return torch.log(torch.clamp(mix, min=AR_PROB_FLOOR))
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        p_cache, gate, p_param, kept, mix = ctx.saved_tensors
-        d = torch.where(mix >= AR_PROB_FLOOR, g / mix, 0.0)
-        return d * kept, d * gate, d * (p_cache - p_param)
-
-
-class _LogMixture(torch.autograd.Function):
-    """``logaddexp(log(1 − λ) + lp, log λ + log p_cache)``, λ and p_cache in [0, 1], with its three gradients as
-    one expression each (the mixture's weights ``w_param = exp(a − out)``, ``w_cache = exp(b − out)``). A zero λ or
-    p_cache has log −∞ and a zero gradient, as :func:`safe_log`'s; the forward is the plain ops' own. 7 forward
-    and 17 backward ops where the plain ops and autograd's chain took about 40."""
-
-    @staticmethod
-    def forward(ctx, lp: torch.Tensor, p_cache: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        a = torch.log1p(-gate) + lp
-        b = torch.log(gate) + torch.log(p_cache)  # log 0 = -inf: safe_log's value without its guard
-        out = torch.logaddexp(a, b)
-        ctx.save_for_backward(p_cache, gate, a, b, out)
+    def forward(ctx, lp: torch.Tensor, p_cache: torch.Tensor, gate: torch.Tensor, rule: int) -> torch.Tensor:
+        ctx.rule, ctx.kernels = rule, _row_kernels(lp, p_cache, gate)
+        if ctx.kernels:
+            ctx.save_for_backward(lp, p_cache, gate)
+            return mixture_rows.mixture_target(_rows(lp), _rows(p_cache), _rows(gate), rule).view(lp.shape)
+        out, terms = mixture_rows.mixture_target_terms_torch(lp, p_cache, gate, rule)
+        ctx.save_for_backward(lp, p_cache, gate, *terms)
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g: torch.Tensor):
-        p_cache, gate, a, b, out = ctx.saved_tensors
-        d_lp = g * torch.exp(a - out)
-        g_cache = g * torch.exp(b - out)
-        d_cache = torch.where(p_cache > 0, g_cache / p_cache, 0.0)
-        d_gate = torch.where(gate > 0, g_cache / gate, 0.0) - d_lp / (1.0 - gate)
-        return d_lp, d_cache, d_gate
+        lp, p_cache, gate, *terms = ctx.saved_tensors
+        if ctx.kernels:
+            grads = mixture_rows.mixture_target_grad(_rows(g), _rows(lp), _rows(p_cache), _rows(gate), ctx.rule)
+            return (*(d.view(lp.shape) for d in grads), None)
+        return (*mixture_rows.mixture_target_grad_torch(g, lp, p_cache, gate, ctx.rule, tuple(terms)), None)
