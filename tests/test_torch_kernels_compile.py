@@ -3,8 +3,8 @@
 Without a GPU the kernel tests run under Triton's interpreter, which accepts some programs the compiler
 rejects. The first test therefore compiles every kernel variant ahead of time for Hopper (sm_90) with
 Triton's own toolchain (bundled ptxas; no device needed) and checks ptxas reports no register spills: the routing
-kernels, the gather_dot key gradient, the head loss's passes over 16-bit logits, dropout's mask and the memory
-read's row passes.
+kernels, the gather_dot key gradient, the head loss's passes over 16-bit logits, dropout's mask, the memory
+read's row passes and the L2 normalisation.
 The second runs the compiled kernels on a real CUDA device when one is present.
 """
 
@@ -33,6 +33,7 @@ _AOT_SCRIPT = textwrap.dedent(
     from backends.torch.kernels import dropout_mask as dm
     from backends.torch.kernels import gather_grad as gg
     from backends.torch.kernels import head_softmax as hs
+    from backends.torch.kernels import l2_normalize as l2
     from backends.torch.kernels import mixture_rows as mr
     from backends.torch.kernels import triton_impl as ti
     from pcaf_core.hashing import BUCKET_ADD, HASH_MULT
@@ -110,6 +111,17 @@ _AOT_SCRIPT = textwrap.dedent(
         check(mr._mixture_target_grad_kernel, {**{f"{n}_ptr": "*fp32" for n in ("g", "lp", "pc", "gate", "d_lp",
                                                                                   "d_pc", "d_gate")}, "R": "i32"},
               consts)
+    # The L2 normalisation, both forms, at d = 256 (the paper's) and 224 (the 41M model's), each dtype.
+    for dtype in ("fp32", "bf16", "fp16"):
+        for d in (256, 224):
+            block_d = triton.next_power_of_2(d)
+            for floored in (True, False):
+                consts = {"FLOORED": floored, "EPS": l2.L2_MAX_EPS if floored else l2.L2_RSQRT_EPS,
+                          "OUT_BF16": dtype == "bf16", "BLOCK_N": l2.ROW_ELEMENTS // block_d, "BLOCK_D": block_d}
+                check(l2._l2_normalize_kernel, {"x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "N": "i32", "d": "i32"},
+                      consts)
+                check(l2._l2_normalize_grad_kernel, {"x_ptr": f"*{dtype}", "g_ptr": f"*{dtype}",
+                                                     "dx_ptr": f"*{dtype}", "N": "i32", "d": "i32"}, consts)
     print("compiled")
     """
 )

@@ -487,7 +487,7 @@ def test_no_cache_trains_exactly_as_local_conv_with_clipping(mode: str) -> None:
 
 def _l2_normalize_by_autograd(x: torch.Tensor, form: str) -> torch.Tensor:
     """The normalisation as plain ops, differentiated by autograd's chain rule."""
-    from backends.torch.layers import L2_MAX_EPS, L2_RSQRT_EPS
+    from backends.torch.kernels.l2_normalize import L2_MAX_EPS, L2_RSQRT_EPS
 
     if form == "rsqrt_eps":
         return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2_RSQRT_EPS)

@@ -18,13 +18,13 @@ from torch import nn
 from backends.torch import cpu_gemm, weight_casts
 from backends.torch.dropout import Dropout
 from backends.torch.head_loss import chunked_target_log_softmax, target_log_softmax, widen
+from backends.torch.kernels import l2_normalize as l2_kernels
+from backends.torch.kernels import triton_enabled
 from backends.torch.window_attention import FLEX_BLOCK, blocked_window_attention, flex_window_attention
 from pcaf_core.config import WINDOWED_VARIANTS
 from pcaf_core.params import sinusoidal_table
 from pcaf_core.reference import LN_EPS, attention_allowed
 
-L2_RSQRT_EPS = 1e-6  # rsqrt_eps form: x / sqrt(Σx² + 1e-6)
-L2_MAX_EPS = 1e-12  # max_eps form: x / max(‖x‖, 1e-12)
 LINEAR_ATTENTION_DEN_FLOOR = 1e-6
 
 
@@ -39,6 +39,11 @@ def l2_normalize(x: torch.Tensor, form: str) -> torch.Tensor:
     return _L2Normalize.apply(x, form)
 
 
+def l2_kernels_by_default(x: torch.Tensor) -> bool:
+    """Whether :func:`l2_normalize` runs as ``pcaf::l2_normalize``'s kernel, one each way: on CUDA tensors."""
+    return x.is_cuda and triton_enabled(x)
+
+
 class _L2Normalize(torch.autograd.Function):
     """``y = x / n`` over the last axis, ``n = sqrt(Σx² + eps)`` (``rsqrt_eps``) or ``max(‖x‖, eps)``
     (``max_eps``), with the gradient in one expression: ``dx = (g − y·Σ(g·y)) / n``, the projection term left
@@ -46,27 +51,32 @@ class _L2Normalize(torch.autograd.Function):
     as clamp's gradient passes at its bound). Autograd's chain through the division, the clamp and the norm
     dispatches 14 ops for the ``max_eps`` backward (11 for ``rsqrt_eps``), this one 7 (5): each a kernel launch
     an eager GPU step waits on. The same value; gradients equal to float rounding (tests/test_torch_models.py).
+    An eager step on CUDA runs each pass as one kernel that keeps only x
+    (:mod:`backends.torch.kernels.l2_normalize`; equal to bfloat16 or float32 rounding).
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, form: str) -> torch.Tensor:
-        if form == "rsqrt_eps":
-            n = norm = torch.sqrt((x * x).sum(-1, keepdim=True) + L2_RSQRT_EPS)
-        else:
-            norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-            n = norm.clamp(min=L2_MAX_EPS)
-        y = x / n
-        ctx.floored = form != "rsqrt_eps"
+        floored = ctx.floored = form != "rsqrt_eps"
+        ctx.kernels = (x.dtype in l2_kernels.KERNEL_DTYPES and not torch.compiler.is_compiling()
+                       and l2_kernels_by_default(x))
+        if ctx.kernels:
+            x = x.contiguous()
+            ctx.save_for_backward(x)
+            return l2_kernels.l2_normalize(x.view(-1, x.shape[-1]), floored).view(x.shape)
+        y, n, norm = l2_kernels.l2_normalize_torch(x, floored)
         ctx.save_for_backward(y, n, norm)
         return y
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
+        if ctx.kernels:
+            (x,) = ctx.saved_tensors
+            d = x.shape[-1]
+            grad = l2_kernels.l2_normalize_grad(x.view(-1, d), g.to(x.dtype).contiguous().view(-1, d), ctx.floored)
+            return grad.view(x.shape), None
         y, n, norm = ctx.saved_tensors
-        s = (g * y).sum(-1, keepdim=True)
-        if ctx.floored:
-            s = s.masked_fill(norm < L2_MAX_EPS, 0)
-        return (g - y * s) / n, None
+        return l2_kernels.l2_normalize_grad_torch(g, y, n, norm, ctx.floored), None
 
 
 def layer_norm(d: int) -> nn.LayerNorm:

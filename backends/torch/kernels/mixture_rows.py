@@ -27,9 +27,8 @@ ATen form elsewhere (the ``*_torch`` functions: the reference the kernels are te
   and its gradients in lp, p_cache and λ.
 
 ``exp`` and ``log`` may differ from ATen's in the last float32 bit, and a row's sums run in another order: the
-kernels agree with the ATen forms to float32 rounding, not bit for bit. ``log1p`` is formed as
-``log(u)·x/(u − 1)`` with ``u = 1 + x`` (exact to a few units in the last place; Triton's interpreter has no
-``log1p``).
+kernels agree with the ATen forms to float32 rounding, not bit for bit (``log1p`` is
+:func:`backends.torch.kernels.triton_math.log1p`).
 """
 
 from __future__ import annotations
@@ -44,6 +43,8 @@ from pcaf_core.mixture import AR_PROB_FLOOR, MASKED_SCORE
 try:
     import triton
     import triton.language as tl
+
+    from backends.torch.kernels.triton_math import log1p
 except ImportError:  # platforms without a Triton build: the torch path serves every device
     triton = None  # type: ignore[assignment]
 
@@ -57,12 +58,6 @@ ROW_BLOCK = 1024
 TINY = torch.finfo(torch.float32).tiny
 
 if triton is not None:
-
-    @triton.jit
-    def _log1p(x):
-        """``log(1 + x)`` without losing ``x``'s digits where ``1 + x`` rounds (Goldberg's form)."""
-        u = 1.0 + x
-        return tl.where(u == 1.0, x, tl.log(u) * (x / tl.where(u == 1.0, 1.0, u - 1.0)))
 
     @triton.jit
     def _row_block(R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -124,13 +119,13 @@ if triton is not None:
     def _log_mixture_terms(lp, pc, gate):
         """``(a, b, out)``: ``a = log(1 − λ) + lp``, ``b = log λ + log p_cache`` and ``logaddexp(a, b)`` (torch's
         rule: two equal infinities give themselves)."""
-        a = _log1p(-gate) + lp
+        a = log1p(-gate) + lp
         b = tl.log(gate) + tl.log(pc)
         top = tl.maximum(a, b)
         same_inf = (a == b) & ((a == float("inf")) | (a == float("-inf")))
         d = tl.where(same_inf, 0.0, a - b)
         d = tl.where(d < 0, -d, d)
-        return a, b, tl.where(same_inf, a, top + _log1p(tl.exp(-d)))
+        return a, b, tl.where(same_inf, a, top + log1p(tl.exp(-d)))
 
     @triton.jit
     def _mixture_target_kernel(lp_ptr, pc_ptr, gate_ptr, out_ptr, R, RULE: tl.constexpr, FLOOR: tl.constexpr,
