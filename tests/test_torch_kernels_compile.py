@@ -111,6 +111,14 @@ _AOT_SCRIPT = textwrap.dedent(
         check(mr._mixture_target_grad_kernel, {**{f"{n}_ptr": "*fp32" for n in ("g", "lp", "pc", "gate", "d_lp",
                                                                                   "d_pc", "d_gate")}, "R": "i32"},
               consts)
+    for per_term in (False, True):
+        for clip_when_empty in (False, True):
+            check(mr._mask_gate_kernel, {"raw_ptr": "*fp32", "any_ptr": "*u8", "out_ptr": "*fp32", "R": "i32"},
+                  {"CLIP": mr.GATE_CLIP, "CLIP_WHEN_EMPTY": clip_when_empty, "PER_TERM": per_term,
+                   "BLOCK": mr.ROW_BLOCK})
+        check(mr._mask_gate_grad_kernel, {"g_ptr": "*fp32", "raw_ptr": "*fp32", "any_ptr": "*u8", "out_ptr": "*fp32",
+                                          "R": "i32"}, {"CLIP": mr.GATE_CLIP, "PER_TERM": per_term,
+                                                        "BLOCK": mr.ROW_BLOCK})
     # The L2 normalisation, both forms, at d = 256 (the paper's) and 224 (the 41M model's), each dtype.
     for dtype in ("fp32", "bf16", "fp16"):
         for d in (256, 224):

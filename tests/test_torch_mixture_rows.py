@@ -6,6 +6,8 @@ step with them against one without.
 - ``p_cache`` at the target and its gradient: targets held by several slots, by empty slots, by none;
 - the mixture's two rules, forward and gradients: a floored mixture, λ and p_cache at 0, λ at the clip's bounds
   (where ``log(1 − λ)`` needs log1p's digits);
+- the gate's mask and clip, each combination of the profiles' switches, bit for bit with the plain ops and the
+  clamp's gradient;
 - the ops' registrations (``torch.library.opcheck``) and one-line refusals;
 - a full-AR and a next-token step of PCAF-context on the CUDA code paths: loss and every gradient equal with the
   kernels and without, in float32, under each profile's rule.
@@ -119,6 +121,26 @@ def test_the_log_rule_keeps_log1p_digits_at_the_gate_clip() -> None:
     torch.testing.assert_close(out, torch.log1p(-gate), rtol=1e-6, atol=0.0)
 
 
+@pytest.mark.parametrize("per_term", [False, True])
+@pytest.mark.parametrize("clip_when_empty", [False, True])
+def test_mask_gate_and_gradient_equal_the_plain_ops(clip_when_empty: bool, per_term: bool) -> None:
+    gen = torch.Generator().manual_seed(6)
+    raw = torch.rand(300, generator=gen)
+    raw[:4] = torch.tensor([0.0, GATE_CLIP, 1 - GATE_CLIP, 1.0])  # the clip's bounds: its gradient passes at them
+    raw[4:6] = torch.tensor([GATE_CLIP / 2, 1 - GATE_CLIP / 2])  # clipped: no gradient
+    any_valid = torch.rand(300, generator=gen) < 0.8
+    any_valid[:6] = True
+    raw, any_valid = raw.to(DEVICE), any_valid.to(DEVICE)
+    g = torch.randn(300, generator=gen).to(DEVICE)
+    lam = mixture_rows.mask_gate(raw, any_valid, clip_when_empty, per_term)
+    leaf = raw.clone().requires_grad_()
+    want = mixture_rows.mask_gate_torch(leaf, any_valid, clip_when_empty, per_term)
+    want.backward(g)
+    assert torch.equal(lam, want.detach())
+    assert torch.equal(mixture_rows.mask_gate_grad(g, raw, any_valid, per_term), leaf.grad)
+    assert torch.equal(mixture_rows.mask_gate_grad_torch(g, raw, any_valid, per_term), leaf.grad)
+
+
 def test_the_ops_registrations() -> None:
     scores, valid, values, targets = _slots(7, 5)
     w = mixture_rows.cache_weights_torch(scores, valid)
@@ -129,6 +151,10 @@ def test_the_ops_registrations() -> None:
              (ops.target_cache_prob_grad, (g[:7].contiguous(), values, valid, targets))]
     cases += [(op, args) for rule in RULES for op, args in
               ((ops.mixture_target, (lp, pc, gate, rule)), (ops.mixture_target_grad, (g, lp, pc, gate, rule)))]
+    any_valid = torch.rand(gate.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE) < 0.8
+    for per_term in (False, True):
+        cases += [(ops.mask_gate, (gate, any_valid, clip, per_term)) for clip in (False, True)]
+        cases.append((ops.mask_gate_grad, (g, gate, any_valid, per_term)))
     for op, args in cases:
         torch.library.opcheck(op, args)
 

@@ -158,11 +158,28 @@ class _TargetCacheProb(torch.autograd.Function):
 def mask_gate(raw_gate: torch.Tensor, any_valid: torch.Tensor, *, clip_when_empty: bool, per_term: bool = False
               ) -> torch.Tensor:
     """See :func:`pcaf_core.mixture.mask_gate`."""
-    lam = raw_gate * any_valid.to(raw_gate.dtype)
-    if per_term:
-        return lam
-    clipped = torch.clamp(lam, GATE_CLIP, 1.0 - GATE_CLIP)
-    return clipped if clip_when_empty else torch.where(any_valid, clipped, torch.zeros_like(clipped))
+    if _row_kernels(raw_gate):
+        return _MaskGate.apply(raw_gate, any_valid, clip_when_empty, per_term)
+    return mixture_rows.mask_gate_torch(raw_gate, any_valid, clip_when_empty, per_term)
+
+
+class _MaskGate(torch.autograd.Function):
+    """:func:`mask_gate` by one kernel each way (:mod:`backends.torch.kernels.mixture_rows`), where the plain ops
+    and the clamp's gradient are about nine."""
+
+    @staticmethod
+    def forward(ctx, raw_gate: torch.Tensor, any_valid: torch.Tensor, clip_when_empty: bool, per_term: bool
+                ) -> torch.Tensor:
+        raw, valid = _rows(raw_gate), _rows(any_valid)
+        ctx.per_term = per_term
+        ctx.save_for_backward(raw, valid)
+        return mixture_rows.mask_gate(raw, valid, clip_when_empty, per_term).view(raw_gate.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: torch.Tensor):
+        raw, valid = ctx.saved_tensors
+        return mixture_rows.mask_gate_grad(_rows(g), raw, valid, ctx.per_term).view(g.shape), None, None, None
 
 
 def gate_log_weights(gate: torch.Tensor, *, per_term: bool) -> tuple[torch.Tensor, torch.Tensor]:

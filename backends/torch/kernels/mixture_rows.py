@@ -24,7 +24,12 @@ ATen form elsewhere (the ``*_torch`` functions: the reference the kernels are te
   ``pcaf::mixture_target_grad(Tensor g, Tensor lp, Tensor p_cache, Tensor gate, int rule) -> (Tensor, Tensor,
   Tensor)``: ``[R]`` each; the target's log-probability under :data:`FLOORED` (the reference profiles' full-AR
   ``log max((1 − λ)·e^lp + λ·p_cache, 1e-8)``) or :data:`LOG` (``logaddexp(log(1 − λ) + lp, log λ + log p_cache)``),
-  and its gradients in lp, p_cache and λ.
+  and its gradients in lp, p_cache and λ;
+- ``pcaf::mask_gate(Tensor raw, Tensor any_valid, bool clip_when_empty, bool per_term) -> Tensor`` and
+  ``pcaf::mask_gate_grad(Tensor g, Tensor raw, Tensor any_valid, bool per_term) -> Tensor``: raw λ ``[R]``,
+  any_valid ``[R]`` bool -> the masked gate of :func:`pcaf_core.mixture.mask_gate` (``raw·any_valid``, clipped to
+  ``[GATE_CLIP, 1 − GATE_CLIP]`` unless ``per_term``, 0 for an empty query unless ``clip_when_empty``) and its
+  gradient ``g·any_valid`` where the clip passes (bounds included, as ``torch.clamp``'s gradient).
 
 ``exp`` and ``log`` may differ from ATen's in the last float32 bit, and a row's sums run in another order: the
 kernels agree with the ATen forms to float32 rounding, not bit for bit (``log1p`` is
@@ -38,7 +43,7 @@ import math
 import torch
 
 from backends.torch.kernels.ops import triton_enabled
-from pcaf_core.mixture import AR_PROB_FLOOR, MASKED_SCORE
+from pcaf_core.mixture import AR_PROB_FLOOR, GATE_CLIP, MASKED_SCORE
 
 try:
     import triton
@@ -172,6 +177,40 @@ if triton is not None:
         tl.store(d_gate_ptr + rows, d_gate, mask=inside)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _mask_gate_kernel(raw_ptr, any_ptr, out_ptr, R, CLIP: tl.constexpr, CLIP_WHEN_EMPTY: tl.constexpr,
+                          PER_TERM: tl.constexpr, BLOCK: tl.constexpr):
+        """Grid ``(cdiv(R, BLOCK),)``."""
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = rows < R
+        raw = tl.load(raw_ptr + rows, mask=inside, other=0.0)
+        valid = tl.load(any_ptr + rows, mask=inside, other=0) != 0
+        lam = raw * tl.where(valid, 1.0, 0.0)
+        if not PER_TERM:
+            lam = tl.minimum(tl.maximum(lam, CLIP), 1.0 - CLIP)
+            if not CLIP_WHEN_EMPTY:
+                lam = tl.where(valid, lam, 0.0)
+        tl.store(out_ptr + rows, lam, mask=inside)
+
+    @triton.jit
+    def _mask_gate_grad_kernel(g_ptr, raw_ptr, any_ptr, out_ptr, R, CLIP: tl.constexpr, PER_TERM: tl.constexpr,
+                               BLOCK: tl.constexpr):
+        """Grid ``(cdiv(R, BLOCK),)``."""
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = rows < R
+        g = tl.load(g_ptr + rows, mask=inside, other=0.0)
+        raw = tl.load(raw_ptr + rows, mask=inside, other=0.0)
+        valid = tl.load(any_ptr + rows, mask=inside, other=0) != 0
+        on = tl.where(valid, 1.0, 0.0)
+        d = g * on
+        if not PER_TERM:
+            lam = raw * on
+            d = tl.where((lam >= CLIP) & (lam <= 1.0 - CLIP), d, 0.0)
+        tl.store(out_ptr + rows, d, mask=inside)
+
+
 def _row_grid(R: int, K: int) -> tuple[int, int, int]:
     """``(programs, BLOCK_R, BLOCK_K)`` of an ``[R, K]`` kernel."""
     block_k = triton.next_power_of_2(max(K, 1))
@@ -241,6 +280,24 @@ def mixture_target_grad_torch(g: torch.Tensor, lp: torch.Tensor, pc: torch.Tenso
     d_pc = torch.where(pc > 0, g_cache / pc, 0.0)
     d_gate = torch.where(gate > 0, g_cache / gate, 0.0) - d_lp / (1.0 - gate)
     return d_lp, d_pc, d_gate
+
+
+def mask_gate_torch(raw: torch.Tensor, any_valid: torch.Tensor, clip_when_empty: bool, per_term: bool
+                    ) -> torch.Tensor:
+    lam = raw * any_valid.to(raw.dtype)
+    if per_term:
+        return lam
+    clipped = torch.clamp(lam, GATE_CLIP, 1.0 - GATE_CLIP)
+    return clipped if clip_when_empty else torch.where(any_valid, clipped, torch.zeros_like(clipped))
+
+
+def mask_gate_grad_torch(g: torch.Tensor, raw: torch.Tensor, any_valid: torch.Tensor, per_term: bool
+                         ) -> torch.Tensor:
+    on = any_valid.to(raw.dtype)
+    if per_term:
+        return g * on
+    lam = raw * on
+    return torch.where((lam >= GATE_CLIP) & (lam <= 1.0 - GATE_CLIP), g * on, 0.0)
 
 
 # ------------------------------------------------------------------ the ops
@@ -359,6 +416,41 @@ def _(g: torch.Tensor, lp: torch.Tensor, pc: torch.Tensor, gate: torch.Tensor, r
     return torch.empty_like(lp), torch.empty_like(lp), torch.empty_like(lp)
 
 
+@torch.library.custom_op("pcaf::mask_gate", mutates_args=())
+def _mask_gate(raw: torch.Tensor, any_valid: torch.Tensor, clip_when_empty: bool, per_term: bool) -> torch.Tensor:
+    if not _use_triton(raw):
+        return mask_gate_torch(raw, any_valid, clip_when_empty, per_term)
+    out = torch.empty_like(raw)
+    R = raw.numel()
+    if R:
+        _mask_gate_kernel[(triton.cdiv(R, ROW_BLOCK),)](raw, any_valid.view(torch.uint8), out, R, CLIP=GATE_CLIP,
+                                                        CLIP_WHEN_EMPTY=clip_when_empty, PER_TERM=per_term,
+                                                        BLOCK=ROW_BLOCK)
+    return out
+
+
+@_mask_gate.register_fake
+def _(raw: torch.Tensor, any_valid: torch.Tensor, clip_when_empty: bool, per_term: bool) -> torch.Tensor:
+    return torch.empty_like(raw)
+
+
+@torch.library.custom_op("pcaf::mask_gate_grad", mutates_args=())
+def _mask_gate_grad(g: torch.Tensor, raw: torch.Tensor, any_valid: torch.Tensor, per_term: bool) -> torch.Tensor:
+    if not _use_triton(raw):
+        return mask_gate_grad_torch(g, raw, any_valid, per_term)
+    out = torch.empty_like(raw)
+    R = raw.numel()
+    if R:
+        _mask_gate_grad_kernel[(triton.cdiv(R, ROW_BLOCK),)](g, raw, any_valid.view(torch.uint8), out, R,
+                                                             CLIP=GATE_CLIP, PER_TERM=per_term, BLOCK=ROW_BLOCK)
+    return out
+
+
+@_mask_gate_grad.register_fake
+def _(g: torch.Tensor, raw: torch.Tensor, any_valid: torch.Tensor, per_term: bool) -> torch.Tensor:
+    return torch.empty_like(raw)
+
+
 # ------------------------------------------------------------------ checked entry points
 
 
@@ -413,3 +505,15 @@ def mixture_target_grad(g: torch.Tensor, lp: torch.Tensor, pc: torch.Tensor, gat
     """``(d lp, d p_cache, d λ)`` ``[R]`` of :func:`mixture_target` times ``g``."""
     _check("mixture_target_grad", (g, lp, pc, gate), lp)
     return torch.ops.pcaf.mixture_target_grad(g, lp, pc, gate, rule)
+
+
+def mask_gate(raw: torch.Tensor, any_valid: torch.Tensor, clip_when_empty: bool, per_term: bool) -> torch.Tensor:
+    """The masked gate ``[R]`` of raw λ ``[R]`` float32 and ``any_valid`` ``[R]`` bool."""
+    _check("mask_gate", (raw,), raw, any_valid)
+    return torch.ops.pcaf.mask_gate(raw, any_valid, clip_when_empty, per_term)
+
+
+def mask_gate_grad(g: torch.Tensor, raw: torch.Tensor, any_valid: torch.Tensor, per_term: bool) -> torch.Tensor:
+    """The gradient ``[R]`` in raw λ of :func:`mask_gate` times ``g`` ``[R]``."""
+    _check("mask_gate_grad", (g, raw), raw, any_valid)
+    return torch.ops.pcaf.mask_gate_grad(g, raw, any_valid, per_term)
