@@ -3,8 +3,8 @@
 Without a GPU the kernel tests run under Triton's interpreter, which accepts some programs the compiler
 rejects. The first test therefore compiles every kernel variant ahead of time for Hopper (sm_90) with
 Triton's own toolchain (bundled ptxas; no device needed) and checks ptxas reports no register spills: the routing
-kernels, the gather_dot key gradient, the head loss's passes over 16-bit logits, dropout's mask, the memory
-read's row passes and the L2 normalisation.
+kernels, the gather_dot key gradient, the head loss's passes over 16-bit logits, dropout's mask alone and fused with
+its neighbours, the memory read's row passes and the L2 normalisation.
 The second runs the compiled kernels on a real CUDA device when one is present.
 """
 
@@ -30,6 +30,7 @@ _AOT_SCRIPT = textwrap.dedent(
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from backends.torch.kernels import dropout_fused as df
     from backends.torch.kernels import dropout_mask as dm
     from backends.torch.kernels import gather_grad as gg
     from backends.torch.kernels import head_softmax as hs
@@ -92,6 +93,18 @@ _AOT_SCRIPT = textwrap.dedent(
         check(dm._dropout_mask_kernel, {"x_ptr": f"*{dtype}", "levels_ptr": "*i16", "out_ptr": f"*{dtype}", "n": "i32",
                                         "cutoff": "i32", "scale": "fp32"},
               {"BLOCK": dm.BLOCK, "OUT_BF16": dtype == "bf16"})
+    # Dropout fused with the GELU before it and the residual add after it.
+    for dtype in ("fp32", "bf16", "fp16"):
+        levels = {"levels_ptr": "*i16", "n": "i32", "cutoff": "i32", "scale": "fp32"}
+        for tanh in (False, True):
+            consts = {"TANH": tanh, "OUT_BF16": dtype == "bf16", "BLOCK": df.BLOCK}
+            check(df._gelu_dropout_kernel, {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", **levels}, consts)
+            check(df._gelu_dropout_grad_kernel, {"g_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+                                                 **levels}, consts)
+        check(df._add_dropout_kernel, {"x_ptr": "*fp32", "y_ptr": f"*{dtype}", "out_ptr": "*fp32", **levels},
+              {"Y_BF16": dtype == "bf16", "OUT_BF16": False, "BLOCK": df.BLOCK})
+        check(df._add_dropout_grad_kernel, {"g_ptr": "*fp32", "out_ptr": f"*{dtype}", **levels},
+              {"OUT_BF16": dtype == "bf16", "BLOCK": df.BLOCK})
     # The memory read's row passes, at K = 16, 32 and 64, and both mixture rules.
     for K in (16, 32, 64):
         _, block_r, block_k = mr._row_grid(8192, K)

@@ -30,7 +30,12 @@ LINEAR_ATTENTION_DEN_FLOOR = 1e-6
 
 def gelu(x: torch.Tensor, form: str) -> torch.Tensor:
     """See :func:`pcaf_core.reference.gelu`."""
-    return F.gelu(x, approximate="tanh" if form == "tanh" else "none")
+    return F.gelu(x, approximate=gelu_approximate(form))
+
+
+def gelu_approximate(form: str) -> str:
+    """``F.gelu``'s ``approximate`` for a profile's GELU ``form``."""
+    return "tanh" if form == "tanh" else "none"
 
 
 def l2_normalize(x: torch.Tensor, form: str) -> torch.Tensor:
@@ -146,8 +151,8 @@ class ConvBlock(nn.Module):
             conv = self.conv  # its weight copies under an eager autocast step (backends.torch.weight_casts)
             y = F.conv1d(F.pad(y, (conv.kernel_size[0] - 1, 0)), weight_casts.weight(conv.weight),
                          weight_casts.weight(conv.bias), groups=conv.groups).transpose(1, 2)
-        y = self.mlp_out(self.drop(gelu(self.mlp_in(layer_rows(y, rows)), self.gelu_form)))
-        return layer_rows(x, rows) + self.drop(y)
+        y = self.mlp_out(self.drop.after_gelu(self.mlp_in(layer_rows(y, rows)), gelu_approximate(self.gelu_form)))
+        return self.drop.residual(layer_rows(x, rows), y)
 
 
 class Head(nn.Module):
@@ -169,7 +174,7 @@ class Head(nn.Module):
 
     def features(self, h: torch.Tensor) -> torch.Tensor:
         """``[..., d] -> [..., d_hidden]``: the output layer's input ``drop(GELU(W_h·LN h))``."""
-        return self.drop(gelu(self.hidden(self.norm(h)), self.gelu_form))
+        return self.drop.after_gelu(self.hidden(self.norm(h)), gelu_approximate(self.gelu_form))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # The normaliser in float32 under bf16 autocast: CUDA autocast upcasts log_softmax by itself, CPU
@@ -407,6 +412,6 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """``[B, T, d] -> [B, T, d]``; with ``rows`` only those M rows of x go on (softmax attention's
         next-token layers, :func:`pcaf_core.reference.nt_attention_rows`), ``-> [B, M, d]``."""
-        x = layer_rows(x, rows) + self.drop(self.attn(self.attn_norm(x), rows))
-        y = self.mlp_out(self.drop(gelu(self.mlp_in(self.mlp_norm(x)), self.gelu_form)))
-        return x + self.drop(y)
+        x = self.drop.residual(layer_rows(x, rows), self.attn(self.attn_norm(x), rows))
+        y = self.mlp_out(self.drop.after_gelu(self.mlp_in(self.mlp_norm(x)), gelu_approximate(self.gelu_form)))
+        return self.drop.residual(x, y)

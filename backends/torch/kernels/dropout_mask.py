@@ -70,13 +70,13 @@ def dropout_mask_triton(x: torch.Tensor, levels: torch.Tensor, cutoff: int, scal
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        _dropout_mask_kernel[(triton.cdiv(n, BLOCK),)](x, levels, out, n, cutoff, _rounded(scale, x.dtype),
+        _dropout_mask_kernel[(triton.cdiv(n, BLOCK),)](x, levels, out, n, cutoff, rounded_scale(scale, x.dtype),
                                                        BLOCK=BLOCK, OUT_BF16=x.dtype == torch.bfloat16)
     return out
 
 
 @functools.lru_cache(maxsize=64)
-def _rounded(scale: float, dtype: torch.dtype) -> float:
+def rounded_scale(scale: float, dtype: torch.dtype) -> float:
     """``scale`` rounded to ``dtype`` (the value ATen's mask holds), as a Python float."""
     return torch.tensor(scale, dtype=dtype).item()
 
