@@ -33,6 +33,7 @@ _AOT_SCRIPT = textwrap.dedent(
     from backends.torch.kernels import dropout_fused as df
     from backends.torch.kernels import dropout_mask as dm
     from backends.torch.kernels import gather_grad as gg
+    from backends.torch.kernels import cache_rows as cr
     from backends.torch.kernels import head_softmax as hs
     from backends.torch.kernels import l2_normalize as l2
     from backends.torch.kernels import mixture_rows as mr
@@ -107,16 +108,16 @@ _AOT_SCRIPT = textwrap.dedent(
               {"OUT_BF16": dtype == "bf16", "BLOCK": df.BLOCK})
     # The memory read's row passes, at K = 16, 32 and 64, and both mixture rules.
     for K in (16, 32, 64):
-        _, block_r, block_k = mr._row_grid(8192, K)
+        _, block_r, block_k = cr._row_grid(8192, K)
         rows = {"BLOCK_R": block_r, "BLOCK_K": block_k}
-        check(mr._cache_weights_kernel, {"scores_ptr": "*fp32", "valid_ptr": "*u8", "w_ptr": "*fp32", "R": "i32",
-                                         "K": "i32"}, {"MASKED": mr.MASKED_SCORE, "FLOOR": mr.TINY, **rows})
-        check(mr._cache_weights_grad_kernel, {"w_ptr": "*fp32", "g_ptr": "*fp32", "out_ptr": "*fp32", "R": "i32",
+        check(cr._cache_weights_kernel, {"scores_ptr": "*fp32", "valid_ptr": "*u8", "w_ptr": "*fp32", "R": "i32",
+                                         "K": "i32"}, {"MASKED": cr.MASKED_SCORE, "FLOOR": cr.TINY, **rows})
+        check(cr._cache_weights_grad_kernel, {"w_ptr": "*fp32", "g_ptr": "*fp32", "out_ptr": "*fp32", "R": "i32",
                                               "K": "i32"}, rows)
         hits = {"values_ptr": "*i64", "valid_ptr": "*u8", "targets_ptr": "*i64", "out_ptr": "*fp32", "R": "i32",
                 "K": "i32"}
-        check(mr._target_cache_prob_kernel, {"w_ptr": "*fp32", **hits}, rows)
-        check(mr._target_cache_prob_grad_kernel, {"g_ptr": "*fp32", **hits}, rows)
+        check(cr._target_cache_prob_kernel, {"w_ptr": "*fp32", **hits}, rows)
+        check(cr._target_cache_prob_grad_kernel, {"g_ptr": "*fp32", **hits}, rows)
     for rule in (mr.FLOORED, mr.LOG):
         consts = {"RULE": rule, "FLOOR": mr.AR_PROB_FLOOR, "BLOCK": mr.ROW_BLOCK}
         check(mr._mixture_target_kernel, {"lp_ptr": "*fp32", "pc_ptr": "*fp32", "gate_ptr": "*fp32",

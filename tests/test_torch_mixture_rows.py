@@ -1,5 +1,5 @@
-"""The memory read's row kernels (``backends.torch.kernels.mixture_rows``) against their ATen forms, and a training
-step with them against one without.
+"""The memory read's row kernels (``backends.torch.kernels.cache_rows`` and ``mixture_rows``) against their ATen
+forms, and a training step with them against one without.
 
 - cache weights and their gradient: empty rows, one valid slot, junk scores in empty slots, K that is not a power of
   two, row counts that do not fill a program;
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from backends.torch import mixture
-from backends.torch.kernels import mixture_rows
+from backends.torch.kernels import cache_rows, mixture_rows
 from backends.torch.kernels.ops import triton_enabled
 from pcaf_core.mixture import AR_PROB_FLOOR, GATE_CLIP
 
@@ -62,25 +62,25 @@ def test_kernels_run_as_triton_on_this_machine() -> None:
 @pytest.mark.parametrize("R, K", SHAPES)
 def test_cache_weights_and_gradient_equal_the_aten_form(R: int, K: int) -> None:
     scores, valid, _, _ = _slots(R, K)
-    w = mixture_rows.cache_weights(scores, valid)
-    want = mixture_rows.cache_weights_torch(scores, valid)
+    w = cache_rows.cache_weights(scores, valid)
+    want = cache_rows.cache_weights_torch(scores, valid)
     _close(w, want)
     assert torch.all(w[~valid] == 0)
     if R > 2:
         assert torch.all(w[1] == 0) and w[2, -1] == 1.0
     g = torch.randn(R, K, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    _close(mixture_rows.cache_weights_grad(want, g), mixture_rows.cache_weights_grad_torch(want, g))
+    _close(cache_rows.cache_weights_grad(want, g), cache_rows.cache_weights_grad_torch(want, g))
 
 
 @pytest.mark.parametrize("R, K", SHAPES)
 def test_target_cache_prob_and_gradient_equal_the_aten_form(R: int, K: int) -> None:
     scores, valid, values, targets = _slots(R, K)
-    w = mixture_rows.cache_weights_torch(scores, valid)
-    pc = mixture_rows.target_cache_prob(w, values, valid, targets)
-    _close(pc, mixture_rows.target_cache_prob_torch(w, values, valid, targets))
+    w = cache_rows.cache_weights_torch(scores, valid)
+    pc = cache_rows.target_cache_prob(w, values, valid, targets)
+    _close(pc, cache_rows.target_cache_prob_torch(w, values, valid, targets))
     g = torch.randn(R, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    got = mixture_rows.target_cache_prob_grad(g, values, valid, targets)
-    assert torch.equal(got, mixture_rows.target_cache_prob_grad_torch(g, values, valid, targets))
+    got = cache_rows.target_cache_prob_grad(g, values, valid, targets)
+    assert torch.equal(got, cache_rows.target_cache_prob_grad_torch(g, values, valid, targets))
 
 
 def _mixture_inputs(rule: int, R: int = 200):
@@ -143,7 +143,7 @@ def test_mask_gate_and_gradient_equal_the_plain_ops(clip_when_empty: bool, per_t
 
 def test_the_ops_registrations() -> None:
     scores, valid, values, targets = _slots(7, 5)
-    w = mixture_rows.cache_weights_torch(scores, valid)
+    w = cache_rows.cache_weights_torch(scores, valid)
     lp, pc, gate, g = _mixture_inputs(mixture_rows.LOG)
     ops = torch.ops.pcaf
     cases = [(ops.cache_weights, (scores, valid)), (ops.cache_weights_grad, (w, torch.ones_like(w))),
@@ -163,10 +163,10 @@ def test_bad_inputs_are_refused_in_one_line() -> None:
     scores, valid, values, targets = _slots(7, 5)
     for bad in (scores.double(), scores.t()):
         with pytest.raises(ValueError, match="contiguous float32 rows") as err:
-            mixture_rows.cache_weights(bad, valid)
+            cache_rows.cache_weights(bad, valid)
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="contiguous ids and masks"):
-        mixture_rows.target_cache_prob(scores, values.t().contiguous().t(), valid, targets)
+        cache_rows.target_cache_prob(scores, values.t().contiguous().t(), valid, targets)
     with pytest.raises(ValueError, match="shape \\(7,\\)"):
         mixture_rows.mixture_target(targets.float(), targets.float()[:3], targets.float(), mixture_rows.LOG)
 

@@ -3,8 +3,8 @@
 
 The training loss's per-query passes (the cache weights, ``p_cache`` at the target, the target's mixture) have
 hand-written gradients; on CUDA an eager step runs each pass as one kernel
-(:mod:`backends.torch.kernels.mixture_rows`, :func:`kernels_by_default`), elsewhere and under ``torch.compile`` as
-that module's ATen forms.
+(:mod:`backends.torch.kernels.cache_rows` and :mod:`~backends.torch.kernels.mixture_rows`,
+:func:`kernels_by_default`), elsewhere and under ``torch.compile`` as those modules' ATen forms.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from backends.torch.kernels import mixture_rows, triton_enabled
+from backends.torch.kernels import cache_rows, mixture_rows, triton_enabled
 from backends.torch.ops import banded_dot, batch_gather, gather_dot
 from backends.torch.routing import Candidates
 from pcaf_core.mixture import GATE_CLIP, NT_CACHE_FLOOR, SEMANTIC_OVERLAP_FLOOR
@@ -105,9 +105,9 @@ class _CacheWeights(torch.autograd.Function):
         ctx.kernels = _row_kernels(scores)
         if ctx.kernels:
             K = scores.shape[-1]
-            w = mixture_rows.cache_weights(_rows(scores, K), _rows(valid, K)).view(scores.shape)
+            w = cache_rows.cache_weights(_rows(scores, K), _rows(valid, K)).view(scores.shape)
         else:
-            w = mixture_rows.cache_weights_torch(scores, valid)
+            w = cache_rows.cache_weights_torch(scores, valid)
         ctx.save_for_backward(w)
         return w
 
@@ -116,8 +116,8 @@ class _CacheWeights(torch.autograd.Function):
         (w,) = ctx.saved_tensors
         if ctx.kernels:
             K = w.shape[-1]
-            return mixture_rows.cache_weights_grad(_rows(w, K), _rows(g, K)).view(w.shape), None
-        return mixture_rows.cache_weights_grad_torch(w, g), None
+            return cache_rows.cache_weights_grad(_rows(w, K), _rows(g, K)).view(w.shape), None
+        return cache_rows.cache_weights_grad_torch(w, g), None
 
 
 def cache_distribution(weights: torch.Tensor, cand_values: torch.Tensor, valid: torch.Tensor, vocab_size: int
@@ -133,11 +133,11 @@ def target_cache_prob(weights: torch.Tensor, cand_values: torch.Tensor, valid: t
     """``p_cache(y)`` at the targets, ``[B, Q]`` (:mod:`pcaf_core.mixture`, "Backends")."""
     if _row_kernels(weights):
         return _TargetCacheProb.apply(weights, cand_values, valid, targets)
-    return mixture_rows.target_cache_prob_torch(weights, cand_values, valid, targets)
+    return cache_rows.target_cache_prob_torch(weights, cand_values, valid, targets)
 
 
 class _TargetCacheProb(torch.autograd.Function):
-    """:func:`target_cache_prob` by one kernel each way (:mod:`backends.torch.kernels.mixture_rows`)."""
+    """:func:`target_cache_prob` by one kernel each way (:mod:`backends.torch.kernels.cache_rows`)."""
 
     @staticmethod
     def forward(ctx, weights: torch.Tensor, cand_values: torch.Tensor, valid: torch.Tensor, targets: torch.Tensor
@@ -145,14 +145,14 @@ class _TargetCacheProb(torch.autograd.Function):
         K = weights.shape[-1]
         ids = (_rows(cand_values, K), _rows(valid, K), _rows(targets))
         ctx.save_for_backward(*ids)
-        return mixture_rows.target_cache_prob(_rows(weights, K), *ids).view(targets.shape)
+        return cache_rows.target_cache_prob(_rows(weights, K), *ids).view(targets.shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g: torch.Tensor):
         values, valid, targets = ctx.saved_tensors
         shape = (*g.shape, values.shape[-1])
-        return mixture_rows.target_cache_prob_grad(_rows(g), values, valid, targets).view(shape), None, None, None
+        return cache_rows.target_cache_prob_grad(_rows(g), values, valid, targets).view(shape), None, None, None
 
 
 def mask_gate(raw_gate: torch.Tensor, any_valid: torch.Tensor, *, clip_when_empty: bool, per_term: bool = False

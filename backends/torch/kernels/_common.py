@@ -1,4 +1,4 @@
-"""Argument checks and the bucket hash shared by the Triton and pure-torch implementations."""
+"""Argument checks shared by the Triton and pure-torch implementations, and the bucket hash."""
 
 from __future__ import annotations
 
@@ -67,3 +67,16 @@ def bucket_of(hashes: torch.Tensor, num_buckets: int) -> torch.Tensor:
         ``[...]`` int64 bucket ids in ``[0, num_buckets)``.
     """
     return torch.remainder(hashes.to(torch.int64) * HASH_MULT + BUCKET_ADD, num_buckets)
+
+
+def check_rows(name: str, floats: tuple[torch.Tensor, ...], rows: torch.Tensor, *others: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless every tensor of ``floats`` is contiguous float32 shaped like ``rows`` and every
+    one of ``others`` (ids, masks) is contiguous: the inputs of the memory read's row kernels."""
+    for t in floats:
+        if t.dtype != torch.float32 or t.shape != rows.shape or not t.is_contiguous():
+            raise ValueError(f"{name} takes contiguous float32 rows of shape {tuple(rows.shape)}, got {t.dtype} of "
+                             f"shape {tuple(t.shape)} and strides {t.stride()}")
+    for t in others:
+        if not t.is_contiguous():
+            raise ValueError(f"{name} takes contiguous ids and masks, got shape {tuple(t.shape)} with strides "
+                             f"{t.stride()}")
