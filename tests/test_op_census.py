@@ -42,7 +42,7 @@ def test_main_prints_the_total_and_the_most_frequent_ops(capsys: pytest.CaptureF
 
 def test_the_memory_reads_passes_are_one_kernel_each_way(counts) -> None:
     for count in counts.values():
-        for op in ("cache_weights", "target_cache_prob", "mixture_target", "mask_gate"):
+        for op in ("candidate_scores", "cache_weights", "target_cache_prob", "mixture_target", "mask_gate"):
             assert count[f"pcaf::{op}"] == count[f"pcaf::{op}_grad"] == 1
         assert count["pcaf::l2_normalize"] == count["pcaf::l2_normalize_grad"] == 2  # the keys and the queries
     # The softmax's and the mixture's ATen ops are gone (fp32 logits keep them in the head loss).

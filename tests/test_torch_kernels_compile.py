@@ -116,6 +116,13 @@ _AOT_SCRIPT = textwrap.dedent(
                                               "K": "i32"}, rows)
         hits = {"values_ptr": "*i64", "valid_ptr": "*u8", "targets_ptr": "*i64", "out_ptr": "*fp32", "R": "i32",
                 "K": "i32"}
+        for dots in ("fp32", "bf16", "fp16"):
+            scores = {"index_ptr": "*i64", "rec_ptr": "*fp32", "R": "i32", "K": "i32", "sqrt_d": "fp32"}
+            check(cr._candidate_scores_kernel, {"dots_ptr": f"*{dots}", "rho_ptr": "*fp32", "out_ptr": "*fp32",
+                                                **scores}, {"DOTS_BF16": dots == "bf16", **rows})
+            check(cr._candidate_scores_grad_kernel, {"g_ptr": "*fp32", "d_dots_ptr": f"*{dots}",
+                                                     "partial_ptr": "*fp32", **scores},
+                  {"DOTS_BF16": dots == "bf16", **rows})
         check(cr._target_cache_prob_kernel, {"w_ptr": "*fp32", **hits}, rows)
         check(cr._target_cache_prob_grad_kernel, {"g_ptr": "*fp32", **hits}, rows)
     for rule in (mr.FLOORED, mr.LOG):

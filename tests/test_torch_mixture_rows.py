@@ -1,6 +1,8 @@
 """The memory read's row kernels (``backends.torch.kernels.cache_rows`` and ``mixture_rows``) against their ATen
 forms, and a training step with them against one without.
 
+- the candidates' scores from their products, forward and gradients, in each dtype of the products: the ATen
+  form's values bit for bit (the same float32 operations in the same order), ρ's gradient to float32 rounding;
 - cache weights and their gradient: empty rows, one valid slot, junk scores in empty slots, K that is not a power of
   two, row counts that do not fill a program;
 - ``p_cache`` at the target and its gradient: targets held by several slots, by empty slots, by none;
@@ -57,6 +59,31 @@ def _slots(R: int, K: int, seed: int = 0):
 
 def test_kernels_run_as_triton_on_this_machine() -> None:
     assert triton_enabled(torch.empty(1, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("R, K", SHAPES)
+def test_candidate_scores_and_gradients_equal_the_aten_form(R: int, K: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(8)
+    T = 40
+    dots = (torch.randn(R, K, generator=gen) * 3).to(dtype).to(DEVICE)
+    index = torch.randint(-1, T, (R, K), generator=gen).to(DEVICE)  # -1: an empty slot, read as position 0
+    recency = torch.rand(T, generator=gen).to(DEVICE)
+    rho = torch.tensor(0.7, device=DEVICE)
+    sqrt_d = 16.0**0.5 if K % 2 else 224**0.5
+    scores = cache_rows.candidate_scores(dots, index, recency, rho, sqrt_d)
+    assert scores.dtype == torch.float32
+    # The same float32 operations in the same order (the quotient rounded to the products' dtype first).
+    assert torch.equal(scores, cache_rows.candidate_scores_torch(dots, index, recency, rho, sqrt_d))
+    g = torch.randn(R, K, generator=gen).to(DEVICE)
+    d_dots, d_rho = cache_rows.candidate_scores_grad(g, index, recency, sqrt_d, dtype)
+    want_dots, want_rho = cache_rows.candidate_scores_grad_torch(g, index, recency, sqrt_d, dtype)
+    assert d_dots.dtype == dtype and torch.equal(d_dots, want_dots)
+    assert d_rho.shape == () and torch.allclose(d_rho, want_rho[0], rtol=1e-5, atol=1e-6)
+    # And both against autograd's chain through the plain ops.
+    leaf_dots, leaf_rho = dots.clone().requires_grad_(), rho.clone().requires_grad_()
+    (leaf_dots / sqrt_d + leaf_rho * recency[index.clamp(min=0)]).backward(g)
+    assert torch.equal(leaf_dots.grad, d_dots) and torch.allclose(leaf_rho.grad, d_rho, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("R, K", SHAPES)
@@ -146,7 +173,11 @@ def test_the_ops_registrations() -> None:
     w = cache_rows.cache_weights_torch(scores, valid)
     lp, pc, gate, g = _mixture_inputs(mixture_rows.LOG)
     ops = torch.ops.pcaf
-    cases = [(ops.cache_weights, (scores, valid)), (ops.cache_weights_grad, (w, torch.ones_like(w))),
+    rec, rho = torch.rand(9, device=DEVICE), torch.tensor(0.5, device=DEVICE)
+    index = values.clamp(max=8) - 1  # -1 .. 3: some empty slots
+    cases = [(ops.candidate_scores, (scores.bfloat16(), index, rec, rho, 2.0)),
+             (ops.candidate_scores_grad, (torch.ones_like(w), index, rec, 2.0, torch.bfloat16))]
+    cases += [(ops.cache_weights, (scores, valid)), (ops.cache_weights_grad, (w, torch.ones_like(w))),
              (ops.target_cache_prob, (w, values, valid, targets)),
              (ops.target_cache_prob_grad, (g[:7].contiguous(), values, valid, targets))]
     cases += [(op, args) for rule in RULES for op, args in

@@ -49,21 +49,27 @@ def candidate_scores(
 
     A band with a ``width`` (the ``topk_score`` window) is refused: torch scores those picks by gathering.
     """
-    idx = cand.index.clamp(min=0)
-    rec = recency[idx] if recency.dim() == 1 else batch_gather(recency, idx)
     if band is not None and band.width is not None:
         # The topk_score window (JAX reads its picks off the route's band, computed once inside a jitted
         # step). Measured here, reusing the route's products for the forward and running the band's blocked
         # backward (M = 4K columns of GEMM a row against K gathered rows) scored the picks no faster than
         # the sparse products: 20-23 against 21-23 ms at T = 8,192, 48-52 against 47-54 at 16,384.
         raise ValueError("torch scores topk_score candidates by gathering: pass no band (band.width is set)")
+    sqrt_d = math.sqrt(query.shape[-1])
+    # On an eager CUDA step the scale and the recency term are one kernel each way (cache_rows.candidate_scores),
+    # which reads the empty slots' -1 as position 0 itself.
+    fused = (router_probs is None and isinstance(rho, torch.Tensor) and _score_kernels(query, keys, recency, rho))
+    idx = None if fused and band is not None else cand.index.clamp(min=0)
 
     def dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if band is None:
             return gather_dot(x, y, idx)
-        return banded_dot(band.layout.order, band.layout.rank, x, y, idx.shape[-1])
+        return banded_dot(band.layout.order, band.layout.rank, x, y, cand.index.shape[-1])
 
-    s = dot(query, keys) / math.sqrt(query.shape[-1]) + rho * rec
+    if fused:
+        return _CandidateScores.apply(dot(query, keys), cand.index, recency, rho, sqrt_d)
+    rec = recency[idx] if recency.dim() == 1 else batch_gather(recency, idx)
+    s = dot(query, keys) / sqrt_d + rho * rec
     if router_probs is not None:
         if query_router_probs is None:
             raise ValueError("the semantic route term needs query_router_probs [B, Q, S] with router_probs")
@@ -86,6 +92,36 @@ def _row_kernels(*xs: torch.Tensor) -> bool:
 def _rows(x: torch.Tensor, K: int | None = None) -> torch.Tensor:
     """``x`` as contiguous ``[R, K]`` rows (``[R]`` when K is None)."""
     return x.contiguous().view(-1) if K is None else x.contiguous().view(-1, K)
+
+
+def _score_kernels(query: torch.Tensor, keys: torch.Tensor, recency: torch.Tensor, rho: torch.Tensor) -> bool:
+    """The scores' kernel for float32 or 16-bit products, a ``[T]`` float32 recency and a float32 ρ, in an eager
+    step."""
+    return (query.dtype in cache_rows.SCORE_DTYPES and keys.dtype == query.dtype and recency.dim() == 1
+            and recency.dtype == torch.float32 and rho.dtype == torch.float32 and rho.numel() == 1
+            and not torch.compiler.is_compiling() and kernels_by_default(query))
+
+
+class _CandidateScores(torch.autograd.Function):
+    """``dots/√d + ρ·recency[index]`` by :func:`backends.torch.kernels.cache_rows.candidate_scores`, one kernel
+    each way (ρ's gradient summed from per-program partial sums)."""
+
+    @staticmethod
+    def forward(ctx, dots: torch.Tensor, index: torch.Tensor, recency: torch.Tensor, rho: torch.Tensor,
+                sqrt_d: float) -> torch.Tensor:
+        K = dots.shape[-1]
+        rows = _rows(index, K)
+        ctx.save_for_backward(rows, recency)
+        ctx.sqrt_d, ctx.dtype, ctx.shape, ctx.rho_shape = sqrt_d, dots.dtype, dots.shape, rho.shape
+        return cache_rows.candidate_scores(_rows(dots, K), rows, recency, rho, sqrt_d).view(dots.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: torch.Tensor):
+        index, recency = ctx.saved_tensors
+        d_dots, d_rho = cache_rows.candidate_scores_grad(_rows(g.float(), index.shape[-1]), index, recency,
+                                                         ctx.sqrt_d, ctx.dtype)
+        return d_dots.view(ctx.shape), None, None, d_rho.reshape(ctx.rho_shape), None
 
 
 def cache_weights(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

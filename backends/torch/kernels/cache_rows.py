@@ -1,8 +1,10 @@
-"""The cache's per-slot passes on CUDA, one kernel each way: the cache weights and ``p_cache`` at the target.
+"""The cache's per-slot passes on CUDA, one kernel each way: the candidates' scores from their products, the cache
+weights and ``p_cache`` at the target.
 
-After the candidates are scored, a training step's memory read works on the K slots of each query (``[B, Q, K]``).
-In ATen the masked softmax is ten kernels forward and four backward and the hit sum five, and an eager step on a
-GPU waits on the host to launch each. Here each pass is one kernel that reads its rows once, in float32
+Once the query–key products of the candidates exist, a training step's memory read works on the K slots of each
+query (``[B, Q, K]``). In ATen the scores' scale and recency term are five kernels forward and four backward, the
+masked softmax ten forward and four backward and the hit sum five, and an eager step on a GPU waits on the host to
+launch each. Here each pass is one kernel that reads its rows once, in float32
 (:mod:`backends.torch.mixture` makes the choice; :mod:`backends.torch.kernels.mixture_rows` holds the per-query
 passes that follow).
 
@@ -10,6 +12,13 @@ Ops (namespace ``pcaf``), each the Triton kernel where :func:`backends.torch.ker
 ATen form elsewhere (the ``*_torch`` functions: the reference the kernels are tested against,
 ``tests/test_torch_mixture_rows.py``). Rows are contiguous, ``[R, K]`` is ``[B·Q, K]``:
 
+- ``pcaf::candidate_scores(Tensor dots, Tensor index, Tensor recency, Tensor rho, float sqrt_d) -> Tensor``: dots
+  ``[R, K]`` (the products ``q·k``, float32 or 16-bit), index ``[R, K]`` int64 (-1 = empty, read as position 0),
+  recency ``[T]`` float32, rho a float32 scalar tensor -> the scores ``dots/√d + ρ·r[index]`` ``[R, K]`` float32,
+  ``dots/√d`` rounded to the products' dtype first, as ATen's chain holds it;
+- ``pcaf::candidate_scores_grad(Tensor g, Tensor index, Tensor recency, float sqrt_d, ScalarType dtype) -> (Tensor,
+  Tensor)``: the gradient in the products (g cast to their ``dtype``, divided by √d, in that dtype) and the
+  per-program partial sums of ``g·r[index]`` whose sum is ρ's gradient (summed in a fixed order, no atomics);
 - ``pcaf::cache_weights(Tensor scores, Tensor valid) -> Tensor``: scores ``[R, K]`` float32, valid ``[R, K]`` bool
   -> the masked softmax ``w [R, K]``: ``exp(s − max)`` over the valid slots, divided by their sum floored at
   float32's ``tiny`` (an empty row is all 0);
@@ -19,8 +28,9 @@ ATen form elsewhere (the ``*_torch`` functions: the reference the kernels are te
 - ``pcaf::target_cache_prob_grad(Tensor g, Tensor values, Tensor valid, Tensor targets) -> Tensor``: ``g`` ``[R]`` ->
   ``g·[valid ∧ value = y]``, ``[R, K]``.
 
-``exp`` may differ from ATen's in the last float32 bit, and a row's sums run in another order: the kernels agree
-with the ATen forms to float32 rounding, not bit for bit.
+``exp`` may differ from ATen's in the last float32 bit, and sums run in another order: the kernels agree with the
+ATen forms to float32 rounding, not bit for bit (the scores' division is the correctly rounded one, ATen's on CUDA
+a product with the reciprocal).
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ from pcaf_core.mixture import MASKED_SCORE
 try:
     import triton
     import triton.language as tl
+
+    from backends.torch.kernels.triton_math import as_stored
 except ImportError:  # platforms without a Triton build: the torch path serves every device
     triton = None  # type: ignore[assignment]
 
@@ -53,6 +65,31 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_K)
         inside = (rows < R)[:, None] & (cols < K)[None, :]
         return rows, rows.to(tl.int64)[:, None] * K + cols[None, :], inside
+
+    @triton.jit
+    def _candidate_scores_kernel(dots_ptr, index_ptr, rec_ptr, rho_ptr, out_ptr, R, K, sqrt_d,
+                                 DOTS_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Grid ``(cdiv(R, BLOCK_R),)``."""
+        _, offs, inside = _row_block(R, K, BLOCK_R, BLOCK_K)
+        dots = tl.load(dots_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        index = tl.maximum(tl.load(index_ptr + offs, mask=inside, other=0), 0)
+        rec = tl.load(rec_ptr + index, mask=inside, other=0.0)
+        rho = tl.load(rho_ptr)
+        scaled = as_stored(tl.div_rn(dots, sqrt_d), dots_ptr, DOTS_BF16)
+        tl.store(out_ptr + offs, scaled + rho * rec, mask=inside)
+
+    @triton.jit
+    def _candidate_scores_grad_kernel(g_ptr, index_ptr, rec_ptr, d_dots_ptr, partial_ptr, R, K, sqrt_d,
+                                      DOTS_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Grid ``(cdiv(R, BLOCK_R),)``; ``partial`` holds one float32 a program."""
+        _, offs, inside = _row_block(R, K, BLOCK_R, BLOCK_K)
+        g = tl.load(g_ptr + offs, mask=inside, other=0.0)
+        index = tl.maximum(tl.load(index_ptr + offs, mask=inside, other=0), 0)
+        rec = tl.load(rec_ptr + index, mask=inside, other=0.0)
+        cast = as_stored(g, d_dots_ptr, DOTS_BF16)  # autograd casts the gradient to the products' dtype
+        d_dots = as_stored(tl.div_rn(cast, sqrt_d), d_dots_ptr, DOTS_BF16)
+        tl.store(d_dots_ptr + offs, d_dots.to(d_dots_ptr.dtype.element_ty), mask=inside)
+        tl.store(partial_ptr + tl.program_id(0), tl.sum(tl.sum(g * rec, axis=1), axis=0))
 
     @triton.jit
     def _cache_weights_kernel(scores_ptr, valid_ptr, w_ptr, R, K, MASKED: tl.constexpr, FLOOR: tl.constexpr,
@@ -112,6 +149,17 @@ def _row_grid(R: int, K: int) -> tuple[int, int, int]:
 # ------------------------------------------------------------------ the ATen forms (the kernels' reference)
 
 
+def candidate_scores_torch(dots: torch.Tensor, index: torch.Tensor, recency: torch.Tensor, rho: torch.Tensor,
+                           sqrt_d: float) -> torch.Tensor:
+    return dots / sqrt_d + rho * recency[index.clamp(min=0)]
+
+
+def candidate_scores_grad_torch(g: torch.Tensor, index: torch.Tensor, recency: torch.Tensor, sqrt_d: float,
+                                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d dots, [d ρ])``: one partial sum, the whole of ρ's gradient."""
+    return g.to(dtype) / sqrt_d, (g * recency[index.clamp(min=0)]).sum().reshape(1)
+
+
 def cache_weights_torch(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     top = torch.where(valid, scores, MASKED_SCORE).amax(-1, keepdim=True)
     e = torch.exp(torch.where(valid, scores - top, -math.inf))
@@ -141,6 +189,48 @@ def target_cache_prob_grad_torch(g: torch.Tensor, values: torch.Tensor, valid: t
 
 def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and triton_enabled(x)
+
+
+@torch.library.custom_op("pcaf::candidate_scores", mutates_args=())
+def _candidate_scores(dots: torch.Tensor, index: torch.Tensor, recency: torch.Tensor, rho: torch.Tensor,
+                      sqrt_d: float) -> torch.Tensor:
+    if not _use_triton(dots):
+        return candidate_scores_torch(dots, index, recency, rho, sqrt_d)
+    R, K = dots.shape
+    out = torch.empty(R, K, dtype=torch.float32, device=dots.device)
+    if R:
+        grid, block_r, block_k = _row_grid(R, K)
+        _candidate_scores_kernel[(grid,)](dots, index, recency, rho, out, R, K, sqrt_d,
+                                          DOTS_BF16=dots.dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_K=block_k)
+    return out
+
+
+@_candidate_scores.register_fake
+def _(dots: torch.Tensor, index: torch.Tensor, recency: torch.Tensor, rho: torch.Tensor, sqrt_d: float
+      ) -> torch.Tensor:
+    return dots.new_empty(dots.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("pcaf::candidate_scores_grad", mutates_args=())
+def _candidate_scores_grad(g: torch.Tensor, index: torch.Tensor, recency: torch.Tensor, sqrt_d: float,
+                           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _use_triton(g):
+        return candidate_scores_grad_torch(g, index, recency, sqrt_d, dtype)
+    R, K = g.shape
+    grid, block_r, block_k = _row_grid(R, K)
+    d_dots = torch.empty(R, K, dtype=dtype, device=g.device)
+    partial = torch.zeros(max(grid, 1), dtype=torch.float32, device=g.device)
+    if R:
+        _candidate_scores_grad_kernel[(grid,)](g, index, recency, d_dots, partial, R, K, sqrt_d,
+                                               DOTS_BF16=dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_K=block_k)
+    return d_dots, partial
+
+
+@_candidate_scores_grad.register_fake
+def _(g: torch.Tensor, index: torch.Tensor, recency: torch.Tensor, sqrt_d: float, dtype: torch.dtype
+      ) -> tuple[torch.Tensor, torch.Tensor]:
+    grid = _row_grid(g.shape[0], g.shape[1])[0] if triton is not None else 1
+    return g.new_empty(g.shape, dtype=dtype), g.new_empty((max(grid, 1),), dtype=torch.float32)
 
 
 @torch.library.custom_op("pcaf::cache_weights", mutates_args=())
@@ -217,6 +307,42 @@ def _(g: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, targets: torch
 
 
 # ------------------------------------------------------------------ checked entry points
+
+
+SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_scores(name: str, rows: torch.Tensor, index: torch.Tensor, recency: torch.Tensor) -> None:
+    if rows.ndim != 2 or rows.dtype not in SCORE_DTYPES or not rows.is_contiguous():
+        raise ValueError(f"{name} takes contiguous [R, K] float32/bfloat16/float16 rows, got {rows.dtype} of shape "
+                         f"{tuple(rows.shape)} and strides {rows.stride()}")
+    if index.shape != rows.shape or index.dtype != torch.int64 or not index.is_contiguous():
+        raise ValueError(f"{name} takes a contiguous int64 index of shape {tuple(rows.shape)}, got {index.dtype} of "
+                         f"shape {tuple(index.shape)}")
+    if recency.ndim != 1 or recency.dtype != torch.float32 or not recency.is_contiguous():
+        raise ValueError(f"{name} takes a contiguous [T] float32 recency, got {recency.dtype} of shape "
+                         f"{tuple(recency.shape)}")
+
+
+def candidate_scores(dots: torch.Tensor, index: torch.Tensor, recency: torch.Tensor, rho: torch.Tensor,
+                     sqrt_d: float) -> torch.Tensor:
+    """The scores ``dots/√d + ρ·recency[index]`` ``[R, K]`` float32 (see the module docstring)."""
+    _check_scores("candidate_scores", dots, index, recency)
+    if rho.numel() != 1 or rho.dtype != torch.float32:
+        raise ValueError(f"candidate_scores takes ρ as one float32, got {rho.dtype} of shape {tuple(rho.shape)}")
+    return torch.ops.pcaf.candidate_scores(dots, index, recency, rho.reshape(()), sqrt_d)
+
+
+def candidate_scores_grad(g: torch.Tensor, index: torch.Tensor, recency: torch.Tensor, sqrt_d: float,
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d dots [R, K] in dtype, d ρ)`` of :func:`candidate_scores` times ``g`` ``[R, K]`` float32; d ρ is a 0-d
+    float32 tensor."""
+    _check_scores("candidate_scores_grad", g, index, recency)
+    if g.dtype != torch.float32 or dtype not in SCORE_DTYPES:
+        raise ValueError(f"candidate_scores_grad takes a float32 gradient into float32/bfloat16/float16 products, "
+                         f"got {g.dtype} into {dtype}")
+    d_dots, partial = torch.ops.pcaf.candidate_scores_grad(g, index, recency, sqrt_d, dtype)
+    return d_dots, partial.sum()
 
 
 def cache_weights(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

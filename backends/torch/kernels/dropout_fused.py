@@ -35,7 +35,7 @@ try:
     import triton
     import triton.language as tl
 
-    from backends.torch.kernels.triton_math import to_bf16
+    from backends.torch.kernels.triton_math import as_stored
 except ImportError:  # platforms without a Triton build: the torch path serves every device
     triton = None  # type: ignore[assignment]
 
@@ -49,14 +49,6 @@ TANH_KAPPA = 0.044715
 if triton is not None:
     _SQRT1_2, _PDF_SCALE = tl.constexpr(SQRT1_2), tl.constexpr(PDF_SCALE)
     _TANH_BETA, _TANH_KAPPA = tl.constexpr(TANH_BETA), tl.constexpr(TANH_KAPPA)
-
-    @triton.jit
-    def _as_stored(y, ptr, OUT_BF16: tl.constexpr):
-        """``y`` (float32) rounded to ``ptr``'s dtype and read back as float32: the value a tensor of that dtype
-        holds."""
-        if OUT_BF16:  # rounded by hand: Triton's interpreter, where the tests run, truncates to bfloat16
-            return to_bf16(y).to(tl.float32)
-        return y.to(ptr.dtype.element_ty).to(tl.float32)
 
     @triton.jit
     def _tanh(u):
@@ -95,9 +87,9 @@ if triton is not None:
         inside = offs < n
         x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         level = tl.load(levels_ptr + offs, mask=inside, other=0)
-        a = _as_stored(_gelu(x, TANH), out_ptr, OUT_BF16)
+        a = as_stored(_gelu(x, TANH), out_ptr, OUT_BF16)
         y = a * tl.where(level >= cutoff, scale, 0.0)
-        tl.store(out_ptr + offs, _as_stored(y, out_ptr, OUT_BF16).to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(out_ptr + offs, as_stored(y, out_ptr, OUT_BF16).to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _gelu_dropout_grad_kernel(g_ptr, x_ptr, levels_ptr, out_ptr, n, cutoff, scale, TANH: tl.constexpr,
@@ -108,9 +100,9 @@ if triton is not None:
         g = tl.load(g_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         level = tl.load(levels_ptr + offs, mask=inside, other=0)
-        dropped = _as_stored(g * tl.where(level >= cutoff, scale, 0.0), out_ptr, OUT_BF16)
+        dropped = as_stored(g * tl.where(level >= cutoff, scale, 0.0), out_ptr, OUT_BF16)
         dx = dropped * _gelu_slope(x, TANH)
-        tl.store(out_ptr + offs, _as_stored(dx, out_ptr, OUT_BF16).to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(out_ptr + offs, as_stored(dx, out_ptr, OUT_BF16).to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _add_dropout_kernel(x_ptr, y_ptr, levels_ptr, out_ptr, n, cutoff, scale, Y_BF16: tl.constexpr,
@@ -121,8 +113,8 @@ if triton is not None:
         x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         level = tl.load(levels_ptr + offs, mask=inside, other=0)
-        dropped = _as_stored(y * tl.where(level >= cutoff, scale, 0.0), y_ptr, Y_BF16)
-        tl.store(out_ptr + offs, _as_stored(x + dropped, out_ptr, OUT_BF16).to(out_ptr.dtype.element_ty),
+        dropped = as_stored(y * tl.where(level >= cutoff, scale, 0.0), y_ptr, Y_BF16)
+        tl.store(out_ptr + offs, as_stored(x + dropped, out_ptr, OUT_BF16).to(out_ptr.dtype.element_ty),
                  mask=inside)
 
     @triton.jit
@@ -131,10 +123,10 @@ if triton is not None:
         """Grid ``(cdiv(n, BLOCK),)``; ``scale`` already rounded to the output's dtype."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
-        g = _as_stored(tl.load(g_ptr + offs, mask=inside, other=0.0).to(tl.float32), out_ptr, OUT_BF16)
+        g = as_stored(tl.load(g_ptr + offs, mask=inside, other=0.0).to(tl.float32), out_ptr, OUT_BF16)
         level = tl.load(levels_ptr + offs, mask=inside, other=0)
         y = g * tl.where(level >= cutoff, scale, 0.0)
-        tl.store(out_ptr + offs, _as_stored(y, out_ptr, OUT_BF16).to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(out_ptr + offs, as_stored(y, out_ptr, OUT_BF16).to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def _grid(n: int) -> tuple[int]:

@@ -1,4 +1,5 @@
-"""Small ``@triton.jit`` helpers the kernels share: float32 → bfloat16 rounding and ``log1p``.
+"""Small ``@triton.jit`` helpers the kernels share: float32 → bfloat16 rounding, a value as a dtype stores it, and
+``log1p``.
 
 Both exist because Triton's interpreter, where the kernel tests run without a GPU, differs from the compiler: its
 float32 → bfloat16 cast truncates where a GPU's rounds to nearest even, and it has no ``log1p``. Written out here,
@@ -17,6 +18,15 @@ def to_bf16(y):
     b = y.to(tl.uint32, bitcast=True)
     r = tl.where(y != y, (b >> 16) | 0x40, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
     return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def as_stored(y, ptr, BF16: tl.constexpr):
+    """``y`` (float32) rounded to ``ptr``'s dtype (``BF16``: bfloat16, rounded by :func:`to_bf16`) and read back as
+    float32: the value a tensor of that dtype holds."""
+    if BF16:
+        return to_bf16(y).to(tl.float32)
+    return y.to(ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
