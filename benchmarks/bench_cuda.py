@@ -87,9 +87,27 @@ def _build(case: GpuCase, cpu_case, device: str, smoke: bool = False):
 
         backend = TorchBackend(device)
     state = backend.init(cfg)
-    if case.backend == "torch" and not case.head_kernels:
-        state.module.head.kernels = False
+    if case.backend == "torch" and not case.kernels:
+        backend = _AtenForms(backend)
     return cfg, note, backend, state
+
+
+class _AtenForms:
+    """A torch backend whose training steps take ATen's forms instead of the fused ``pcaf::`` kernels
+    (:func:`benchmarks.op_census.aten_forms`, entered around each step, so that the case's steps interleave with the
+    other cases' in one process); everything else is the backend's."""
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+
+    def train_step(self, *args, **kwargs):
+        from benchmarks.op_census import aten_forms
+
+        with aten_forms():
+            return self._backend.train_step(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
 
 
 def cuda_labels(device: str) -> dict[str, object]:

@@ -12,7 +12,7 @@ import functools
 import sys
 from dataclasses import dataclass, replace
 
-from benchmarks.bench_cuda_report import ATEN_HEAD
+from benchmarks.bench_cuda_report import ATEN_PASSES
 from pcaf_core.config import validate
 
 SMOKE_SCALE = "smoke"
@@ -32,15 +32,15 @@ class GpuCase:
     dropout: float = 0.1
     head_loss: str = "auto"  # train.head_loss
     backend: str = "torch"
-    head_kernels: bool = True  # False: the one-tile head loss passes over 16-bit logits in ATen (Head.kernels)
+    kernels: bool = True  # False: ATen's forms instead of the fused pcaf:: kernels (benchmarks.op_census.aten_forms)
 
     @property
     def label(self) -> str:
         """The row's model name: the model, and what sets the case apart from the model's main rows."""
         if self.backend == "jax":
             return f"{self.model} (JAX)"
-        if not self.head_kernels:
-            return f"{self.model}, {ATEN_HEAD}"
+        if not self.kernels:
+            return f"{self.model}, {ATEN_PASSES}"
         return f"{self.model}, {self.head_loss} head" if self.head_loss != "auto" else self.model
 
 
@@ -61,17 +61,17 @@ def gpu_cases(smoke: bool = False) -> list[GpuCase]:
     head loss and on the JAX backend. ``smoke``: T=64 stand-ins of the eager full-AR and next-token cases, the
     chunked head and the JAX step (fp32 only: the JAX bf16 step is tests/test_jax_train.py's; here it would add
     a second XLA compile to every smoke run). The eager T=1024 full-AR PCAF-context step also runs in bf16 with
-    the head loss's 16-bit passes in ATen (:data:`ATEN_HEAD`; bf16 only: fp32 logits take no kernel), the step
-    the kernels replace, so the two are timed side by side."""
+    ATen's forms instead of the fused ``pcaf::`` kernels (:data:`ATEN_PASSES`; bf16 only: the eager target it
+    serves is bf16's), the step the kernels replace, so the two are timed side by side."""
     P, S, D = "PCAF-context", "PCAF-semantic (bucketed)", "dense Transformer (SDPA)"
     if smoke:
-        base = [GpuCase(P, "ar", 64, 2), GpuCase(P, "ar", 64, 2, head_kernels=False),
+        base = [GpuCase(P, "ar", 64, 2), GpuCase(P, "ar", 64, 2, kernels=False),
                 GpuCase(P, "ar", 64, 2, head_loss="chunked"),
                 GpuCase(P, "ar", 64, 2, compile="xla", backend="jax"), GpuCase(P, "nt", 64, 4),
                 GpuCase(D, "nt", 64, 2)]
         base += [GpuCase(m, "nt", 64, 2) for m in WINDOWED_MODELS]
     else:
-        base = [GpuCase(P, "ar", 1024, 8), GpuCase(P, "ar", 1024, 8, head_kernels=False),
+        base = [GpuCase(P, "ar", 1024, 8), GpuCase(P, "ar", 1024, 8, kernels=False),
                 GpuCase(P, "ar", 1024, 8, compile="inductor"),
                 GpuCase(P, "ar", 1024, 8, compile="cudagraphs"),
                 GpuCase(P, "ar", 1024, 8, head_loss="chunked"),
@@ -84,7 +84,7 @@ def gpu_cases(smoke: bool = False) -> list[GpuCase]:
                 GpuCase(D, "nt", 2048, 8)]
         base += [GpuCase(m, "nt", 2048, 32) for m in WINDOWED_MODELS]
     return [replace(c, precision=p) for c in base for p in ("fp32", "bf16")
-            if not (smoke and c.backend == "jax" and p == "bf16") and (c.head_kernels or p == "bf16")]
+            if not (smoke and c.backend == "jax" and p == "bf16") and (c.kernels or p == "bf16")]
 
 
 @functools.cache

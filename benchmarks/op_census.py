@@ -12,6 +12,7 @@ launch a kernel on a GPU (not views, aliases or allocations); a custom op such a
     python -m benchmarks.op_census                       # full-AR PCAF-context, bf16 and fp32
     python -m benchmarks.op_census --mode nt --top 30
     python -m benchmarks.op_census --profile corrected     # the benchmark's profile: reference_torch
+    python -m benchmarks.op_census --aten-forms            # ATen's forms instead of the fused kernels
 
 It needs no GPU; what the count saves on a GPU is measured by ``make bench-cuda`` (``profile.csv``'s
 ``kernels_per_step``).
@@ -48,12 +49,30 @@ def cuda_code_paths() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def aten_forms() -> Iterator[None]:
+    """Until the context ends, every choice of a fused ``pcaf::`` kernel over its ATen form is made for the ATen form,
+    on any device: the head loss's 16-bit passes, dropout alone and fused with its neighbours, the memory read's
+    row passes and the L2 normalisation. The eager step as it was before those kernels (the candidate kernels and
+    the segmented key gradient stay), for ``benchmarks.bench_cuda`` to time beside the kernels' step."""
+    from unittest import mock
+
+    from backends.torch import dropout, head_loss, layers, mixture
+
+    with contextlib.ExitStack() as stack:
+        for module, name in ((mixture, "kernels_by_default"), (dropout, "kernels_by_default"),
+                             (layers, "l2_kernels_by_default"), (head_loss, "kernels_by_default")):
+            stack.enter_context(mock.patch.object(module, name, lambda x: False))
+        yield
+
+
 def census(model: str = "PCAF-context", mode: str = "ar", precision: str = "bf16", T: int = 64,
-           batch: int = 2, profile: str | None = None) -> collections.Counter[str]:
+           batch: int = 2, profile: str | None = None, fused: bool = True) -> collections.Counter[str]:
     """The ops that launch a kernel on CUDA, by schema name, of one eager training step of ``model`` after two
     warm-up steps (the optimiser's state and the step's cached constants exist by then). Left out: views, aliases,
     allocations and profiler marks. A custom op (``pcaf::``) counts once: its own ops are not seen. ``profile``:
-    another profile than the benchmark's (``reference_torch``, the paper's PyTorch code)."""
+    another profile than the benchmark's (``reference_torch``, the paper's PyTorch code). ``fused=False``: the step
+    with ATen's forms instead of the fused kernels (:func:`aten_forms`, ``bench_cuda``'s ``ATen passes`` case)."""
     from unittest import mock
 
     import torch
@@ -86,7 +105,8 @@ def census(model: str = "PCAF-context", mode: str = "ar", precision: str = "bf16
     aten = torch.ops.aten
     _NO_KERNEL = {aten.detach.default, aten.lift_fresh.default, aten._unsafe_view.default,  # aliases, as views
                   aten.empty_like.default, aten.new_empty.default, aten.empty.memory_format}  # allocations
-    with cuda_code_paths(), mock.patch.object(cpu_gemm, "onednn_on_this_cpu", lambda: False):
+    with cuda_code_paths(), aten_forms() if not fused else contextlib.nullcontext(), \
+            mock.patch.object(cpu_gemm, "onednn_on_this_cpu", lambda: False):
         state = backend.init(cfg)  # products through ATen, as on CUDA: the CPU's oneDNN path is for CPUs only
         for m in state.module.modules():  # the conv's form on CUDA (ConvBlock's "auto" shifts on CPUs only)
             if isinstance(m, ConvBlock) and m.conv_form == "auto":
@@ -106,11 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("bf16", "fp32", "both"), default="both")
     parser.add_argument("--profile", default=None, help="a profile other than the benchmark's reference_torch")
     parser.add_argument("--top", type=int, default=15, help="how many of the most frequent ops to list")
+    parser.add_argument("--aten-forms", action="store_true",
+                        help="ATen's forms instead of the fused kernels (bench_cuda's 'ATen passes' case)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     for precision in (("bf16", "fp32") if args.precision == "both" else (args.precision,)):
-        count = census(args.model, args.mode, precision, profile=args.profile)
-        label = f"{args.model} {args.mode} {precision}" + (f" {args.profile}" if args.profile else "")
+        count = census(args.model, args.mode, precision, profile=args.profile, fused=not args.aten_forms)
+        label = f"{args.model} {args.mode} {precision}" + (f" {args.profile}" if args.profile else "") + (
+            ", ATen passes" if args.aten_forms else "")
         print(f"{label}, eager, CUDA code paths: {sum(count.values())} ops a step")
         for name, n in count.most_common(args.top):
             print(f"  {n:4d}  {name}")

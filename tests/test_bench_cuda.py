@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -45,8 +46,8 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     assert {r["matmul_precision"] for r in models} == {"highest"}  # reference_torch's
     assert by[("PCAF-context", "fp32")]["head_loss"] == "head loss in one tile"
     assert by[("PCAF-context, chunked head", "bf16")]["head_loss"] == "head loss in 1024x8192 tiles"
-    # The eager step with the head loss's 16-bit passes in ATen, beside the kernels' step: bf16 only.
-    assert ("PCAF-context, ATen head passes", "bf16") in by and ("PCAF-context, ATen head passes", "fp32") not in by
+    # The eager step with ATen's forms instead of the fused kernels, beside the kernels' step: bf16 only.
+    assert ("PCAF-context, ATen passes", "bf16") in by and ("PCAF-context, ATen passes", "fp32") not in by
     jax_row = by[("PCAF-context (JAX)", "fp32")]
     assert (jax_row["backend"], jax_row["compile"], jax_row["mode"]) == ("jax", "xla", "ar")
     assert float(jax_row["peak_mb"]) > 0 and ("PCAF-context (JAX)", "bf16") not in by  # smoke: fp32 only
@@ -94,7 +95,7 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
                      step_ms=8.0, step_times_ms="8.0;8.1;7.9;8.0;8.0")
         if r["model"] == bench_cuda_report.CHUNKED_HEAD_MODEL:
             r.update(T=1024, batch=8, step_ms=9.0, step_times_ms="9.0;9.1;8.9;9.0;9.0", model_pct=72.0)
-        if r["model"] == bench_cuda_report.ATEN_HEAD_MODEL:
+        if r["model"] == bench_cuda_report.ATEN_PASSES_MODEL:
             r.update(T=1024, batch=8, model_pct=32.4, step_ms=20.0)
         if r["mode"] == "nt":
             r.update(T=2048, targets_per_s=70.0 if r["model"] == "PCAF-context" else 10.0)
@@ -137,9 +138,9 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert "(T=1024, batch 8, cudagraphs) | 330 / 150 = 2.20x | **missed by 1.14x** |" in text
     assert "81.0% eager, 81.0% cudagraphs" in text and "7.0x | **met** |" in text
     assert ("| Full-AR PCAF-context bf16 >= 50% of the bf16 GEMM peak (T=1024, batch 8; model FLOPs) | 81.0% eager, "
-            "32.4% eager, ATen head passes, 72.0% eager, chunked head, 81.0% cudagraphs (best 8.0 ms a step; ") in text
-    # The step without CUDA graphs against the ATen head passes' eager step: the CUDA-graph rows do not count.
-    assert ("the eager step with the head loss's ATen passes (T=1024, batch 8; timed in the same run) | 20.0 / 8.0 "
+            "32.4% eager, ATen passes, 72.0% eager, chunked head, 81.0% cudagraphs (best 8.0 ms a step; ") in text
+    # The step without CUDA graphs against the ATen passes' eager step: the CUDA-graph rows do not count.
+    assert ("the eager step with ATen's passes (T=1024, batch 8; timed in the same run) | 20.0 / 8.0 "
             "ms = 2.50x (eager; eager, chunked head 9.0 ms) | **met** |") in text
     assert ("| The head loss's default (`train.head_loss=auto`) is the faster form, where both were timed (torch, "
             "full AR, T=1024, batch 8; paired rounds) | fp32 eager: one tile 8.0 ms (auto) against 1024x8192 tiles 9.0 "
@@ -312,8 +313,8 @@ def test_head_default_is_judged_against_the_other_form_timed_beside_it() -> None
               _head_row(chunked, "chunked", "1024x8192 tiles", 33.0),
               _head_row("PCAF-context", "auto", "one tile", 7.0, dtype="bf16", compile="cudagraphs"),
               _head_row(chunked, "chunked", "1024x8192 tiles", 6.0, dtype="bf16", compile="cudagraphs"),
-              # the ATen head passes' row also trains auto's form: never the pair's auto side
-              _head_row(bench_cuda_report.ATEN_HEAD_MODEL, "auto", "one tile", 50.0)]
+              # the ATen passes' row also trains auto's form: never the pair's auto side
+              _head_row(bench_cuda_report.ATEN_PASSES_MODEL, "auto", "one tile", 50.0)]
     jax = [{**_head_row("PCAF-semantic 41M (JAX)", "auto", "1024x8192 tiles", 30.0), "route": "semantic",
             "matmul_precision": "default"},
            {**_head_row("PCAF-semantic 41M (JAX)", "auto", "1024x8192 tiles", 80.0), "route": "semantic",
@@ -361,3 +362,27 @@ def test_make_bench_cuda_runs_in_two_halves_and_with_a_gpu_machines_python() -> 
     here = plan("bench-cuda")
     assert any("pcaf_core.data prepare" in line for line in here)
     assert any(line.startswith(".venv/bin/python -m benchmarks.bench_cuda --out-dir") for line in here)
+
+
+def test_the_aten_passes_case_steps_without_the_fused_kernels() -> None:
+    """The ``ATen passes`` case's backend enters ``op_census.aten_forms`` around each step only (its steps interleave
+    with the other cases')."""
+    import torch
+
+    from backends.torch import dropout, layers, mixture
+
+    seen = []
+
+    class Backend:
+        device = "cuda"
+
+        def train_step(self, state, x, y, lr):
+            t = torch.zeros(1)
+            seen.append((mixture.kernels_by_default(t), dropout.kernels_by_default(t), layers.l2_kernels_by_default(t)))
+            return state, 1.0
+
+    proxy = bench_cuda._AtenForms(Backend())
+    with mock.patch.object(mixture, "kernels_by_default", lambda t: True):
+        assert proxy.train_step("state", None, None, 1e-4) == ("state", 1.0)
+        assert mixture.kernels_by_default(torch.zeros(1))  # outside the step, the choice is the module's again
+    assert seen == [(False, False, False)] and proxy.device == "cuda"

@@ -55,3 +55,11 @@ def test_another_profile_is_counted_with_its_own_switches() -> None:
     reference = op_census.census(precision="fp32", T=16, batch=1)
     assert "aten::randint" not in corrected and reference["aten::randint"] > 0  # dropout's draws
     assert corrected["pcaf::mixture_target"] == reference["pcaf::mixture_target"] == 1
+
+
+def test_the_aten_passes_step_takes_no_fused_kernel(counts) -> None:
+    """``fused=False`` (bench_cuda's ``ATen passes`` case): no fused ``pcaf::`` kernel, the candidate kernel and the
+    segmented key gradient still, and more ops than the fused step."""
+    aten = op_census.census(precision="bf16", T=16, batch=1, fused=False)
+    assert not {name for name in aten if name.startswith("pcaf::")} - {"pcaf::ar_candidates", "pcaf::gather_dot_grad_y"}
+    assert sum(aten.values()) > sum(counts["bf16"].values()) + 40

@@ -13,7 +13,6 @@ on CUDA, and each kernel runs at the paper's shape against its ATen form.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from unittest import mock
 
 import numpy as np
@@ -23,23 +22,11 @@ import torch
 from backends.torch import cpu_gemm
 from backends.torch.backend import TorchBackend
 from backends.torch.layers import ConvBlock
-from benchmarks.op_census import cuda_code_paths
+from benchmarks.op_census import aten_forms, cuda_code_paths
 from experiments.table_plan import compose_row
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 STEPS = 12
-
-
-@contextlib.contextmanager
-def _aten_forms() -> Iterator[None]:
-    """Every choice of a ``pcaf::`` kernel over its ATen form made for the ATen form, on any device."""
-    from backends.torch import dropout, head_loss, layers, mixture
-
-    with contextlib.ExitStack() as stack:
-        for module, name in ((mixture, "kernels_by_default"), (dropout, "kernels_by_default"),
-                             (layers, "l2_kernels_by_default"), (head_loss, "kernels_by_default")):
-            stack.enter_context(mock.patch.object(module, name, lambda x: False))
-        yield
 
 
 def _losses(precision: str, kernels: bool, device: str = "cpu") -> list[float]:
@@ -54,7 +41,7 @@ def _losses(precision: str, kernels: bool, device: str = "cpu") -> list[float]:
     if device == "cpu":
         paths = cuda_code_paths() if kernels else contextlib.nullcontext()
     else:
-        paths = contextlib.nullcontext() if kernels else _aten_forms()
+        paths = contextlib.nullcontext() if kernels else aten_forms()
     # Products through ATen both ways (the CPU's oneDNN products round differently), the conv as on CUDA.
     with paths, mock.patch.object(cpu_gemm, "onednn_on_this_cpu", lambda: False):
         backend = TorchBackend(device)
