@@ -128,6 +128,12 @@ def test_the_kernels_compiled_at_the_paper_shape_equal_their_aten_forms(dtype: t
         close(dropout_fused.gelu_dropout(h, levels, cutoff, scale, tanh),
               dropout_fused.gelu_dropout_torch(h, levels, cutoff, scale, tanh),
               1e-5 if dtype == torch.float32 else 2**-7)
+    from backends.torch.kernels import addresses
+
+    tokens = torch.randint(0, 20000, (8, 1024), device="cuda", generator=gen)
+    for wrap in (False, True):
+        assert torch.equal(addresses.addresses(tokens, 1, 32768, wrap),
+                           addresses.addresses_torch(tokens, 1, 32768, wrap))
     stream = torch.randn(8, 1024, 1000, device="cuda", generator=gen)
     assert torch.equal(dropout_fused.add_dropout(stream, h, levels, cutoff, scale),
                        dropout_fused.add_dropout_torch(stream, h, levels, cutoff, scale))

@@ -3,8 +3,8 @@
 Without a GPU the kernel tests run under Triton's interpreter, which accepts some programs the compiler
 rejects. The first test therefore compiles every kernel variant ahead of time for Hopper (sm_90) with
 Triton's own toolchain (bundled ptxas; no device needed) and checks ptxas reports no register spills: the routing
-kernels, the gather_dot key gradient, the head loss's passes over 16-bit logits, dropout's mask alone and fused with
-its neighbours, the memory read's row passes and the L2 normalisation.
+kernels, the addresses, the gather_dot key gradient, the head loss's passes over 16-bit logits, dropout's mask alone
+and fused with its neighbours, the memory read's row passes and the L2 normalisation.
 The second runs the compiled kernels on a real CUDA device when one is present.
 """
 
@@ -33,6 +33,7 @@ _AOT_SCRIPT = textwrap.dedent(
     from backends.torch.kernels import dropout_fused as df
     from backends.torch.kernels import dropout_mask as dm
     from backends.torch.kernels import gather_grad as gg
+    from backends.torch.kernels import addresses as ad
     from backends.torch.kernels import cache_rows as cr
     from backends.torch.kernels import head_softmax as hs
     from backends.torch.kernels import l2_normalize as l2
@@ -94,6 +95,12 @@ _AOT_SCRIPT = textwrap.dedent(
         check(dm._dropout_mask_kernel, {"x_ptr": f"*{dtype}", "levels_ptr": "*i16", "out_ptr": f"*{dtype}", "n": "i32",
                                         "cutoff": "i32", "scale": "fp32"},
               {"BLOCK": dm.BLOCK, "OUT_BF16": dtype == "bf16"})
+    # The addresses, context orders 1 and 2, with and without the int32 wrap-around, int64 and int32 tokens.
+    for tokens in ("i64", "i32"):
+        for order in (1, 2):
+            for wrap in (False, True):
+                check(ad._addresses_kernel, {"tokens_ptr": f"*{tokens}", "out_ptr": "*i64", "N": "i32", "T": "i32",
+                                             "num_buckets": "i32"}, {"ORDER": order, "WRAP": wrap, "BLOCK": ad.BLOCK})
     # Dropout fused with the GELU before it and the residual add after it.
     for dtype in ("fp32", "bf16", "fp16"):
         levels = {"levels_ptr": "*i16", "n": "i32", "cutoff": "i32", "scale": "fp32"}

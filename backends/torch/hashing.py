@@ -61,6 +61,23 @@ def bucket_of(hashes: torch.Tensor, num_buckets: int, *, int32_wraparound: bool 
 def addresses(
     tokens: torch.Tensor, order: int, num_buckets: int, *, int32_wraparound: bool = False
 ) -> torch.Tensor:
-    """See :func:`pcaf_core.hashing.addresses`."""
+    """See :func:`pcaf_core.hashing.addresses`. On an eager CUDA step one kernel (``pcaf::addresses``,
+    :mod:`backends.torch.kernels.addresses`) where the ops below are five or more, with the same values."""
+    if _kernel(tokens) and order >= 1 and num_buckets >= 1 and not (int32_wraparound and num_buckets >= _TWO_31):
+        from backends.torch.kernels import addresses as kernel
+
+        return kernel.addresses(tokens, order, num_buckets, int32_wraparound)
     h = context_hash(tokens, order, int32_wraparound=int32_wraparound)
     return bucket_of(h, num_buckets, int32_wraparound=int32_wraparound)
+
+
+def kernels_by_default(tokens: torch.Tensor) -> bool:
+    """Whether :func:`addresses` runs as ``pcaf::addresses``' kernel: on CUDA tensors."""
+    from backends.torch.kernels import triton_enabled
+
+    return tokens.is_cuda and triton_enabled(tokens)
+
+
+def _kernel(tokens: torch.Tensor) -> bool:
+    return (tokens.ndim == 2 and tokens.dtype in (torch.int32, torch.int64) and tokens.is_contiguous()
+            and not torch.compiler.is_compiling() and kernels_by_default(tokens))
