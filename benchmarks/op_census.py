@@ -6,9 +6,9 @@ eager training step (forward, backward, optimiser) at the WikiText-2 paper shape
 batch 2: T=16, batch 1 counts two ops fewer), with CPU tensors taking the code paths a CUDA tensor takes: the
 Triton candidate kernels (under the interpreter), gathered scores, the segmented key-gradient op, the head loss's
 kernels over 16-bit logits, dropout's mask kernel, the memory read's row and L2 normalisation kernels and the
-addresses' kernel; the products through ATen rather than the CPU's oneDNN path, and the conv as ``F.conv1d``.
-Counted are the ops that launch a kernel on a GPU (not views, aliases or allocations); a custom op such as a Triton
-kernel's counts as one.
+gate's and the addresses' kernels; the products through ATen rather than the CPU's oneDNN path, and the conv as
+``F.conv1d``. Counted are the ops that launch a kernel on a GPU (not views, aliases or allocations); a custom op
+such as a Triton kernel's counts as one.
 
     python -m benchmarks.op_census                       # full-AR PCAF-context, bf16 and fp32
     python -m benchmarks.op_census --mode nt --top 30
@@ -33,8 +33,8 @@ from collections.abc import Iterator
 def cuda_code_paths() -> Iterator[None]:
     """CPU tensors take the code paths a CUDA tensor takes, until the context ends: the Triton candidate kernels,
     gathered scores instead of the CPU's sparse products, the segmented key-gradient op, the head loss's kernels
-    over 16-bit logits, dropout's mask kernel, the memory read's row and L2 normalisation kernels, the addresses'
-    kernel (tests/conftest.py's ``cuda_code_paths`` fixture)."""
+    over 16-bit logits, dropout's mask kernel, the memory read's row and L2 normalisation kernels, the gate's and
+    the addresses' kernels (tests/conftest.py's ``cuda_code_paths`` fixture)."""
     from unittest import mock
 
     from backends.torch import dropout, hashing, head_loss, layers, mixture, ops, routing
@@ -44,6 +44,7 @@ def cuda_code_paths() -> Iterator[None]:
         stack.enter_context(mock.patch.object(hashing, "kernels_by_default", lambda tokens: True))
         stack.enter_context(mock.patch.object(mixture, "kernels_by_default", lambda x: True))
         stack.enter_context(mock.patch.object(layers, "l2_kernels_by_default", lambda x: True))
+        stack.enter_context(mock.patch.object(layers, "gate_kernels_by_default", lambda x: True))
         stack.enter_context(mock.patch.object(head_loss, "kernels_by_default", lambda z: True))
         stack.enter_context(mock.patch.object(ops, "_sparse_path", lambda x, y, index: False))
         stack.enter_context(mock.patch.object(ops, "_segment_kernel_for", lambda grad, y: True))
@@ -55,7 +56,7 @@ def cuda_code_paths() -> Iterator[None]:
 def aten_forms() -> Iterator[None]:
     """Until the context ends, every choice of a fused ``pcaf::`` kernel over its ATen form is made for the ATen form,
     on any device: the head loss's 16-bit passes, dropout alone and fused with its neighbours, the memory read's
-    row passes, the L2 normalisation and the addresses. The eager step as it was before those kernels (the
+    row passes, the L2 normalisation, the gate and the addresses. The eager step as it was before those kernels (the
     candidate kernels and the segmented key gradient stay), for ``benchmarks.bench_cuda`` to time beside the
     kernels' step."""
     from unittest import mock
@@ -64,8 +65,8 @@ def aten_forms() -> Iterator[None]:
 
     with contextlib.ExitStack() as stack:
         for module, name in ((mixture, "kernels_by_default"), (dropout, "kernels_by_default"),
-                             (layers, "l2_kernels_by_default"), (head_loss, "kernels_by_default"),
-                             (hashing, "kernels_by_default")):
+                             (layers, "l2_kernels_by_default"), (layers, "gate_kernels_by_default"),
+                             (head_loss, "kernels_by_default"), (hashing, "kernels_by_default")):
             stack.enter_context(mock.patch.object(module, name, lambda x: False))
         yield
 

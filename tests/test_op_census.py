@@ -42,10 +42,11 @@ def test_main_prints_the_total_and_the_most_frequent_ops(capsys: pytest.CaptureF
 
 def test_the_memory_reads_passes_are_one_kernel_each_way(counts) -> None:
     for count in counts.values():
-        for op in ("candidate_scores", "cache_weights", "target_cache_prob", "mixture_target", "mask_gate"):
+        for op in ("candidate_scores", "cache_weights", "target_cache_prob", "mixture_target"):
             assert count[f"pcaf::{op}"] == count[f"pcaf::{op}_grad"] == 1
         assert count["pcaf::l2_normalize"] == count["pcaf::l2_normalize_grad"] == 2  # the keys and the queries
         assert count["pcaf::addresses"] == 1 and "aten::remainder" not in count
+        assert count["pcaf::masked_gate"] == count["pcaf::masked_gate_grad"] == 1 and "aten::sigmoid" not in count
     # The softmax's and the mixture's ATen ops are gone (fp32 logits keep them in the head loss).
     assert "aten::amax" not in counts["bf16"] and "aten::log" not in counts["bf16"]
 

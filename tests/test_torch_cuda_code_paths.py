@@ -128,7 +128,13 @@ def test_the_kernels_compiled_at_the_paper_shape_equal_their_aten_forms(dtype: t
         close(dropout_fused.gelu_dropout(h, levels, cutoff, scale, tanh),
               dropout_fused.gelu_dropout_torch(h, levels, cutoff, scale, tanh),
               1e-5 if dtype == torch.float32 else 2**-7)
-    from backends.torch.kernels import addresses
+    from backends.torch.kernels import addresses, gate
+
+    pre = torch.randn(R, 128, device="cuda", generator=gen).to(dtype)
+    w, b = (torch.randn(128, device="cuda", generator=gen) / 12).to(dtype), torch.zeros(1, device="cuda").to(dtype)
+    any_valid = valid.any(-1)
+    close(gate.masked_gate(pre, w, b, any_valid, tanh=False, clip_when_empty=True, per_term=False),
+          gate.masked_gate_torch(pre, w, b, any_valid, False, True, False), 1e-5 if dtype == torch.float32 else 2**-7)
 
     tokens = torch.randint(0, 20000, (8, 1024), device="cuda", generator=gen)
     for wrap in (False, True):

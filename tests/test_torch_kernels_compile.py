@@ -4,7 +4,7 @@ Without a GPU the kernel tests run under Triton's interpreter, which accepts som
 rejects. The first test therefore compiles every kernel variant ahead of time for Hopper (sm_90) with
 Triton's own toolchain (bundled ptxas; no device needed) and checks ptxas reports no register spills: the routing
 kernels, the addresses, the gather_dot key gradient, the head loss's passes over 16-bit logits, dropout's mask alone
-and fused with its neighbours, the memory read's row passes and the L2 normalisation.
+and fused with its neighbours, the memory read's row passes, the gate and the L2 normalisation.
 The second runs the compiled kernels on a real CUDA device when one is present.
 """
 
@@ -32,6 +32,7 @@ _AOT_SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
     from backends.torch.kernels import dropout_fused as df
     from backends.torch.kernels import dropout_mask as dm
+    from backends.torch.kernels import gate as gt
     from backends.torch.kernels import gather_grad as gg
     from backends.torch.kernels import addresses as ad
     from backends.torch.kernels import cache_rows as cr
@@ -101,6 +102,17 @@ _AOT_SCRIPT = textwrap.dedent(
             for wrap in (False, True):
                 check(ad._addresses_kernel, {"tokens_ptr": f"*{tokens}", "out_ptr": "*i64", "N": "i32", "T": "i32",
                                              "num_buckets": "i32"}, {"ORDER": order, "WRAP": wrap, "BLOCK": ad.BLOCK})
+    # The gate's last layer, sigmoid and mask at the paper's D = 128 (d = 256), each dtype, both GELU forms.
+    for dtype in ("fp32", "bf16", "fp16"):
+        _, block_r, block_d = gt._grid(8192, 128)
+        rows = {"pre_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "any_ptr": "*u8", "R": "i32",
+                "D": "i32"}
+        for tanh in (False, True):
+            consts = {"CLIP": gt.GATE_CLIP, "TANH": tanh, "PER_TERM": False, "BF16": dtype == "bf16",
+                      "BLOCK_R": block_r, "BLOCK_D": block_d}
+            check(gt._masked_gate_kernel, {**rows, "out_ptr": "*fp32"}, {**consts, "CLIP_WHEN_EMPTY": True})
+            check(gt._masked_gate_grad_kernel, {"g_ptr": "*fp32", **rows, "d_pre_ptr": f"*{dtype}",
+                                                "partial_ptr": "*fp32"}, consts)
     # Dropout fused with the GELU before it and the residual add after it.
     for dtype in ("fp32", "bf16", "fp16"):
         levels = {"levels_ptr": "*i16", "n": "i32", "cutoff": "i32", "scale": "fp32"}

@@ -14,10 +14,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from backends.torch import cpu_gemm, weight_casts
 from backends.torch.dropout import Dropout
 from backends.torch.head_loss import chunked_target_log_softmax, target_log_softmax, widen
+from backends.torch.kernels import gate as gate_kernels
 from backends.torch.kernels import l2_normalize as l2_kernels
 from backends.torch.kernels import triton_enabled
 from backends.torch.window_attention import FLEX_BLOCK, blocked_window_attention, flex_window_attention
@@ -206,7 +208,52 @@ class Gate(nn.Module):
         self.gelu_form = gelu_form
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(widen(self.out(gelu(self.hidden(self.norm(h)), self.gelu_form))[..., 0]))
+        return self._raw(self.hidden(self.norm(h)))
+
+    def _raw(self, pre: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(widen(self.out(gelu(pre, self.gelu_form))[..., 0]))
+
+    def masked(self, h: torch.Tensor, any_valid: torch.Tensor, *, clip_when_empty: bool, per_term: bool
+               ) -> torch.Tensor:
+        """:func:`backends.torch.mixture.mask_gate` of ``self(h)``: the masked gate ``[B, Q]`` float32 of h
+        ``[B, Q, d]``, any_valid ``[B, Q]`` bool. On an eager CUDA step the last layer, sigmoid and mask run as one
+        kernel each way (:mod:`backends.torch.kernels.gate`; :func:`gate_kernels_by_default`)."""
+        from backends.torch import mixture
+
+        pre = self.hidden(self.norm(h))
+        if pre.dtype in gate_kernels.KERNEL_DTYPES and not torch.compiler.is_compiling() \
+                and gate_kernels_by_default(pre):
+            w = weight_casts.weight(self.out.weight).to(pre.dtype)[0]
+            b = weight_casts.weight(self.out.bias).to(pre.dtype)
+            return _MaskedGate.apply(pre, w, b, any_valid, self.gelu_form == "tanh", clip_when_empty, per_term)
+        return mixture.mask_gate(self._raw(pre), any_valid, clip_when_empty=clip_when_empty, per_term=per_term)
+
+
+def gate_kernels_by_default(x: torch.Tensor) -> bool:
+    """Whether :meth:`Gate.masked` runs as ``pcaf::masked_gate``'s kernel, one each way: on CUDA tensors."""
+    return x.is_cuda and triton_enabled(x)
+
+
+class _MaskedGate(torch.autograd.Function):
+    """The gate's last layer, sigmoid and mask by :func:`backends.torch.kernels.gate.masked_gate`, one kernel each
+    way (the layer's weight and bias gradients summed from per-program partial sums)."""
+
+    @staticmethod
+    def forward(ctx, pre: torch.Tensor, w: torch.Tensor, b: torch.Tensor, any_valid: torch.Tensor, tanh: bool,
+                clip_when_empty: bool, per_term: bool) -> torch.Tensor:
+        rows, valid = pre.contiguous().view(-1, pre.shape[-1]), any_valid.contiguous().view(-1)
+        ctx.save_for_backward(rows, w, b, valid)
+        ctx.tanh, ctx.per_term, ctx.shape = tanh, per_term, pre.shape
+        return gate_kernels.masked_gate(rows, w, b, valid, tanh=tanh, clip_when_empty=clip_when_empty,
+                                        per_term=per_term).view(any_valid.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: torch.Tensor):
+        rows, w, b, valid = ctx.saved_tensors
+        d_pre, d_w, d_b = gate_kernels.masked_gate_grad(g.float().contiguous().view(-1), rows, w, b, valid,
+                                                         tanh=ctx.tanh, per_term=ctx.per_term)
+        return d_pre.view(ctx.shape), d_w, d_b, None, None, None, None
 
 
 class PositionalTable(nn.Module):

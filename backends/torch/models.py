@@ -292,12 +292,12 @@ class PCAFModel(CanonicalLM):
         p_cache = None
         if need_p_cache:
             p_cache = mixture.cache_distribution(alpha, values, cand.valid, self.model_config.vocab_size)
+        any_valid, per_term = cand.valid.any(-1), mixture_rule(prof, mode).gate_per_term
         if self.model_config.variant == "pcaf_no_gate":
             raw = torch.full(h_q.shape[:2], mcfg.fixed_gate, dtype=h_q.dtype, device=h_q.device)
+            gate = mixture.mask_gate(raw, any_valid, clip_when_empty=prof.gate_clip_when_empty, per_term=per_term)
         else:
-            raw = self.gate(h_q)
-        gate = mixture.mask_gate(raw, cand.valid.any(-1), clip_when_empty=prof.gate_clip_when_empty,
-                                 per_term=mixture_rule(prof, mode).gate_per_term)
+            gate = self.gate.masked(h_q, any_valid, clip_when_empty=prof.gate_clip_when_empty, per_term=per_term)
         traced = router_probs if trace_router_probs is None else trace_router_probs
         return TorchMemoryTrace(addr, cand, scores, alpha, gate, p_cache, traced, topk_dense), values
 

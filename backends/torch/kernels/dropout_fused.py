@@ -23,8 +23,6 @@ levels; the ATen forms (``*_torch``) serve off CUDA and are the tests' reference
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -35,49 +33,14 @@ try:
     import triton
     import triton.language as tl
 
-    from backends.torch.kernels.triton_math import as_stored
+    from backends.torch.kernels.triton_math import as_stored, gelu, gelu_slope
 except ImportError:  # platforms without a Triton build: the torch path serves every device
     triton = None  # type: ignore[assignment]
 
 BLOCK = 2048
 """Elements a program: 16 a thread at 4 warps."""
-SQRT1_2 = 1.0 / math.sqrt(2.0)
-PDF_SCALE = 1.0 / math.sqrt(2.0 * math.pi)
-TANH_BETA = math.sqrt(2.0 / math.pi)
-TANH_KAPPA = 0.044715
 
 if triton is not None:
-    _SQRT1_2, _PDF_SCALE = tl.constexpr(SQRT1_2), tl.constexpr(PDF_SCALE)
-    _TANH_BETA, _TANH_KAPPA = tl.constexpr(TANH_BETA), tl.constexpr(TANH_KAPPA)
-
-    @triton.jit
-    def _tanh(u):
-        """tanh(u) from exp (Triton has no tanh): ``(1 − e^{−2|u|}) / (1 + e^{−2|u|})`` with u's sign."""
-        t = tl.exp(-2.0 * tl.where(u < 0, -u, u))
-        r = (1.0 - t) / (1.0 + t)
-        return tl.where(u < 0, -r, r)
-
-    @triton.jit
-    def _gelu(x, TANH: tl.constexpr):
-        """ATen's GELU in float32: ``x·Φ(x)`` (erf) or its tanh approximation, in ATen's order."""
-        if TANH:
-            inner = _TANH_BETA * (x + _TANH_KAPPA * (x * x * x))
-            return 0.5 * x * (1.0 + _tanh(inner))
-        return x * 0.5 * (1.0 + tl.erf(x * _SQRT1_2))
-
-    @triton.jit
-    def _gelu_slope(x, TANH: tl.constexpr):
-        """ATen's GELU derivative at x in float32, in ATen's order."""
-        if TANH:
-            x_sq = x * x
-            inner = _TANH_BETA * (x + _TANH_KAPPA * (x_sq * x))
-            t = _tanh(inner)
-            left = 0.5 * x
-            right = 1.0 + t
-            return 0.5 * right + left * (1.0 - t * t) * (_TANH_BETA * (1.0 + 3.0 * _TANH_KAPPA * x_sq))
-        cdf = 0.5 * (1.0 + tl.erf(x * _SQRT1_2))
-        pdf = tl.exp(-0.5 * x * x) * _PDF_SCALE
-        return cdf + x * pdf
 
     @triton.jit
     def _gelu_dropout_kernel(x_ptr, levels_ptr, out_ptr, n, cutoff, scale, TANH: tl.constexpr,
@@ -87,7 +50,7 @@ if triton is not None:
         inside = offs < n
         x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         level = tl.load(levels_ptr + offs, mask=inside, other=0)
-        a = as_stored(_gelu(x, TANH), out_ptr, OUT_BF16)
+        a = as_stored(gelu(x, TANH), out_ptr, OUT_BF16)
         y = a * tl.where(level >= cutoff, scale, 0.0)
         tl.store(out_ptr + offs, as_stored(y, out_ptr, OUT_BF16).to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -101,7 +64,7 @@ if triton is not None:
         x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         level = tl.load(levels_ptr + offs, mask=inside, other=0)
         dropped = as_stored(g * tl.where(level >= cutoff, scale, 0.0), out_ptr, OUT_BF16)
-        dx = dropped * _gelu_slope(x, TANH)
+        dx = dropped * gelu_slope(x, TANH)
         tl.store(out_ptr + offs, as_stored(dx, out_ptr, OUT_BF16).to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit

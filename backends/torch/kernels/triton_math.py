@@ -1,15 +1,20 @@
-"""Small ``@triton.jit`` helpers the kernels share: float32 → bfloat16 rounding, a value as a dtype stores it, and
-``log1p``.
+"""Small ``@triton.jit`` helpers the kernels share: float32 → bfloat16 rounding, a value as a dtype stores it,
+``log1p``, ``tanh`` and ATen's GELU and its derivative.
 
-Both exist because Triton's interpreter, where the kernel tests run without a GPU, differs from the compiler: its
-float32 → bfloat16 cast truncates where a GPU's rounds to nearest even, and it has no ``log1p``. Written out here,
-a kernel computes the same values compiled and interpreted.
+The rounding, ``log1p`` and ``tanh`` exist because Triton's interpreter, where the kernel tests run without a GPU,
+differs from the compiler: its float32 → bfloat16 cast truncates where a GPU's rounds to nearest even, and it has
+neither ``log1p`` nor ``tanh``. Written out here, a kernel computes the same values compiled and interpreted.
 """
 
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
+
+_SQRT1_2, _PDF_SCALE = tl.constexpr(1.0 / math.sqrt(2.0)), tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
+_TANH_BETA, _TANH_KAPPA = tl.constexpr(math.sqrt(2.0 / math.pi)), tl.constexpr(0.044715)
 
 
 @triton.jit
@@ -35,3 +40,35 @@ def log1p(x):
     in the last place)."""
     u = 1.0 + x
     return tl.where(u == 1.0, x, tl.log(u) * (x / tl.where(u == 1.0, 1.0, u - 1.0)))
+
+
+@triton.jit
+def tanh(u):
+    """tanh(u) from exp (Triton has no tanh): ``(1 − e^{−2|u|}) / (1 + e^{−2|u|})`` with u's sign."""
+    t = tl.exp(-2.0 * tl.where(u < 0, -u, u))
+    r = (1.0 - t) / (1.0 + t)
+    return tl.where(u < 0, -r, r)
+
+
+@triton.jit
+def gelu(x, TANH: tl.constexpr):
+    """ATen's GELU in float32: ``x·Φ(x)`` (erf) or its tanh approximation, in ATen's order."""
+    if TANH:
+        inner = _TANH_BETA * (x + _TANH_KAPPA * (x * x * x))
+        return 0.5 * x * (1.0 + tanh(inner))
+    return x * 0.5 * (1.0 + tl.erf(x * _SQRT1_2))
+
+
+@triton.jit
+def gelu_slope(x, TANH: tl.constexpr):
+    """ATen's GELU derivative at x in float32, in ATen's order."""
+    if TANH:
+        x_sq = x * x
+        inner = _TANH_BETA * (x + _TANH_KAPPA * (x_sq * x))
+        t = tanh(inner)
+        left = 0.5 * x
+        right = 1.0 + t
+        return 0.5 * right + left * (1.0 - t * t) * (_TANH_BETA * (1.0 + 3.0 * _TANH_KAPPA * x_sq))
+    cdf = 0.5 * (1.0 + tl.erf(x * _SQRT1_2))
+    pdf = tl.exp(-0.5 * x * x) * _PDF_SCALE
+    return cdf + x * pdf
