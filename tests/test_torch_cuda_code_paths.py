@@ -25,7 +25,8 @@ from backends.torch.layers import ConvBlock
 from benchmarks.op_census import aten_forms, cuda_code_paths
 from experiments.table_plan import compose_row
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# Twelve training steps a case, four cases (about 8 s): the whole suite's, not the edit-test loop's.
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 STEPS = 12
 
 
