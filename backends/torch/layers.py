@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from backends.torch import cpu_gemm, weight_casts
+from backends.torch import cpu_gemm, mixture, weight_casts
 from backends.torch.dropout import Dropout
 from backends.torch.head_loss import chunked_target_log_softmax, target_log_softmax, widen
 from backends.torch.kernels import gate as gate_kernels
@@ -218,8 +218,6 @@ class Gate(nn.Module):
         """:func:`backends.torch.mixture.mask_gate` of ``self(h)``: the masked gate ``[B, Q]`` float32 of h
         ``[B, Q, d]``, any_valid ``[B, Q]`` bool. On an eager CUDA step the last layer, sigmoid and mask run as one
         kernel each way (:mod:`backends.torch.kernels.gate`; :func:`gate_kernels_by_default`)."""
-        from backends.torch import mixture
-
         pre = self.hidden(self.norm(h))
         if pre.dtype in gate_kernels.KERNEL_DTYPES and not torch.compiler.is_compiling() \
                 and gate_kernels_by_default(pre):
