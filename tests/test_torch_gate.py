@@ -96,6 +96,36 @@ def test_gate_masked_through_the_kernel_equals_the_layer_and_mask(dtype: torch.d
     assert torch.all(results[0][0][~any_valid] == 0)
 
 
+def _autograds_chain(g, pre, w, b, any_valid, tanh: bool, per_term: bool):
+    leaves = [t.detach().requires_grad_() for t in (pre, w, b)]
+    lam = kernel.masked_gate_torch(*leaves, any_valid, tanh, True, per_term)
+    d_pre, d_w, d_b = torch.autograd.grad(lam, leaves, g)
+    return d_pre, torch.cat([d_w.float(), d_b.float()])[None]
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("tanh", [False, True])
+def test_the_written_out_gradient_is_autograds_chain(tanh: bool, dtype: torch.dtype) -> None:
+    pre, w, b, any_valid, g = _inputs(300, 112, dtype, seed=1)
+    for _, per_term in SWITCHES:
+        want_pre, want_partial = _autograds_chain(g, pre, w, b, any_valid, tanh, per_term)
+        got_pre, got_partial = kernel.masked_gate_grad_torch(g, pre, w, b, any_valid, tanh, per_term)
+        assert got_pre.dtype == want_pre.dtype and got_partial.shape == want_partial.shape == (1, 113)
+        _close(got_pre, want_pre, dtype)
+        _close(got_partial, want_partial, dtype)
+
+
+def test_the_ops_run_atens_chain_where_triton_does_not() -> None:
+    """Off Triton each op's body is ATen's chain, below autograd: it must need none (the gradient's form)."""
+    pre, w, b, any_valid, g = _inputs(33, 112, torch.float32, seed=2)
+    with mock.patch.object(kernel, "_use_triton", return_value=False):
+        lam = torch.ops.pcaf.masked_gate(pre, w, b, any_valid, False, True, False)
+        d_pre, partial = torch.ops.pcaf.masked_gate_grad(g, pre, w, b, any_valid, False, False)
+    assert torch.equal(lam, kernel.masked_gate_torch(pre, w, b, any_valid, False, True, False))
+    want_pre, want_partial = kernel.masked_gate_grad_torch(g, pre, w, b, any_valid, False, False)
+    assert torch.equal(d_pre, want_pre) and torch.equal(partial, want_partial)
+
+
 def test_the_ops_registrations() -> None:
     pre, w, b, any_valid, g = _inputs(7, 5, torch.float32)
     for clip, per_term in SWITCHES:

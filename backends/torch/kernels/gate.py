@@ -121,11 +121,20 @@ def masked_gate_torch(pre: torch.Tensor, w: torch.Tensor, b: torch.Tensor, any_v
 
 def masked_gate_grad_torch(g: torch.Tensor, pre: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
                            any_valid: torch.Tensor, tanh: bool, per_term: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d pre, [1, D + 1] partial)``: autograd's chain through :func:`masked_gate_torch` (one partial row)."""
-    leaves = [t.detach().requires_grad_() for t in (pre, w, b)]
-    with torch.enable_grad():
-        lam = masked_gate_torch(*leaves, any_valid, tanh, True, per_term)
-        d_pre, d_w, d_b = torch.autograd.grad(lam, leaves, g)
+    """``(d pre, [1, D + 1] partial)``: the chain rule through :func:`masked_gate_torch`, term by term as autograd
+    runs it (each gradient in the dtype autograd holds it in; tests/test_torch_gate.py checks the two agree). It is
+    written out rather than left to ``torch.autograd.grad`` because it is also the op's form off Triton, and an
+    op's body runs below autograd."""
+    from backends.torch.kernels.mixture_rows import mask_gate_grad_torch
+
+    approximate = "tanh" if tanh else "none"
+    a = F.gelu(pre, approximate=approximate)
+    raw = torch.sigmoid(F.linear(a, w[None], b)[..., 0].float())
+    d_raw = mask_gate_grad_torch(g, raw, any_valid, per_term)
+    d_z = (d_raw * (1.0 - raw) * raw).to(pre.dtype)  # the sigmoid's gradient, cast back as the `.float()`'s is
+    d_w = (d_z[None] @ a)[0]  # [D]: the one-column product's weight gradient
+    d_b = d_z.sum(0, keepdim=True)
+    d_pre = torch.ops.aten.gelu_backward(d_z[:, None] * w[None], pre, approximate=approximate)
     return d_pre, torch.cat([d_w.float(), d_b.float()])[None]
 
 
