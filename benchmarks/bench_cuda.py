@@ -9,7 +9,8 @@ Sections (``--sections``, comma-separated):
 
 - ``gemm``: the fraction-of-peak GEMMs at GPU batch sizes (the head ``[B·T, h] @ [h, V]`` and the block MLP
   ``[B·T, d] @ [d, h]``, B·T = 8,192) in fp32 (``float32_matmul_precision("highest")``: no TF32), TF32 and
-  bf16; CUDA events, median of 20 after 3 warm-ups. The largest FLOP/s per dtype is that dtype's peak.
+  bf16; CUDA events, median of 20 after 3 warm-ups. The largest FLOP/s per dtype is that dtype's peak. Also the
+  device's copy bandwidth (``bandwidth.csv``): a 1 GiB buffer copied, bytes read and written per second.
 - ``models``: training steps, fp32 beside bf16 autocast (``train.precision``), eager, compiled
   (``train.compile=on``) and compiled and replayed as CUDA graphs (``train.compile=cudagraphs``), dropout 0.1
   unless stated; the local and global-local Transformers with FlexAttention (``model.attention_impl=banded``)
@@ -37,8 +38,12 @@ Sections (``--sections``, comma-separated):
   default matmul precision and at ``highest``, each against the GEMM peak of its own precision, and a
   ``jax.profiler`` op table of the semantic step (``benchmarks/bench_cuda_jax.py``): ``jax41m.csv``,
   ``jax_profile.csv``, ``jax_profile.txt``.
+- ``traffic``: the bytes and FLOPs of every op of one eager full-AR PCAF-context step (T=1024, batch 8), fp32 and
+  bf16, with the fused kernels and with ATen's passes, and the step's floor at the GEMM peaks and the copy
+  bandwidth measured in the same run (``benchmarks/step_traffic.py``): ``traffic.csv`` (a row a step) and
+  ``traffic_ops.csv`` (a row an op name a step).
 
-    python -m benchmarks.bench_cuda [--out-dir bench/cuda] [--sections gemm,models,routing,profile,jax41m]
+    python -m benchmarks.bench_cuda [--out-dir bench/cuda] [--sections gemm,models,routing,profile,jax41m,traffic]
         [--compiles eager,inductor,cudagraphs] [--only-windowed]
     python -m benchmarks.bench_cuda --render docs/results/bench_cuda --doc docs/results/bench_cuda.md
 
@@ -64,7 +69,7 @@ from benchmarks.bench_cuda_cases import SMOKE_SCALE, GpuCase, case_config, failu
 from benchmarks.bench_cuda_report import COMPILES, render
 from benchmarks.common import first_and_warm_steps, package_version, read_csv, write_csv
 
-SECTIONS = ("gemm", "models", "routing", "profile", "jax41m")
+SECTIONS = ("gemm", "models", "routing", "profile", "jax41m", "traffic")
 STEPS = (*COMPILES, "xla")
 """What ``--compiles`` selects: torch's steps (``COMPILES``) and ``xla``, the JAX backend's jitted step."""
 GEMM_TOKENS = 8192
@@ -184,6 +189,46 @@ def gemm_section(device: str = "cuda", smoke: bool = False) -> list[dict]:
             print(f"[gemm {name} {dtype} {m}x{k} @ {k}x{n}] {rows[-1]['gflops']} GFLOP/s", file=sys.stderr, flush=True)
     torch.set_float32_matmul_precision("highest")
     return rows
+
+
+def bandwidth_section(device: str = "cuda", smoke: bool = False) -> list[dict]:
+    """The device's copy bandwidth: a bf16 buffer of 1 GiB (8 MiB with ``smoke``) copied into another, bytes read
+    and written per second (CUDA events, median of 20 after 3 warm-ups)."""
+    import torch
+
+    n = (8 if smoke else 1024) * 2**20 // 2
+    src = torch.ones(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = event_ms(lambda: dst.copy_(src), 3 if not smoke else 1, 20 if not smoke else 2, device)
+    row = {"op": "copy", "dtype": "bf16", "mb": round(2 * n / 1e6, 1), "ms": round(ms, 4),
+           "gb_per_s": round(2 * 2 * n / ms / 1e6, 1)}
+    print(f"[bandwidth copy {row['mb']} MB] {row['gb_per_s']} GB/s", file=sys.stderr, flush=True)
+    return [row]
+
+
+def traffic_section(out: Path, device: str = "cuda", smoke: bool = False) -> tuple[list[dict], list[dict]]:
+    """``traffic.csv``'s rows (one per step: fp32 and bf16, fused kernels and ATen's passes) and
+    ``traffic_ops.csv``'s (one per op name of each step), the floors at the rates of ``out``'s gemm section; with
+    ``smoke`` at the models section's toy widths."""
+    from benchmarks import step_traffic
+
+    peaks, bandwidth = step_traffic.rates(out)
+    T, batch = (64, 2) if smoke else (1024, 8)
+    steps, ops = [], []
+    for precision in ("fp32", "bf16"):
+        for fused in (True, False):
+            counted = step_traffic.count_step(precision, T, batch, fused=fused, device=device,
+                                              scale=SMOKE_SCALE if smoke else "paper")
+            case = {"model": "PCAF-context" if fused else "PCAF-context, ATen passes", "mode": "ar", "T": T,
+                    "batch": batch, "dtype": precision, "compile": "eager"}
+            total = step_traffic.summary(counted, peaks, bandwidth)
+            steps.append({**case, **total, "bf16_peak_gflops": peaks["bf16"], "fp32_peak_gflops": peaks["fp32"],
+                          "bandwidth_gb_per_s": bandwidth})
+            ops += [{**case, **r} for r in step_traffic.by_op(counted, peaks, bandwidth)]
+            print(f"[bench_cuda traffic {case['model']} {precision}] {total['ops']} ops, {total['read_gb']} + "
+                  f"{total['written_gb']} GB, {total['gflop']} GFLOP: floor {total['floor_ms']} ms",
+                  file=sys.stderr, flush=True)
+    return steps, ops
 
 
 def _policy(cfg, note: str = "") -> str:
@@ -377,8 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup, args.steps, args.repeats = 0, 1, 2  # a case's first step, its memory step and one timed
     if "gemm" in sections:
         write_csv(out / "gemm.csv", gemm_section(args.device, args.smoke))
-    if ("models" in sections or "jax41m" in sections) and not (out / "gemm.csv").exists():
-        raise SystemExit(f"the models and jax41m sections divide by the GEMM peaks: run them with gemm (no "
+        write_csv(out / "bandwidth.csv", bandwidth_section(args.device, args.smoke))
+    if ({"models", "jax41m", "traffic"} & set(sections)) and not (out / "gemm.csv").exists():
+        raise SystemExit(f"the models, jax41m and traffic sections divide by the GEMM peaks: run them with gemm (no "
                          f"{out}/gemm.csv)")
     if "models" in sections:
         peaks = {d: max(float(r["gflops"]) for r in read_csv(out / "gemm.csv") if r["dtype"] == d)
@@ -396,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
         profile_rows, failures = profile_section(out, args.device, args.smoke, compiles)
         write_csv(out / "profile.csv", profile_rows)
         write_failures(out, "profile", failures)
+    if "traffic" in sections:
+        traffic_steps, traffic_ops = traffic_section(out, args.device, args.smoke)
+        write_csv(out / "traffic.csv", traffic_steps)
+        write_csv(out / "traffic_ops.csv", traffic_ops)
     if "jax41m" in sections:
         from benchmarks.bench_cuda_jax import jax41m_section
 

@@ -130,11 +130,12 @@ def head_default_lines(models: list[dict], jax_rows: list[dict]) -> list[str]:
     return out
 
 
-def bf16_step_lines(models: list[dict], peak: dict[str, float]) -> list[str]:
+def bf16_step_lines(models: list[dict], peak: dict[str, float], floor: dict | None = None) -> list[str]:
     """The target lines of the bf16 full-AR PCAF-context step at T=1024, batch 8, from a run's model rows: its
-    share of the bf16 GEMM peak (every torch case listed, the best judged, with the step's floor at that peak),
-    and the best step without CUDA graphs against the eager step with ATen's passes timed in the same run
-    (only where the run has that row)."""
+    share of the bf16 GEMM peak (every torch case listed, the best judged, with the step's FLOPs' time at that
+    peak and, given ``floor``, the ``traffic.csv`` row of the eager step, its op graph's floor), and the best step
+    without CUDA graphs against the eager step with ATen's passes timed in the same run (only where the run has
+    that row)."""
     rows = [r for r in models if r["model"].startswith("PCAF-context") and r.get("backend", "torch") == "torch"
             and r["mode"] == "ar" and int(r["T"]) == 1024 and r["dtype"] == "bf16"]
     if not rows or "bf16" not in peak:
@@ -145,12 +146,17 @@ def bf16_step_lines(models: list[dict], peak: dict[str, float]) -> list[str]:
         return r["compile"] + (f", {extra}" if extra else "")
 
     best = max(rows, key=lambda r: float(r["model_pct"]))
-    floor = float(best["model_gflop_per_step"]) / peak["bf16"] * 1e3
+    floor_ms = float(best["model_gflop_per_step"]) / peak["bf16"] * 1e3
     parts = ", ".join(f"{float(r['model_pct']):.1f}% {case(r)}" for r in rows)
     pct = float(best["model_pct"])
+    graph = ""
+    if floor is not None:
+        most = float(best["model_gflop_per_step"]) / float(floor["floor_ms"]) / peak["bf16"] * 1e5
+        graph = (f"; the eager step's op graph at its floor: {floor['floor_ms']} ms, {most:.0f}% of peak "
+                 "([below](#the-eager-steps-floor))")
     out = [f"| Full-AR PCAF-context bf16 >= {BF16_PEAK_TARGET:.0f}% of the bf16 GEMM peak (T=1024, batch 8; model "
-           f"FLOPs) | {parts} (best {best['step_ms']} ms a step; {floor:.2f} ms at the peak of {_f(peak['bf16'], 0)} "
-           f"GFLOP/s) | {_verdict(pct >= BF16_PEAK_TARGET, BF16_PEAK_TARGET / pct)} |"]
+           f"FLOPs) | {parts} (best {best['step_ms']} ms a step; {floor_ms:.2f} ms at the peak of "
+           f"{_f(peak['bf16'], 0)} GFLOP/s{graph}) | {_verdict(pct >= BF16_PEAK_TARGET, BF16_PEAK_TARGET / pct)} |"]
     base = next((r for r in rows if r["model"] == ATEN_PASSES_MODEL and r["compile"] == "eager"), None)
     fast = [r for r in rows if r is not base and r["compile"] in ("eager", "inductor")]
     if base and fast:
@@ -162,6 +168,42 @@ def bf16_step_lines(models: list[dict], peak: dict[str, float]) -> list[str]:
                    f"{top['step_ms']} ms = {ratio:.2f}x ({case(top)}" + (f"; {others}" if others else "") + ") | "
                    f"{_verdict(ratio >= NO_GRAPHS_TARGET, NO_GRAPHS_TARGET / ratio)} |")
     return out
+
+
+def traffic_lines(bench_dir: Path, models: list[dict]) -> tuple[dict | None, list[str]]:
+    """The eager bf16 step's ``traffic.csv`` row (None without one) and the section on the eager steps' floors
+    (``benchmarks/step_traffic.py``: the traffic section of a run); empty without ``traffic.csv``."""
+    if not (bench_dir / "traffic.csv").exists():
+        return None, []
+    steps = read_csv(bench_dir / "traffic.csv")
+    measured = {(r["model"], r["dtype"]): r for r in models if r["mode"] == "ar" and r["compile"] == "eager"
+                and r.get("backend", "torch") == "torch" and int(r["T"]) == int(steps[0]["T"])
+                and int(r["batch"]) == int(steps[0]["batch"])}
+    first = steps[0]
+    out = ["", "## The eager step's floor", "",
+           f"Every op of one eager full-AR PCAF-context step (T={first['T']}, batch {first['batch']}) charged "
+           "the bytes of its operands and results and its FLOPs (`benchmarks/step_traffic.py`; a gather its rows, "
+           "a `pcaf::` kernel one op): an op's floor is the longer of its FLOPs at its dtype's GEMM peak and its "
+           f"bytes at the copy bandwidth ({_f(first['bandwidth_gb_per_s'], 0)} GB/s, measured in this run), "
+           "the step's floor the sum, with no time between kernels. This op graph cannot run faster; the compiled "
+           "steps run inductor's op graph, which fuses further.", "",
+           "| step | dtype | ops | GB read | GB written | GFLOP | FLOPs at peak (ms) | other ops' bytes (ms) | "
+           "floor (ms) | eager step (ms) | step / floor |", "|---" * 11 + "|"]
+    for r in steps:
+        step = measured.get((r["model"], r["dtype"]))
+        ratio = f"{float(step['step_ms']) / float(r['floor_ms']):.1f}x" if step else ""
+        out.append(f"| {r['model']} | {r['dtype']} | {r['ops']} | {r['read_gb']} | {r['written_gb']} | {r['gflop']} | "
+                   f"{r['gemm_floor_ms']} | {r['bytes_floor_ms']} | {r['floor_ms']} | "
+                   f"{step['step_ms'] if step else ''} | {ratio} |")
+    ops = [r for r in read_csv(bench_dir / "traffic_ops.csv")
+           if r["model"] == "PCAF-context" and r["dtype"] == "bf16"] if (bench_dir / "traffic_ops.csv").exists() else []
+    if ops:
+        out += ["", "The bf16 step's ops with the longest floors:", "",
+                "| op | count | MB read | MB written | GFLOP | floor (ms) |", "|---" * 6 + "|"]
+        out += [f"| `{r['op']}` | {r['count']} | {r['read_mb']} | {r['written_mb']} | {r['gflop']} | {r['floor_ms']} |"
+                for r in ops[:10]]
+    bf16 = next((r for r in steps if r["model"] == "PCAF-context" and r["dtype"] == "bf16"), None)
+    return bf16, out
 
 
 def bf16_summary(bench_dir: Path) -> dict[str, str] | None:
@@ -283,7 +325,8 @@ def render(bench_dir: Path, doc: Path) -> None:
         parts = ", ".join(f"{float(r['model_pct']):.1f}% {r['compile']}" for r in ar_fp32)
         out.append(f"| Full-AR PCAF-context fp32 >= 80% of the fp32 GEMM peak (T=1024, batch 8) | {parts} (of "
                    f"{_f(peak['fp32'], 0)} GFLOP/s) | {_verdict(best >= 80, 80 / best)} |")
-    out += bf16_step_lines(models, peak)
+    traffic_floor, traffic_section = traffic_lines(bench_dir, models)
+    out += bf16_step_lines(models, peak, traffic_floor)
     for dtype in ("fp32", "bf16"):
         p, d = row_of("PCAF-context", "nt", 2048, dtype), row_of("dense Transformer (SDPA)", "nt", 2048, dtype)
         if p and d:
@@ -351,11 +394,15 @@ def render(bench_dir: Path, doc: Path) -> None:
                             f"{_f(gprof['bf16']['kernels_per_step'], 0)} kernels) against fp32's "
                             f"{gfp['step_ms']} ms: "
                             f"{float(gbf['tokens_per_s']) / float(gfp['tokens_per_s']):.2f}x.")
+    out += traffic_section
     out += windowed_section(models)
     out += jax_section
     out += ["", "## GEMM peaks", "", "| GEMM | dtype | shape | ms | GFLOP/s |", "|---|---|---|---|---|"]
     out += [f"| {r['gemm']} | {r['dtype']} | [{r['m']}, {r['k']}] @ [{r['k']}, {r['n']}] | {r['ms']} | "
             f"{_f(r['gflops'], 0)} |" for r in gemm]
+    if (bench_dir / "bandwidth.csv").exists():
+        out += [""] + [f"Copy bandwidth: {_f(r['gb_per_s'], 0)} GB/s ({r['dtype']}, {r['mb']} MB copied in "
+                       f"{r['ms']} ms; bytes read and written)." for r in read_csv(bench_dir / "bandwidth.csv")]
     out += ["", "## Training steps", "",
             "WikiText-2 paper shapes (d / h / layers / V in the table), profile `reference_torch`, one "
             "`TorchBackend(\"cuda\").train_step` per step, median of the timed steps; % of peak: analytic model "

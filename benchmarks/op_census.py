@@ -26,7 +26,7 @@ import collections
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
@@ -71,17 +71,18 @@ def aten_forms() -> Iterator[None]:
         yield
 
 
-def census(model: str = "PCAF-context", mode: str = "ar", precision: str = "bf16", T: int = 64,
-           batch: int = 2, profile: str | None = None, fused: bool = True) -> collections.Counter[str]:
-    """The ops that launch a kernel on CUDA, by schema name, of one eager training step of ``model`` after two
-    warm-up steps (the optimiser's state and the step's cached constants exist by then). Left out: views, aliases,
-    allocations and profiler marks. A custom op (``pcaf::``) counts once: its own ops are not seen. ``profile``:
-    another profile than the benchmark's (``reference_torch``, the paper's PyTorch code). ``fused=False``: the step
-    with ATen's forms instead of the fused kernels (:func:`aten_forms`, ``bench_cuda``'s ``ATen passes`` case)."""
+@contextlib.contextmanager
+def eager_step(model: str = "PCAF-context", mode: str = "ar", precision: str = "bf16", T: int = 64, batch: int = 2,
+               profile: str | None = None, fused: bool = True, device: str = "cpu",
+               scale: str = "paper") -> Iterator[Callable[[], None]]:
+    """One more eager training step of ``model`` (``bench_cuda``'s case at ``T`` and ``batch``) ready to run: the
+    backend built and warmed by two steps (the optimiser's state and the step's cached constants exist by then).
+    Yields the function that runs it. On a CPU (``device="cpu"``) the tensors take the code paths a CUDA tensor
+    takes (:func:`cuda_code_paths`) and the products go through ATen, as on CUDA, not the CPU's oneDNN path.
+    ``profile``: another profile than the benchmark's (``reference_torch``, the paper's PyTorch code).
+    ``fused=False``: ATen's forms instead of the fused kernels (:func:`aten_forms`). ``scale``: the widths of
+    another scale than the paper's (``bench_cuda``'s smoke runs)."""
     from unittest import mock
-
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from backends.torch import cpu_gemm
     from backends.torch.backend import TorchBackend
@@ -91,37 +92,63 @@ def census(model: str = "PCAF-context", mode: str = "ar", precision: str = "bf16
     from pcaf_core.config import validate
     from pcaf_core.profiles import get_profile
 
+    case = Case(model, mode, T, batch, 0.1, "eager", precision)
+    cfg = case_config(GpuCase(model, mode, T, batch, precision, "eager"), case, scale)
+    if profile is not None:
+        cfg.profile = get_profile(profile)
+        cfg = validate(cfg)
+    backend = TorchBackend(device)
+    on_cpu = device == "cpu"
+    with cuda_code_paths() if on_cpu else contextlib.nullcontext(), \
+            aten_forms() if not fused else contextlib.nullcontext(), \
+            mock.patch.object(cpu_gemm, "onednn_on_this_cpu", lambda: False):
+        state = backend.init(cfg)
+        for m in state.module.modules():  # the conv's form on CUDA (ConvBlock's "auto" shifts on CPUs only)
+            if isinstance(m, ConvBlock) and m.conv_form == "auto":
+                m.conv_form = "conv1d"
+        x, y, _ = _batch(cfg)
+        holder = {"state": state}
+
+        def step() -> None:
+            holder["state"], _ = backend.train_step(holder["state"], x, y, 1e-4)
+
+        for _ in range(2):
+            step()
+        yield step
+
+
+def census(model: str = "PCAF-context", mode: str = "ar", precision: str = "bf16", T: int = 64,
+           batch: int = 2, profile: str | None = None, fused: bool = True) -> collections.Counter[str]:
+    """The ops that launch a kernel on CUDA, by schema name, of one eager training step (:func:`eager_step`, on CPU
+    tensors taking the CUDA code paths). Left out: views, aliases, allocations and profiler marks
+    (:func:`launches_kernel`). A custom op (``pcaf::``) counts once: its own ops are not seen."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     class _Count(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
             self.count: collections.Counter[str] = collections.Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not (func.is_view or func.namespace == "profiler" or func in _NO_KERNEL):
+            if launches_kernel(func):
                 self.count[func._schema.name] += 1
             return func(*args, **(kwargs or {}))
 
-    case = Case(model, mode, T, batch, 0.1, "eager", precision)
-    cfg = case_config(GpuCase(model, mode, T, batch, precision, "eager"), case)
-    if profile is not None:
-        cfg.profile = get_profile(profile)
-        cfg = validate(cfg)
-    backend = TorchBackend("cpu")
-    aten = torch.ops.aten
-    _NO_KERNEL = {aten.detach.default, aten.lift_fresh.default, aten._unsafe_view.default,  # aliases, as views
-                  aten.empty_like.default, aten.new_empty.default, aten.empty.memory_format}  # allocations
-    with cuda_code_paths(), aten_forms() if not fused else contextlib.nullcontext(), \
-            mock.patch.object(cpu_gemm, "onednn_on_this_cpu", lambda: False):
-        state = backend.init(cfg)  # products through ATen, as on CUDA: the CPU's oneDNN path is for CPUs only
-        for m in state.module.modules():  # the conv's form on CUDA (ConvBlock's "auto" shifts on CPUs only)
-            if isinstance(m, ConvBlock) and m.conv_form == "auto":
-                m.conv_form = "conv1d"
-        x, y, _ = _batch(cfg)
-        for _ in range(2):
-            state, _ = backend.train_step(state, x, y, 1e-4)
-        with _Count() as counted:
-            backend.train_step(state, x, y, 1e-4)
+    with eager_step(model, mode, precision, T, batch, profile, fused) as step, _Count() as counted:
+        step()
     return counted.count
+
+
+def launches_kernel(func) -> bool:
+    """Whether the dispatched op ``func`` launches a kernel (or a copy) on a GPU: not a view, an alias, an
+    allocation or a profiler mark."""
+    import torch
+
+    aten = torch.ops.aten
+    no_kernel = (aten.detach.default, aten.lift_fresh.default, aten._unsafe_view.default,  # aliases, as views
+                 aten.empty_like.default, aten.new_empty.default, aten.empty.memory_format,  # allocations
+                 aten.empty_strided.default)
+    return not (func.is_view or func.namespace == "profiler" or func in no_kernel)
 
 
 def main(argv: list[str] | None = None) -> int:

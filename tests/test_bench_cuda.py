@@ -27,8 +27,15 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
-    for name in ("gemm", "models", "routing", "profile", "labels"):
+    for name in ("gemm", "bandwidth", "models", "routing", "profile", "traffic", "traffic_ops", "labels"):
         assert read_csv(smoke_run / f"{name}.csv"), name
+    # The eager step's floor with the fused kernels and with ATen's passes, each precision, at this run's rates.
+    traffic = {(r["model"], r["dtype"]): r for r in read_csv(smoke_run / "traffic.csv")}
+    assert set(traffic) == {(m, d) for m in ("PCAF-context", "PCAF-context, ATen passes") for d in ("fp32", "bf16")}
+    for d in ("fp32", "bf16"):
+        fused, aten = traffic[("PCAF-context", d)], traffic[("PCAF-context, ATen passes", d)]
+        assert int(fused["ops"]) < int(aten["ops"]) and 0 < float(fused["floor_ms"]) < float(aten["floor_ms"])
+    assert float(read_csv(smoke_run / "bandwidth.csv")[0]["gb_per_s"]) > 0
     models = read_csv(smoke_run / "models.csv")
     assert {(r["model"], r["dtype"]) for r in models} >= {("PCAF-context", "fp32"), ("PCAF-context", "bf16"),
                                                           ("dense Transformer (SDPA)", "fp32")}
@@ -105,8 +112,10 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     write_csv(run / "models.csv", rows)
-    for name in ("gemm", "routing", "labels", "jax_profile"):
+    for name in ("gemm", "bandwidth", "routing", "labels", "jax_profile", "traffic_ops"):
         write_csv(run / f"{name}.csv", read_csv(smoke_run / f"{name}.csv"))
+    write_csv(run / "traffic.csv", [{**r, "T": 1024, "batch": 8, "floor_ms": 4.0}
+                                    for r in read_csv(smoke_run / "traffic.csv")])
     # Where a GPU's step waits (a CPU's smoke steps launch no kernel, so their gaps are blank).
     write_csv(run / "profile.csv", [{**r, "first_kernel_ms": 0.42, "gpu_idle_ms": 1.5}
                                     for r in read_csv(smoke_run / "profile.csv")])
@@ -139,6 +148,14 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     assert "81.0% eager, 81.0% cudagraphs" in text and "7.0x | **met** |" in text
     assert ("| Full-AR PCAF-context bf16 >= 50% of the bf16 GEMM peak (T=1024, batch 8; model FLOPs) | 81.0% eager, "
             "32.4% eager, ATen passes, 72.0% eager, chunked head, 81.0% cudagraphs (best 8.0 ms a step; ") in text
+    # The eager op graph's floor: model FLOPs / floor / peak.
+    ar = next(r for r in rows if r["model"] == "PCAF-context" and r["mode"] == "ar")
+    peak = max(float(r["gflops"]) for r in read_csv(run / "gemm.csv") if r["dtype"] == "bf16")
+    most = float(ar["model_gflop_per_step"]) / 4.0 / peak * 1e5
+    assert f"the eager step's op graph at its floor: 4.0 ms, {most:.0f}% of peak" in text
+    floor = text[text.index("## The eager step's floor"):text.index("## Windowed attention beside SDPA")]
+    assert "| PCAF-context, ATen passes | bf16 |" in floor and "| 8.0 | 2.0x |" in floor  # the eager step / floor
+    assert "| `aten::mm` |" in floor and "Copy bandwidth:" in text
     # The step without CUDA graphs against the ATen passes' eager step: the CUDA-graph rows do not count.
     assert ("the eager step with ATen's passes (T=1024, batch 8; timed in the same run) | 20.0 / 8.0 "
             "ms = 2.50x (eager; eager, chunked head 9.0 ms) | **met** |") in text
