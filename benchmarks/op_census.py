@@ -34,7 +34,7 @@ def cuda_code_paths() -> Iterator[None]:
     """CPU tensors take the code paths a CUDA tensor takes, until the context ends: the Triton candidate kernels,
     gathered scores instead of the CPU's sparse products, the segmented key-gradient op, the head loss's kernels
     over 16-bit logits, dropout's mask kernel, the memory read's row and L2 normalisation kernels, the gate's and
-    the addresses' kernels (tests/conftest.py's ``cuda_code_paths`` fixture)."""
+    the addresses' kernels, and the chunk size of the gathers (tests/conftest.py's ``cuda_code_paths`` fixture)."""
     from unittest import mock
 
     from backends.torch import dropout, hashing, head_loss, layers, mixture, ops, routing
@@ -49,6 +49,8 @@ def cuda_code_paths() -> Iterator[None]:
         stack.enter_context(mock.patch.object(ops, "_sparse_path", lambda x, y, index: False))
         stack.enter_context(mock.patch.object(ops, "_segment_kernel_for", lambda grad, y: True))
         stack.enter_context(mock.patch.object(dropout, "kernels_by_default", lambda x: True))
+        # The gathers' chunks at CUDA's size: at the paper shape one chunk, where a CPU's size makes eight.
+        stack.enter_context(mock.patch.object(ops, "CHUNK_ELEMENTS", ops.CHUNK_ELEMENTS_CUDA))
         yield
 
 

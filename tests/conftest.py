@@ -81,7 +81,8 @@ def cuda_code_paths():
     """The torch device whose code paths a step takes: CUDA where present; on a CPU, CPU tensors with the choices
     a CUDA tensor gets (benchmarks.op_census.cuda_code_paths: the Triton candidate kernels, run by the interpreter;
     gathered scores instead of the CPU's sparse products; the segmented key-gradient op; the head loss's kernels
-    over 16-bit logits; dropout's mask kernel; the memory read's row and L2 normalisation kernels)."""
+    over 16-bit logits; dropout's mask kernel; the memory read's row and L2 normalisation kernels; the gate's and the
+    addresses' kernels; the gathers' chunk size)."""
     import torch
 
     if HAS_CUDA:
