@@ -41,7 +41,8 @@ Sections (``--sections``, comma-separated):
 - ``traffic``: the bytes and FLOPs of every op of one eager full-AR PCAF-context step (T=1024, batch 8), fp32 and
   bf16, with the fused kernels and with ATen's passes, and the step's floor at the GEMM peaks and the copy
   bandwidth measured in the same run (``benchmarks/step_traffic.py``): ``traffic.csv`` (a row a step) and
-  ``traffic_ops.csv`` (a row an op name a step).
+  ``traffic_ops.csv`` (a row an op name a step). It runs last; a case that fails goes to ``failures.csv`` and the
+  others are counted.
 
     python -m benchmarks.bench_cuda [--out-dir bench/cuda] [--sections gemm,models,routing,profile,jax41m,traffic]
         [--compiles eager,inductor,cudagraphs] [--only-windowed]
@@ -206,29 +207,34 @@ def bandwidth_section(device: str = "cuda", smoke: bool = False) -> list[dict]:
     return [row]
 
 
-def traffic_section(out: Path, device: str = "cuda", smoke: bool = False) -> tuple[list[dict], list[dict]]:
-    """``traffic.csv``'s rows (one per step: fp32 and bf16, fused kernels and ATen's passes) and
-    ``traffic_ops.csv``'s (one per op name of each step), the floors at the rates of ``out``'s gemm section; with
-    ``smoke`` at the models section's toy widths."""
+def traffic_section(out: Path, device: str = "cuda", smoke: bool = False
+                    ) -> tuple[list[dict], list[dict], list[dict]]:
+    """``traffic.csv``'s rows (one per step: fp32 and bf16, fused kernels and ATen's passes), ``traffic_ops.csv``'s
+    (one per op name of each step), the floors at the rates of ``out``'s gemm section (with ``smoke`` at the models
+    section's toy widths), and the cases that failed (as in :func:`models_section`: the rest go on)."""
     from benchmarks import step_traffic
 
     peaks, bandwidth = step_traffic.rates(out)
     T, batch = (64, 2) if smoke else (1024, 8)
-    steps, ops = [], []
+    steps, ops, failures = [], [], []
     for precision in ("fp32", "bf16"):
         for fused in (True, False):
-            counted = step_traffic.count_step(precision, T, batch, fused=fused, device=device,
-                                              scale=SMOKE_SCALE if smoke else "paper")
-            case = {"model": "PCAF-context" if fused else "PCAF-context, ATen passes", "mode": "ar", "T": T,
-                    "batch": batch, "dtype": precision, "compile": "eager"}
+            model = "PCAF-context" if fused else "PCAF-context, ATen passes"
+            try:
+                counted = step_traffic.count_step(precision, T, batch, fused=fused, device=device,
+                                                  scale=SMOKE_SCALE if smoke else "paper")
+            except (RuntimeError, ValueError) as err:
+                failures.append(failure_row(GpuCase(model, "ar", T, batch, precision, "eager"), "traffic", err))
+                continue
+            case = {"model": model, "mode": "ar", "T": T, "batch": batch, "dtype": precision, "compile": "eager"}
             total = step_traffic.summary(counted, peaks, bandwidth)
             steps.append({**case, **total, "bf16_peak_gflops": peaks["bf16"], "fp32_peak_gflops": peaks["fp32"],
                           "bandwidth_gb_per_s": bandwidth})
             ops += [{**case, **r} for r in step_traffic.by_op(counted, peaks, bandwidth)]
-            print(f"[bench_cuda traffic {case['model']} {precision}] {total['ops']} ops, {total['read_gb']} + "
+            print(f"[bench_cuda traffic {model} {precision}] {total['ops']} ops, {total['read_gb']} + "
                   f"{total['written_gb']} GB, {total['gflop']} GFLOP: floor {total['floor_ms']} ms",
                   file=sys.stderr, flush=True)
-    return steps, ops
+    return steps, ops, failures
 
 
 def _policy(cfg, note: str = "") -> str:
@@ -442,10 +448,6 @@ def main(argv: list[str] | None = None) -> int:
         profile_rows, failures = profile_section(out, args.device, args.smoke, compiles)
         write_csv(out / "profile.csv", profile_rows)
         write_failures(out, "profile", failures)
-    if "traffic" in sections:
-        traffic_steps, traffic_ops = traffic_section(out, args.device, args.smoke)
-        write_csv(out / "traffic.csv", traffic_steps)
-        write_csv(out / "traffic_ops.csv", traffic_ops)
     if "jax41m" in sections:
         from benchmarks.bench_cuda_jax import jax41m_section
 
@@ -454,6 +456,14 @@ def main(argv: list[str] | None = None) -> int:
         jax_rows, jax_profile = jax41m_section(peaks, out, args.warmup, args.steps, args.device, args.smoke)
         write_csv(out / "jax41m.csv", jax_rows)
         write_csv(out / "jax_profile.csv", jax_profile)
+    if "traffic" in sections:  # last: it only states floors, and a failure leaves the other sections' files
+        traffic_steps, traffic_ops, failures = traffic_section(out, args.device, args.smoke)
+        for name, rows in (("traffic", traffic_steps), ("traffic_ops", traffic_ops)):
+            if rows:
+                write_csv(out / f"{name}.csv", rows)
+            else:  # every case failed (failures.csv says why): no earlier run's floors beside this run's rows
+                (out / f"{name}.csv").unlink(missing_ok=True)
+        write_failures(out, "traffic", failures)
     write_csv(out / "labels.csv", [{**cuda_labels(args.device), "bench_set": "smoke" if args.smoke else "full",
                                     "wall_s": round(time.perf_counter() - start, 1)}])
     print(f"{out} ({time.perf_counter() - start:.0f} s)")

@@ -421,8 +421,8 @@ def render(bench_dir: Path, doc: Path) -> None:
                    f"{r['first_step_s']} | {head} | {r.get('matmul_precision') or 'highest'} |")
     failures = read_csv(bench_dir / "failures.csv") if (bench_dir / "failures.csv").exists() else []
     if failures:
-        out += ["", "## Compiled cases that did not run", "",
-                "Each failed to build or compile; the rest of the run went on without it.", "",
+        out += ["", "## Cases that did not run", "",
+                "Each failed to build, compile or run; the rest of the run went on without it.", "",
                 "| section | model | mode | T | batch | dtype | compile | error |", "|---" * 8 + "|"]
         out += [f"| {r['section']} | {r['model']} | {r['mode']} | {r['T']} | {r['batch']} | {r['dtype']} | "
                 f"{r['compile']} | {r['error'].replace('|', '/')} |" for r in failures]

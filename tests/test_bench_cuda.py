@@ -140,7 +140,7 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     bench_cuda_report.render(run, doc)
     text = doc.read_text()
     assert "smoke run" in text.splitlines()[0]
-    assert "## Compiled cases that did not run" in text
+    assert "## Cases that did not run" in text
     assert "| models | PCAF-context | ar | 2048 | 4 | bf16 | cudagraphs | train.compile=cudagraphs could not" in text
     assert "| Full-AR PCAF-context bf16 autocast >= 2.5x fp32 tokens/s (T=1024, batch 8, eager) | 300 / 100 = " \
            "3.00x | **met** |" in text
@@ -236,6 +236,29 @@ def test_failures_of_a_section_replace_its_earlier_ones(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_traffic_case_that_fails_is_recorded_and_the_others_counted(tmp_path: Path, monkeypatch) -> None:
+    from benchmarks import step_traffic
+
+    real = step_traffic.count_step
+
+    def count_step(precision, T, batch, fused=True, **kwargs):
+        if precision == "bf16" and not fused:
+            raise RuntimeError("CUDA out of memory\nmore")
+        return real(precision, T, batch, fused=fused, **kwargs)
+
+    monkeypatch.setattr(step_traffic, "count_step", count_step)
+    assert bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--sections",
+                            "gemm,traffic"]) == 0
+    counted = {(r["model"], r["dtype"]) for r in read_csv(tmp_path / "traffic.csv")}
+    assert counted == {("PCAF-context", "fp32"), ("PCAF-context, ATen passes", "fp32"), ("PCAF-context", "bf16")}
+    (failed,) = read_csv(tmp_path / "failures.csv")
+    assert (failed["section"], failed["model"], failed["dtype"], failed["error"]) == (
+        "traffic", "PCAF-context, ATen passes", "bf16", "CUDA out of memory")
+    monkeypatch.setattr(step_traffic, "count_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
+    assert bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--sections", "traffic"]) == 0
+    assert not (tmp_path / "traffic.csv").exists() and len(read_csv(tmp_path / "failures.csv")) == 4
+
+
 def test_compiles_selects_the_steps(tmp_path: Path, monkeypatch) -> None:
     """``--compiles eager`` reaches the models section (which keeps the cases whose ``compile`` it names: no
     compiled and no JAX ``xla`` case) and profiles the eager step alone (a CPU smoke run has no other profile);
