@@ -58,10 +58,14 @@ class Backend(Protocol):
     def init(self, cfg: RunConfig) -> Any:
         """Build model + optimiser state from ``cfg`` (seeded by ``cfg.train.seed``)."""
 
-    def train_step(self, state: Any, inputs: np.ndarray, targets: np.ndarray, lr: float) -> tuple[Any, float]:
+    def train_step(self, state: Any, inputs: np.ndarray, targets: np.ndarray, lr: float, *,
+                   wait: bool = True) -> tuple[Any, Any]:
         """One optimiser step at learning rate ``lr`` on this rank's slice ``inputs [b, T]`` int32,
         ``targets [b]`` (NT) or ``[b, T]`` (AR), already validated by the loop. Gradients are averaged
-        over ranks. Returns the new state and this rank's mean training loss (a Python float)."""
+        over ranks. Returns the new state and this rank's mean training loss: a Python float, after the
+        step has finished. ``wait=False`` may return before the device has run the step: the loss is then a
+        0-d value whose ``float()`` waits for it (the loop launches the next step first), and nothing the call
+        was given may be overwritten by the next call before that step has run."""
 
     def eval_batch(self, state: Any, inputs: np.ndarray, targets: np.ndarray, mode: str) -> EvalOutputs:
         """Score one evaluation slice without updating anything (dropout off)."""

@@ -1,4 +1,4 @@
-"""Validation of every batch the loop hands to a backend, done once in NumPy on the host.
+"""Validation of a run's data before it starts, and of every batch the loop hands to a backend, in NumPy on the host.
 
 Backends do not re-check values: a check inside a model's forward costs a device synchronisation per
 call on an accelerator and cannot run under ``jax.jit`` at all, while here it is a min/max over a host
@@ -35,3 +35,27 @@ def check_batch(inputs: np.ndarray, targets: np.ndarray, cfg: RunConfig) -> None
             f"window length T={T} exceeds model.max_seq_len={cfg.model.max_seq_len}, the rows of the "
             "trainable positional table; lower train.seq_len or raise model.max_seq_len"
         )
+
+
+def check_setup(cfg: RunConfig, corpus, world: int) -> None:
+    """Raise ValueError before a run starts when its batches cannot be split evenly over ``world`` data-parallel
+    processes, or when ``corpus`` (``train``/``valid`` token arrays, ``vocab_size``) holds ids the model cannot
+    embed; each message says what to change."""
+    from pcaf_core.data import check_token_ids  # the data layer loads on first use
+    from pcaf_core.evaluation import eval_batch_size, evaluation_tokens  # which imports this module
+
+    for what, size in (("train.batch_size", cfg.train.batch_size), ("eval batch size", eval_batch_size(cfg))):
+        if size % world:
+            raise ValueError(
+                f"{what}={size} is not divisible by the {world} data-parallel processes; "
+                "the global batch is split evenly across ranks"
+            )
+    V = int(corpus.vocab_size)
+    if V > cfg.model.vocab_size:
+        raise ValueError(
+            f"the corpus vocabulary has {V} ids but model.vocab_size={cfg.model.vocab_size}; "
+            f"set model.vocab_size >= {V} (the run's vocabulary is data.max_vocab={cfg.data.max_vocab})"
+        )
+    # One scan of each split here; every batch is checked again before a backend sees it.
+    check_token_ids(corpus.train, cfg.model.vocab_size, what="train split")
+    check_token_ids(evaluation_tokens(corpus), cfg.model.vocab_size, what=f"{cfg.data.eval_split} split")

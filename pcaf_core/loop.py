@@ -10,7 +10,9 @@ identically for every backend:
 * the learning-rate schedule (:func:`pcaf_core.schedule.lr_at_step`, one value per step);
 * the cadence: a ``reference`` evaluation at step 1, every ``eval.every`` steps and at the last step;
   a ``full`` evaluation after the last step (:mod:`pcaf_core.evaluation`); checkpoints every
-  ``train.checkpoint_every`` steps and at the end (:mod:`pcaf_core.checkpoints`);
+  ``train.checkpoint_every`` steps and at the end (:mod:`pcaf_core.checkpoints`); one process launches
+  each step before it reads the previous one's loss, except after a step whose end reads its state
+  (:mod:`pcaf_core.cadence`);
 * the bookkeeping: best/final PPL and accuracies, the learning curve, throughput, and the run record
   (:mod:`pcaf_core.run_record`, the only writer of ``metrics.json``), which says ``failed`` with the
   reason when a run fails;
@@ -45,7 +47,8 @@ import numpy as np
 
 from pcaf_core import results
 from pcaf_core.backend import Backend
-from pcaf_core.batches import check_batch
+from pcaf_core.batches import check_batch, check_setup
+from pcaf_core.cadence import LaunchedStep, checkpoint_due, reads_state
 from pcaf_core.checkpoints import (
     CheckpointError,
     LoopState,
@@ -175,26 +178,6 @@ class TrainingLoop:
             return arr
         per = arr.shape[0] // self.world
         return arr[self.rank * per : (self.rank + 1) * per]
-
-    def _check_setup(self) -> None:
-        cfg = self.cfg
-        for what, size in (("train.batch_size", self.global_batch), ("eval batch size", self.eval_batch_size)):
-            if size % self.world:
-                raise ValueError(
-                    f"{what}={size} is not divisible by the {self.world} data-parallel processes; "
-                    "the global batch is split evenly across ranks"
-                )
-        from pcaf_core.data import check_token_ids
-
-        V = int(self.corpus.vocab_size)
-        if V > cfg.model.vocab_size:
-            raise ValueError(
-                f"the corpus vocabulary has {V} ids but model.vocab_size={cfg.model.vocab_size}; "
-                f"set model.vocab_size >= {V} (the run's vocabulary is data.max_vocab={cfg.data.max_vocab})"
-            )
-        # One scan of each split here; every batch is checked again before a backend sees it.
-        check_token_ids(self.corpus.train, cfg.model.vocab_size, what="train split")
-        check_token_ids(evaluation_tokens(self.corpus), cfg.model.vocab_size, what=f"{cfg.data.eval_split} split")
 
     # ----------------------------------------------------------------- evaluation
 
@@ -371,7 +354,7 @@ class TrainingLoop:
 
     def _run(self) -> RunMetrics:
         cfg = validate(self.cfg)
-        self._check_setup()
+        check_setup(self.cfg, self.corpus, self.world)
         corpus = self.corpus
         self._unigram = unigram_ppl(corpus.train, evaluation_tokens(corpus), cfg.model.vocab_size)
         from pcaf_core.data import WindowSampler
@@ -405,22 +388,32 @@ class TrainingLoop:
         steps = cfg.train.steps
         report = Progress(progress_style(self.progress) if self.is_main else OFF, self._tag(), steps, self.ls.step,
                           self.backend.name)
+        # One process launches the next step before it reads this step's loss, so the host samples, uploads and
+        # launches while the device computes (reading a loss waits for its step). Several processes read each
+        # step's loss at once: their mean is a collective, kept out of the next step's.
+        pipelined = self.world == 1
         try:
             segment_steps = 0
+            launched: LaunchedStep | None = None
             while self.ls.step < steps:
-                step = self.ls.step + 1
-                lr = lr_for(cfg.train, step)
+                if launched is None:
+                    launched = self._launch(self.ls.step + 1, wait=not pipelined)
+                step, lr = launched.step, launched.lr
+                # An evaluation, a checkpoint and the last step read the weights this step leaves: the next step
+                # waits for them.
+                following, failed_next = None, None
+                if pipelined and not reads_state(cfg, step):
+                    try:
+                        following = self._launch(step + 1, wait=False)
+                    except BaseException as exc:  # the next step failed to start: this one is still counted first
+                        failed_next = exc
                 t0 = time.perf_counter()
-                inputs, targets = next(self._train_iter)
-                inputs, targets = self._local(inputs), self._local(targets)
-                check_batch(inputs, targets, cfg)
-                self.state, loss = self.backend.train_step(self.state, inputs, targets, lr)
+                loss = launched.loss
                 if self.world > 1:
                     loss = self.backend.all_reduce_sum([loss])[0] / self.world
-                # The loss on the host ends the step: an accelerator runs the step after train_step returns
-                # (asynchronous launches, a replayed CUDA graph), and reading its loss waits for that work.
-                loss = float(loss)
-                dt = time.perf_counter() - t0
+                loss = float(loss)  # waits for the step
+                dt = launched.launch_s + (time.perf_counter() - t0)
+                launched = following
                 if not math.isfinite(loss):
                     raise TrainingDiverged(
                         divergence_message(loss, step, lr, self.cfg, self.last_good_checkpoint, self.run_dir,
@@ -447,7 +440,7 @@ class TrainingLoop:
                 log_row = ev is not None or (cfg.train.log_every > 0 and step % cfg.train.log_every == 0)
                 if log_row or step == steps:
                     self._append_row(step, lr, ev)
-                ckpt_due = step == steps or (cfg.train.checkpoint_every > 0 and step % cfg.train.checkpoint_every == 0)
+                ckpt_due = checkpoint_due(cfg, step)
                 if ckpt_due:
                     self._save_checkpoint()
                 if ev is not None or ckpt_due:
@@ -456,11 +449,23 @@ class TrainingLoop:
                 if ev is not None:
                     report.evaluation(step, self.ls.curve[-1]["train_loss"], ev.ppl, self.tokens_per_sec(),
                                       self._elapsed(), (time.perf_counter() - self._segment_start) / segment_steps)
+                if failed_next is not None:
+                    raise failed_next
         finally:
             report.close()
         if do_full:
             self.full = self.evaluate_full(steps)
         return self._write_record("completed")
+
+    def _launch(self, step: int, wait: bool) -> LaunchedStep:
+        """Draw step ``step``'s batch and start its training step (``wait=False``: without waiting for it)."""
+        lr = lr_for(self.cfg.train, step)
+        t0 = time.perf_counter()
+        inputs, targets = next(self._train_iter)
+        inputs, targets = self._local(inputs), self._local(targets)
+        check_batch(inputs, targets, self.cfg)
+        self.state, loss = self.backend.train_step(self.state, inputs, targets, lr, wait=wait)
+        return LaunchedStep(step, lr, loss, time.perf_counter() - t0)
 
     def _append_row(self, step: int, lr: float, ev: EvalResult | None) -> None:
         n = self.ls.pending_loss_count

@@ -46,7 +46,8 @@ aside)."""
 THROUGHPUT_DEFINITION = (
     "tokens/s = global_batch*T / mean train-step seconds; a train step covers host-side window "
     "sampling, forward, backward and the optimiser update, " + THROUGHPUT_TIMED_TO_LOSS + " (so an "
-    "accelerator's queued work is included); evaluation and checkpoint time are excluded; "
+    "accelerator's queued work is included); with the next step launched before a step's loss is read, a step's "
+    "time is its own launch plus the wait for its loss; evaluation and checkpoint time are excluded; "
     "the first {warmup} steps of each process are excluded as warm-up; NT counts all T input tokens "
     "of a window (docs/REFERENCE_CODE.md §5.6)"
 )

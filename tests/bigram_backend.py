@@ -88,7 +88,7 @@ class BigramBackend(SingleProcess):
         return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
     def train_step(self, state: dict[str, Any], inputs: np.ndarray, targets: np.ndarray,
-                   lr: float) -> tuple[dict[str, Any], float]:
+                   lr: float, *, wait: bool = True) -> tuple[dict[str, Any], float]:
         step = state["step"] + 1
         self.calls.append(("train", step))
         self.lrs.append(lr)

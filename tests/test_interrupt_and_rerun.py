@@ -339,8 +339,8 @@ def test_a_diverged_run_continues_from_its_last_finite_checkpoint_with_the_print
         res = real_eval(*args, **kwargs)
         return dataclasses.replace(res, loss=math.inf, ppl=math.inf) if now["step"] == 4 else res
 
-    def train_step(self, state, inputs, targets, lr):
-        state, loss = real_step(self, state, inputs, targets, lr)
+    def train_step(self, state, inputs, targets, lr, **kwargs):
+        state, loss = real_step(self, state, inputs, targets, lr, **kwargs)
         return state, (math.nan if now["step"] == 5 else loss)
 
     monkeypatch.setattr(loop, "lr_for", lr_for)

@@ -398,12 +398,12 @@ def test_huge_lr_diverges_and_the_last_good_checkpoint_loads(tmp_path):
 @pytest.mark.slow
 def test_poisoned_weight_stops_at_that_step_and_resume_continues(tmp_path):
     class Poisoned(JaxBackend):
-        def train_step(self, state, inputs, targets, lr):
+        def train_step(self, state, inputs, targets, lr, **kwargs):
             if int(state.step) == 4:
                 params = jax.tree_util.tree_map(lambda p: p, state.params)
                 params["head"]["out"]["weight"] = params["head"]["out"]["weight"].at[0, 0].set(jnp.nan)
                 state = state.replace(params=params)
-            return super().train_step(state, inputs, targets, lr)
+            return super().train_step(state, inputs, targets, lr, **kwargs)
 
     cfg = tiny_cfg(train={"steps": 8, "checkpoint_every": 2}, eval={"every": 4})
     with pytest.raises(TrainingDiverged, match=r"at step 5 .*Last good checkpoint: .*step_4"):

@@ -134,8 +134,8 @@ def test_train_loss_in_curve_is_the_mean_since_the_previous_row(tmp_path):
     losses: list[float] = []
 
     class Tap(BigramBackend):
-        def train_step(self, state, inputs, targets, lr):
-            state, loss = super().train_step(state, inputs, targets, lr)
+        def train_step(self, state, inputs, targets, lr, **kwargs):
+            state, loss = super().train_step(state, inputs, targets, lr, **kwargs)
             losses.append(loss)
             return state, loss
 
@@ -161,8 +161,8 @@ def test_a_step_is_timed_until_its_loss_is_on_the_host(tmp_path):
             return self.value
 
     class Async(BigramBackend):
-        def train_step(self, state, inputs, targets, lr):
-            state, loss = super().train_step(state, inputs, targets, lr)
+        def train_step(self, state, inputs, targets, lr, **kwargs):
+            state, loss = super().train_step(state, inputs, targets, lr, **kwargs)
             return state, DeviceLoss(loss)
 
     steps = loop.THROUGHPUT_WARMUP_STEPS + 4

@@ -369,3 +369,34 @@ def test_bf16_cudagraph_step_with_the_head_kernels_trains_like_eager_on_cuda() -
     np.testing.assert_allclose(losses["aten"], losses["eager"], rtol=1e-3)
     np.testing.assert_allclose(losses["cudagraphs"], losses["eager"], rtol=2e-2)
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="a replayed graph's outputs and pinned uploads need a CUDA device; the loop's "
+                    "order is tests/test_loop_pipelining.py's")
+def test_losses_read_one_step_late_are_the_steps_own_on_cuda() -> None:
+    """The loop reads step N's loss after launching step N+1 (``wait=False``): with CUDA graphs the next replay
+    overwrites the graph's loss output, and the next upload reuses pinned host memory; the losses read late are
+    still each step's own, as read at once, eager and replayed."""
+    torch._dynamo.reset()
+    case = ("pcaf", "context", "dense", "first")
+    rng = np.random.default_rng(2)
+    batches = [(rng.integers(3, 64, (B, T)).astype(np.int32), rng.integers(3, 64, (B, T)).astype(np.int32))
+               for _ in range(6)]
+    for compile_mode in ("off", "cudagraphs"):
+        losses = {}
+        for late in (False, True):
+            cfg = step_config(case, "ar", compile_mode)
+            cfg.profile.dropout = 0.0
+            backend = TorchBackend("cuda")
+            state = backend.init(cfg)
+            read, pending = [], None
+            for x, y in batches:
+                state, loss = backend.train_step(state, x, y, 1e-3, wait=not late)
+                if pending is not None:
+                    read.append(float(pending))
+                pending = loss
+            losses[late] = [*read, float(pending)]
+            torch._dynamo.reset()
+        # Equal up to the atomics of a GPU's backward (two runs); another step's loss would differ by far more.
+        np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5, err_msg=compile_mode)

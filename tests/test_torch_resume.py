@@ -39,8 +39,8 @@ delay = float(sys.argv[3])
 
 class Paced(TorchBackend):
     # Sleeps after each step (outside the numerics) so the test can kill the run part-way.
-    def train_step(self, state, inputs, targets, lr):
-        out = super().train_step(state, inputs, targets, lr)
+    def train_step(self, state, inputs, targets, lr, **kwargs):
+        out = super().train_step(state, inputs, targets, lr, **kwargs)
         time.sleep(delay)
         return out
 

@@ -391,12 +391,12 @@ def test_huge_lr_diverges_and_the_last_good_checkpoint_loads(tmp_path, wt2_cache
 
 def test_poisoned_weight_stops_at_that_step(tmp_path, wt2_cache):
     class Poisoned(TorchBackend):
-        def train_step(self, state, inputs, targets, lr):
+        def train_step(self, state, inputs, targets, lr, **kwargs):
             if state.optimizer.state_dict()["state"] and \
                     state.optimizer.state_dict()["state"][0]["step"].item() == 4:
                 with torch.no_grad():
                     state.module.head.out.weight[0, 0] = float("nan")
-            return super().train_step(state, inputs, targets, lr)
+            return super().train_step(state, inputs, targets, lr, **kwargs)
 
     cfg = tiny_cfg(wt2_cache, train={"steps": 10, "checkpoint_every": 2})
     with pytest.raises(TrainingDiverged, match=r"at step 5 .*Last good checkpoint: .*step_4"):

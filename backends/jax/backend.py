@@ -285,16 +285,19 @@ class JaxBackend:
             raise RuntimeError("JaxBackend: call init(cfg) or load(path, cfg) before stepping")
         return self._compiled
 
-    def train_step(self, state: JaxState, inputs: np.ndarray, targets: np.ndarray, lr: float
-                   ) -> tuple[JaxState, float]:
+    def train_step(self, state: JaxState, inputs: np.ndarray, targets: np.ndarray, lr: float, *,
+                   wait: bool = True) -> tuple[JaxState, float | jax.Array]:
         """One AdamW step at ``lr`` on this process's rows of the global batch; returns the new state
-        and the global batch's mean training loss (the same on every process). On an accelerator the
+        and the global batch's mean training loss (the same on every process; ``wait=False``: as the 0-d
+        array the step is computing, :meth:`pcaf_core.backend.Backend.train_step`). On an accelerator the
         old state's buffers are donated to the new one: use only the returned state afterwards."""
         compiled = self._need()
         x = sharding.put_batch(np.ascontiguousarray(inputs, dtype=np.int32), self.mesh)
         y = sharding.put_batch(np.ascontiguousarray(targets, dtype=np.int32), self.mesh)
         with matmul_precision_context(compiled.matmul_precision):
             state, loss = compiled.train(state, x, y, np.float32(lr))
+        if not wait:  # dispatched: float() of this copy's loss waits for the step
+            return state, loss if loss.is_fully_addressable else loss.addressable_data(0)
         # Reading the loss waits for the step, so the loop's step timer measures the whole step.
         return state, float(sharding.first_replica(loss))
 

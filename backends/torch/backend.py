@@ -245,14 +245,22 @@ class TorchBackend:
     # ------------------------------------------------------------------ steps
 
     def _tensors(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.from_numpy(np.ascontiguousarray(inputs, dtype=np.int64)).to(self.torch_device)
-        y = torch.from_numpy(np.ascontiguousarray(targets, dtype=np.int64)).to(self.torch_device)
-        return x, y
+        return self._upload(inputs), self._upload(targets)
+
+    def _upload(self, tokens: np.ndarray) -> torch.Tensor:
+        """``tokens`` as int64 on the device. To a GPU through pinned memory without blocking: a copy from
+        pageable memory would wait for every kernel already queued (the step in flight). The caching host
+        allocator keeps the pinned buffer until the copy has run."""
+        t = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
+        if self.torch_device.type != "cuda":
+            return t.to(self.torch_device)
+        return t.pin_memory().to(self.torch_device, non_blocking=True)
 
     def train_step(
-        self, state: TorchState, inputs: np.ndarray, targets: np.ndarray, lr: float
-    ) -> tuple[TorchState, float]:
-        """Forward, backward, optional clipping and one AdamW step at ``lr``; returns the loss."""
+        self, state: TorchState, inputs: np.ndarray, targets: np.ndarray, lr: float, *, wait: bool = True
+    ) -> tuple[TorchState, float | torch.Tensor]:
+        """Forward, backward, optional clipping and one AdamW step at ``lr``; returns the loss (``wait=False``:
+        as a 0-d fp32 tensor on the device, :meth:`pcaf_core.backend.Backend.train_step`)."""
         cfg = state.cfg
         if state.cuda_graphs:
             # A new step: the graphs' outputs of the last one (its loss, its gradients, already consumed by
@@ -277,8 +285,13 @@ class TorchBackend:
         if cfg.profile.grad_clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(produced, cfg.profile.grad_clip_norm)
         state.optimizer.step()
+        loss = loss.detach().float()
+        if not wait:
+            # A replayed graph's loss is its static output, which the next step's replay overwrites: a copy, queued
+            # after this step, keeps it until it is read.
+            return state, loss.clone() if state.cuda_graphs else loss
         # .item() synchronises the device, so the loop's step timer measures the whole step.
-        return state, float(loss.detach().float().item())
+        return state, float(loss.item())
 
     @torch.no_grad()
     def eval_batch(self, state: TorchState, inputs: np.ndarray, targets: np.ndarray, mode: str) -> EvalOutputs:
