@@ -20,7 +20,9 @@ Sections (``--sections``, comma-separated):
   (``JaxBackend("gpu").train_step``, compile ``xla``, model ``PCAF-context (JAX)``). Cases of one (mode, T, batch)
   are built together and their timed steps interleaved, one of each per round, so the bf16/fp32 ratios are side
   by side. Every row names its head loss (``head_loss``) and what fp32 meant (``matmul_precision``,
-  docs/SPEC.md §9).
+  docs/SPEC.md §9). Then each case runs as many steps again as a one-process run trains them, each launched
+  before the previous one's loss is read (``pipelined_step_ms``, ``pipelined_model_pct``: the wall time of the
+  run of steps over their number).
   ``step_peak_mb``: ``torch.cuda.max_memory_allocated`` over one step minus what was allocated before it
   (torch rows; a JAX row's ``peak_mb`` is the device's peak bytes in use since the process started).
   Fraction of peak: ``pcaf_core.flops.train_step_flops`` per step / step seconds / the dtype's GEMM peak.
@@ -68,7 +70,7 @@ import numpy as np
 
 from benchmarks.bench_cuda_cases import SMOKE_SCALE, GpuCase, case_config, failure_row, gpu_cases, windowed_cases
 from benchmarks.bench_cuda_report import COMPILES, render
-from benchmarks.common import first_and_warm_steps, package_version, read_csv, write_csv
+from benchmarks.common import first_and_warm_steps, package_version, pipelined_steps, read_csv, write_csv
 
 SECTIONS = ("gemm", "models", "routing", "profile", "jax41m", "traffic")
 STEPS = (*COMPILES, "xla")
@@ -328,11 +330,17 @@ def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str
                 t0 = time.perf_counter()
                 entry[3], _ = backend.train_step(state, x, y, 1e-4)
                 times.append(time.perf_counter() - t0)
+        for entry in entries:  # then as the run loop trains: the next step launched before a loss is read
+            _sync(device)
+            entry[3], pipelined_s = pipelined_steps(entry[2], entry[3], entry[4], entry[5], steps)
+            entry[6]["pipelined_step_ms"] = round(pipelined_s * 1e3, 2)
         for cpu_case, cfg, _, _, _, _, row, times in entries:
             row = finish(cpu_case, cfg, row, times)
             dtype_peak = peaks["bf16" if row["dtype"] == "bf16" else "fp32"]
             row.update(peak_gflops=dtype_peak, model_pct=round(100 * row["model_gflops"] / dtype_peak, 2),
-                       executed_pct=round(100 * row["executed_gflops"] / dtype_peak, 2))
+                       executed_pct=round(100 * row["executed_gflops"] / dtype_peak, 2),
+                       pipelined_model_pct=round(100 * row["model_gflop_per_step"] * 1e3 / row["pipelined_step_ms"]
+                                                 / dtype_peak, 2))
             rows.append(row)
             print(f"[bench_cuda {row['model']} {row['mode']} T={row['T']} batch={row['batch']} {row['dtype']} "
                   f"{row['compile']}] {row['tokens_per_s']:.0f} tokens/s, {row['step_ms']:.2f} ms/step, "

@@ -116,6 +116,22 @@ def first_and_warm_steps(backend, state, x, y, warmup: int, lr: float = 1e-4):
     return state, loss, first
 
 
+def pipelined_steps(backend, state, x, y, steps: int, lr: float = 1e-4):
+    """``steps`` training steps as a one-process run trains them (``pcaf_core.cadence``): each launched
+    (``wait=False``) before the previous one's loss is read, the last one read at the end. Returns ``(state, mean
+    seconds a step)``: the wall time of the whole run of steps over their number, from a device with nothing
+    queued (the caller synchronises first)."""
+    t0 = time.perf_counter()
+    pending = None
+    for _ in range(steps):
+        state, loss = backend.train_step(state, x, y, lr, wait=False)
+        if pending is not None:
+            float(pending)
+        pending = loss
+    float(pending)
+    return state, (time.perf_counter() - t0) / steps
+
+
 def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float, float] | None:
     """Distribution-free interval for the median of ``values`` (binomial order statistics: the k-th smallest
     and k-th largest, with k the largest rank whose two-sided miss probability stays within
