@@ -400,8 +400,9 @@ def main(argv: list[str] | None = None) -> int:
                              "its own --out-dir")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--only-windowed", action="store_true",
-                        help="models section: only the windowed-attention cases and the next-token dense SDPA ones "
-                             "(give it its own --out-dir)")
+                        help="models section: only the windowed-attention cases and the next-token dense SDPA ones; "
+                             "profile section: the global-local attention row's training step and evaluation batch "
+                             "instead of the full-AR steps (give it its own --out-dir)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=20, help="timed runs of a route")
@@ -450,12 +451,15 @@ def main(argv: list[str] | None = None) -> int:
     if "routing" in sections:
         write_csv(out / "routing.csv", routing_section(args.repeats, args.device, args.smoke))
     if "profile" in sections:
-        from benchmarks.bench_cuda_profile import profile_section
+        from benchmarks.bench_cuda_profile import profile_section, windowed_profile_section
 
         out.mkdir(parents=True, exist_ok=True)
-        profile_rows, failures = profile_section(out, args.device, args.smoke, compiles)
-        write_csv(out / "profile.csv", profile_rows)
-        write_failures(out, "profile", failures)
+        if args.only_windowed:
+            write_csv(out / "profile_windowed.csv", windowed_profile_section(out, args.device, args.smoke))
+        else:
+            profile_rows, failures = profile_section(out, args.device, args.smoke, compiles)
+            write_csv(out / "profile.csv", profile_rows)
+            write_failures(out, "profile", failures)
     if "jax41m" in sections:
         from benchmarks.bench_cuda_jax import jax41m_section
 

@@ -292,6 +292,31 @@ def windowed_section(models: list[dict]) -> list[str]:
     return out
 
 
+def windowed_profile_lines(bench_dir: Path) -> list[str]:
+    """Where the global-local attention row's training step and evaluation batch spend their time
+    (``profile_windowed.csv`` and the op tables of ``--sections profile --only-windowed``); empty without them."""
+    if not (bench_dir / "profile_windowed.csv").exists():
+        return []
+    rows = read_csv(bench_dir / "profile_windowed.csv")
+    first = rows[0]
+    out = ["", "## Where the global-local row's time goes", "",
+           f"Three training steps and three evaluation batches of the {first['model']} next-token row (T={first['T']}, "
+           f"batch {first['batch']}, {first['dtype']}, {first['compile']}, as `wt2-nt-1024` trains it) under "
+           "`torch.profiler` (its wall time includes the profiler's own overhead): the GPU's busy time is the time its "
+           "kernels and copies cover; to the first kernel and GPU idle as in the full-AR profile; op tables by device "
+           "time in `profile_windowed_<train|eval>.txt`.", "",
+           "| call | attention | wall (ms, profiled) | GPU busy (ms) | GPU busy % | kernels a call | to the first "
+           "kernel (ms) | GPU idle (ms) |", "|---" * 8 + "|"]
+    out += [f"| {r['step']} | {r['policy']} | {r['step_wall_ms']} | {r['gpu_busy_ms']} | {r['gpu_busy_pct']} | "
+            f"{r['kernels_per_step']} | {r['first_kernel_ms']} | {r['gpu_idle_ms']} |" for r in rows]
+    for r in rows:
+        table = bench_dir / f"profile_windowed_{r['step']}.txt"
+        if table.exists():
+            out += ["", f"The {r['step']} call's ops:", "", "```",
+                    *table.read_text(encoding="utf-8").splitlines()[:18], "```"]
+    return out
+
+
 def render(bench_dir: Path, doc: Path) -> None:
     """``doc`` from the CSVs of a run under ``bench_dir`` (gemm.csv, models.csv, routing.csv, labels.csv and,
     when present, the learning-curve runs of ``CURVE_RUNS`` from ``benchmarks/precision_check.py`` on the same
@@ -404,6 +429,7 @@ def render(bench_dir: Path, doc: Path) -> None:
                             f"{float(gbf['tokens_per_s']) / float(gfp['tokens_per_s']):.2f}x.")
     out += traffic_section
     out += windowed_section(models)
+    out += windowed_profile_lines(bench_dir)
     out += jax_section
     out += ["", "## GEMM peaks", "", "| GEMM | dtype | shape | ms | GFLOP/s |", "|---|---|---|---|---|"]
     out += [f"| {r['gemm']} | {r['dtype']} | [{r['m']}, {r['k']}] @ [{r['k']}, {r['n']}] | {r['ms']} | "

@@ -432,3 +432,23 @@ def test_the_aten_passes_case_steps_without_the_fused_kernels() -> None:
         assert proxy.train_step("state", None, None, 1e-4) == ("state", 1.0)
         assert mixture.kernels_by_default(torch.zeros(1))  # outside the step, the choice is the module's again
     assert seen == [(False, False, False)] and proxy.device == "cuda"
+
+
+def test_only_windowed_profiles_the_global_local_row(tmp_path: Path) -> None:
+    """``--sections profile --only-windowed`` profiles the global-local attention row's training step and evaluation
+    batch instead of the full-AR steps; the page shows both calls' timings and op tables. On a CPU the model trains
+    masked, and its row says so."""
+    assert bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(tmp_path), "--sections", "profile",
+                            "--only-windowed"]) == 0
+    assert not (tmp_path / "profile.csv").exists()
+    rows = read_csv(tmp_path / "profile_windowed.csv")
+    assert [r["step"] for r in rows] == ["train", "eval"]
+    masked = f"model.attention_impl=masked{bench_cuda.CPU_STAND_IN}"
+    assert all(r["model"] == bench_cuda_profile.WINDOWED_PROFILED and r["mode"] == "nt" and r["T"] == "64"
+               and float(r["step_wall_ms"]) > 0 and r["policy"] == masked for r in rows)
+    for call in ("train", "eval"):
+        assert "Self CPU" in (tmp_path / f"profile_windowed_{call}.txt").read_text()
+    text = "\n".join(bench_cuda_report.windowed_profile_lines(tmp_path))
+    assert "## Where the global-local row's time goes" in text and text.count("```") == 4
+    assert f"| train | {masked} | {rows[0]['step_wall_ms']} |" in text
+    assert bench_cuda_report.windowed_profile_lines(tmp_path / "elsewhere") == []
