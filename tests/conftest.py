@@ -94,6 +94,19 @@ def cuda_code_paths():
         yield torch.device("cpu")
 
 
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch):
+    """Gradients through FlexAttention's eager implementation on a CPU: torch refuses FlexAttention inputs that
+    require grad there (it has no fused CPU backward), and so does ``backends.torch.window_attention``; its eager
+    reference implementation differentiates all the same, which the CPU tests of the banded path use."""
+    from torch.nn.attention import flex_attention as torch_flex
+
+    from backends.torch import window_attention
+
+    monkeypatch.setattr(torch_flex, "_validate_device", lambda *args: None)
+    monkeypatch.setattr(window_attention, "NO_BACKWARD_DEVICES", ())
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch intra-op thread for a module of tiny-tensor tests: more threads only add synchronisation

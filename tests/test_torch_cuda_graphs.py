@@ -22,6 +22,8 @@ from backends.torch.compile import (
     use_compile,
     use_cuda_graphs,
 )
+from pcaf_core.config import ModelConfig, RunConfig, TrainConfig
+from pcaf_core.profiles import get_profile
 from tests.compiled_steps import CASES, COMPILED_CASES, B, T, step_config
 
 CUDA = torch.cuda.is_available()
@@ -203,6 +205,38 @@ def test_cuda_step_is_one_cudagraph_safe_graph(cuda_code_paths: torch.device, ca
     assert len(graphs) == 2 and _cudagraph_unsafe(graphs, mutated) == []
 
 
+def windowed_flex_config(variant: str, mode: str, compile_mode: str = "off") -> RunConfig:
+    """A three-block windowed Transformer (w=128, 2 global keys) at T=450 with the reference profile's dropout:
+    past a block of 128 query rows in each layer (full AR) and in the two lower layers of a next-token step (its
+    receptive field), so its steps run FlexAttention's dropout form, as the paper's rows do on a GPU."""
+    return RunConfig(model=ModelConfig(variant=variant, vocab_size=64, d_model=32, d_hidden=24, n_layers=3, n_heads=2,
+                                       window=128, n_global=2, max_seq_len=450, attention_impl="banded"),
+                     profile=get_profile("reference_torch"),
+                     train=TrainConfig(mode=mode, seq_len=450, batch_size=2, compile=compile_mode))
+
+
+@pytest.mark.parametrize("mode", ["ar", "nt"])
+@pytest.mark.parametrize("variant", ["transformer_local", "transformer_global_local"])
+@pytest.mark.slow
+def test_windowed_flex_step_is_one_cudagraph_safe_graph(flex_backward_on_cpu, variant: str, mode: str) -> None:
+    """``train.compile=cudagraphs`` accepts the windowed Transformers with FlexAttention: their training step with
+    dropout, FlexAttention traced into it, is one graph whose forward and backward hold nothing inductor refuses to
+    capture and mutate none of their inputs (traced on a CPU through FlexAttention's eager backward)."""
+    cfg = windowed_flex_config(variant, mode)
+    state = TorchBackend("cpu").init(cfg)
+    state.module.train()
+    rng = np.random.default_rng(0)
+    x = torch.as_tensor(rng.integers(3, 64, (2, 450)))
+    y = torch.as_tensor(rng.integers(3, 64, (2,) if mode == "nt" else (2, 450)))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(TrainingLoss(state.module))(x, y, mode)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    graphs, mutated = _aot_graphs(TrainingLoss(state.module), x, y, mode)
+    assert len(graphs) == 2 and _cudagraph_unsafe(graphs, mutated) == []
+    assert any("flex_attention" in str(node.target) for gm in graphs for node in gm.graph.nodes)
+    torch._dynamo.reset()
+
+
 def test_cudagraph_safety_check_sees_unsafe_nodes() -> None:
     """The check above finds what it looks for: a boolean-mask assignment (a host sync inside ``index_put``)
     and an in-place update of a buffer."""
@@ -240,9 +274,19 @@ def test_cudagraphs_refuses_what_it_cannot_replay() -> None:
     # No cache ranks nothing, whatever its policy says.
     check_compile_device(step_config(("pcaf_no_cache", "context", "dense", "topk_score"), "ar", "cudagraphs"),
                          torch.device("cuda"), 1)
-    with pytest.raises(ValueError, match="covers the PCAF variants and local conv, not 'transformer_dense'"):
+    with pytest.raises(ValueError, match=r"covers the PCAF variants, local conv and the windowed Transformers with "
+                                         r"FlexAttention \(model.attention_impl=banded or auto\), not "
+                                         r"'transformer_dense': use train.compile=on or off$"):
         check_compile_device(step_config(("transformer_dense", "context", "dense", "first"), "ar", "cudagraphs"),
                              torch.device("cuda"), 1)
+    for variant in ("transformer_local", "transformer_global_local"):
+        windowed = windowed_flex_config(variant, "nt", "cudagraphs")
+        for impl in ("banded", "auto"):
+            windowed.model.attention_impl = impl
+            check_compile_device(windowed, torch.device("cuda"), 1)
+        windowed.model.attention_impl = "masked"
+        with pytest.raises(ValueError, match=f"not '{variant}' with model.attention_impl=masked: use"):
+            check_compile_device(windowed, torch.device("cuda"), 1)
     with pytest.raises(ValueError, match="compile with backend='inductor'"):
         compile_training(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), backend="aot_eager", cuda_graphs=True)
 
@@ -400,3 +444,37 @@ def test_losses_read_one_step_late_are_the_steps_own_on_cuda() -> None:
             torch._dynamo.reset()
         # Equal up to the atomics of a GPU's backward (two runs); another step's loss would differ by far more.
         np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5, err_msg=compile_mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device; the windowed step's graph is checked above on "
+                    "a CPU (test_windowed_flex_step_is_one_cudagraph_safe_graph)")
+@pytest.mark.parametrize("variant", ["transformer_local", "transformer_global_local"])
+def test_windowed_flex_cudagraph_step_trains_like_eager_on_cuda(variant: str) -> None:
+    """The windowed Transformers' next-token step with FlexAttention, replayed as CUDA graphs: five steps (compile,
+    capture, three replays) give the eager steps' losses with dropout 0 and every graph captured; with dropout on,
+    replays at learning rate 0 draw fresh masks."""
+    from torch._dynamo.utils import counters
+
+    rng = np.random.default_rng(3)
+    batches = [(rng.integers(3, 64, (2, 450)).astype(np.int32), rng.integers(3, 64, (2,)).astype(np.int32))
+               for _ in range(5)]
+    losses = {}
+    for compile_mode in ("off", "cudagraphs"):
+        torch._dynamo.reset()
+        counters.clear()
+        cfg = windowed_flex_config(variant, "nt", compile_mode)
+        cfg.profile.dropout = 0.0
+        backend = TorchBackend("cuda")
+        state = backend.init(cfg)
+        assert state.cuda_graphs == (compile_mode == "cudagraphs")
+        losses[compile_mode] = [backend.train_step(state, x, y, 1e-3)[1] for x, y in batches]
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    np.testing.assert_allclose(losses["cudagraphs"], losses["off"], rtol=2e-4)
+    torch._dynamo.reset()
+    backend = TorchBackend("cuda")
+    state = backend.init(windowed_flex_config(variant, "nt", "cudagraphs"))
+    x, y = batches[0]
+    replays = [backend.train_step(state, x, y, 0.0)[1] for _ in range(5)]
+    assert np.all(np.isfinite(replays)) and len(set(replays[2:])) == 3, replays
+    torch._dynamo.reset()

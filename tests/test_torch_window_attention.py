@@ -39,13 +39,6 @@ VARIANTS = ("transformer_local", "transformer_global_local")
 SHAPES = [(50, 7, 3), (300, 20, 0), (40, 64, 5), (9, 1, 2), (261, 128, 16)]
 
 
-@pytest.fixture
-def flex_backward_on_cpu(monkeypatch):
-    """Gradients through FlexAttention's eager implementation on a CPU (module docstring)."""
-    monkeypatch.setattr(torch_flex, "_validate_device", lambda *args: None)
-    monkeypatch.setattr(wa, "NO_BACKWARD_DEVICES", ())
-
-
 def _qkv(T: int, dtype=torch.float32, device="cpu", seed: int = 0, head_dim: int = 8) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(2, 2, T, head_dim, generator=g, dtype=dtype).to(device).requires_grad_()

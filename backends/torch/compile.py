@@ -14,8 +14,9 @@ the eager bf16 full-AR step was busy 9.2 of 20.4 ms, and replayed as graphs it t
 (docs/results/bench_cuda.md); ``auto`` replays what it compiles this way on one CUDA device
 (:func:`use_cuda_graphs`). The conv-backbone steps qualify:
 they read nothing back from the device before the loss and compile to one graph that inductor can capture
-(tests/test_torch_cuda_graphs.py checks that on the CUDA code paths). :func:`check_compile_device` refuses what
-does not (a CPU device, DDP, the Transformers, the routes that rank with ρ read back), and a graph inductor
+(tests/test_torch_cuda_graphs.py checks that on the CUDA code paths), and so do the windowed Transformers' steps with
+FlexAttention, which ``cudagraphs`` also takes. :func:`check_compile_device` refuses what does not (a CPU device,
+DDP, the other Transformers, the routes that rank with ρ read back), and a graph inductor
 still cannot capture stops the run (``triton.cudagraph_or_error``, :func:`cuda_graph_errors`) rather than
 running uncaptured under a CUDA-graph label.
 
@@ -34,7 +35,7 @@ from torch import nn
 
 from backends.torch import cpu_gemm
 from backends.torch.layers import ConvBlock
-from pcaf_core.config import PCAF_VARIANTS, RunConfig
+from pcaf_core.config import PCAF_VARIANTS, WINDOWED_VARIANTS, RunConfig
 
 COMPILE_MIN_STEPS = 5000
 """``train.compile=auto`` compiles runs of at least this many steps, either mode. Compiling gains a next-token
@@ -110,17 +111,27 @@ def use_cuda_graphs(cfg: RunConfig, device: torch.device | None = None, world_si
             and world_size == 1)
 
 
+def flex_windowed(cfg: RunConfig) -> bool:
+    """Whether ``cfg`` trains a windowed Transformer whose attention is FlexAttention on a GPU
+    (``model.attention_impl`` ``banded``, or ``auto``, which is banded on CUDA)."""
+    return cfg.model.variant in WINDOWED_VARIANTS and cfg.model.attention_impl in ("banded", "auto")
+
+
 def check_compile_device(cfg: RunConfig, device: torch.device, world_size: int) -> None:
     """Raise a one-line error when ``train.compile=cudagraphs`` cannot run here: it covers the conv-backbone models
-    (:func:`conv_backbone`: what the tests check for device reads and graph breaks), needs a CUDA device, one
+    (:func:`conv_backbone`) and the windowed Transformers with FlexAttention (:func:`flex_windowed`), what the
+    tests check for device reads, graph breaks and nodes a CUDA graph cannot hold; it needs a CUDA device, one
     process (each DDP rank would capture graphs around collectives that are not part of them), and a step that
     reads nothing back from the device (:func:`ranks_with_host_rho`: ρ changes every step, so each step would
-    compile and capture anew)."""
+    compile and capture anew). ``auto`` replays only conv-backbone steps (:func:`use_cuda_graphs`)."""
     if cfg.train.compile != "cudagraphs":
         return
-    if not conv_backbone(cfg):
-        raise ValueError(f"train.compile=cudagraphs covers the PCAF variants and local conv, not "
-                         f"{cfg.model.variant!r}: use train.compile=on or off")
+    if not (conv_backbone(cfg) or flex_windowed(cfg)):
+        impl = (f" with model.attention_impl={cfg.model.attention_impl}" if cfg.model.variant in WINDOWED_VARIANTS
+                else "")
+        raise ValueError(f"train.compile=cudagraphs covers the PCAF variants, local conv and the windowed "
+                         f"Transformers with FlexAttention (model.attention_impl=banded or auto), not "
+                         f"{cfg.model.variant!r}{impl}: use train.compile=on or off")
     if ranks_with_host_rho(cfg):
         raise ValueError(f"train.compile=cudagraphs cannot replay route {cfg.memory.route!r} with policy "
                          f"{cfg.memory.candidate_policy!r} and semantic index {cfg.memory.semantic_index!r}: it "
