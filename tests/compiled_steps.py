@@ -105,3 +105,47 @@ def compare_steps(cfg: RunConfig, compiler: str, device: str = "cpu"):
         state.optimizer.step()
     return state.module
 
+
+
+def recording_backend():
+    """A ``torch.compile`` backend that runs AOT autograd's forward and backward graphs as they are (``aot_eager``'s
+    capture) and keeps them: ``(backend, graphs, mutated)``, the graphs in the order AOT makes them (what inductor
+    compiles, before its own passes) and the indices of the graph inputs the step mutates (AOT's metadata:
+    functionalised, a mutation is an extra output copied back after the graph)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.GraphModule] = []
+    mutated: list[int] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs):
+        meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+        if not graphs and meta is not None:
+            mutated.extend(i for i, info in enumerate(meta.input_info) if info.mutates_data or info.mutates_metadata)
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=record, bw_compiler=record), graphs, mutated
+
+
+def aot_graphs(fn, *args) -> tuple[list[torch.fx.GraphModule], list[int]]:
+    """The forward and backward graphs of ``fn(*args).backward()`` under bf16 autocast and the inputs they mutate
+    (:func:`recording_backend`)."""
+    backend, graphs, mutated = recording_backend()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, dynamic=False)
+    with torch.autocast(args[0].device.type, dtype=torch.bfloat16):
+        loss = compiled(*args)
+    loss.backward()
+    return graphs, mutated
+
+
+def cudagraph_unsafe(graphs: list[torch.fx.GraphModule], mutated: list[int]) -> list[str]:
+    """Nodes inductor would not capture in a CUDA graph (its own test, ``is_cudagraph_unsafe_fx_node``: host
+    syncs, boolean-mask ``index_put``, sparse outputs...), and the mutated inputs (CUDA graph trees accept
+    mutated parameters and buffers, not mutated step inputs; the training step should mutate nothing)."""
+    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+
+    found = [str(node.target) for gm in graphs for node in gm.graph.nodes
+             if node.op == "call_function" and is_cudagraph_unsafe_fx_node(node)]
+    return found + [f"mutated input {i}" for i in mutated]

@@ -24,7 +24,7 @@ from backends.torch.compile import (
 )
 from pcaf_core.config import ModelConfig, RunConfig, TrainConfig
 from pcaf_core.profiles import get_profile
-from tests.compiled_steps import CASES, COMPILED_CASES, B, T, step_config
+from tests.compiled_steps import CASES, COMPILED_CASES, B, T, aot_graphs, cudagraph_unsafe, step_config
 
 CUDA = torch.cuda.is_available()
 SYNCING_OPS = frozenset({"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive",
@@ -148,42 +148,6 @@ def test_cuda_custom_ops_read_nothing_back(cuda_code_paths: torch.device) -> Non
     assert reads.reads == []
 
 
-def _aot_graphs(fn, *args) -> tuple[list[torch.fx.GraphModule], list[int]]:
-    """The forward and backward graphs AOT autograd makes of ``fn(*args).backward()`` under bf16 autocast (what
-    inductor compiles, before its own passes), and the indices of the graph inputs the step mutates (AOT's
-    metadata: functionalised, a mutation is an extra output copied back after the graph)."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs: list[torch.fx.GraphModule] = []
-    mutated: list[int] = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs):
-        meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
-        if not graphs and meta is not None:
-            mutated.extend(i for i, info in enumerate(meta.input_info) if info.mutates_data or info.mutates_metadata)
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=aot_autograd(fw_compiler=record, bw_compiler=record), dynamic=False)
-    with torch.autocast(args[0].device.type, dtype=torch.bfloat16):
-        loss = compiled(*args)
-    loss.backward()
-    return graphs, mutated
-
-
-def _cudagraph_unsafe(graphs: list[torch.fx.GraphModule], mutated: list[int]) -> list[str]:
-    """Nodes inductor would not capture in a CUDA graph (its own test, ``is_cudagraph_unsafe_fx_node``: host
-    syncs, boolean-mask ``index_put``, sparse outputs...), and the mutated inputs (CUDA graph trees accept
-    mutated parameters and buffers, not mutated step inputs; the training step should mutate nothing)."""
-    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
-
-    found = [str(node.target) for gm in graphs for node in gm.graph.nodes
-             if node.op == "call_function" and is_cudagraph_unsafe_fx_node(node)]
-    return found + [f"mutated input {i}" for i in mutated]
-
-
 @pytest.mark.parametrize("mode", ["ar", "nt"])
 @pytest.mark.parametrize("case", [c for c in COMPILED_CASES if not ranks_with_host_rho(step_config(c, "ar"))],
                          ids=lambda c: "-".join(c))
@@ -201,8 +165,8 @@ def test_cuda_step_is_one_cudagraph_safe_graph(cuda_code_paths: torch.device, ca
     torch._dynamo.reset()
     explained = torch._dynamo.explain(TrainingLoss(state.module))(x, y, mode)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-    graphs, mutated = _aot_graphs(TrainingLoss(state.module), x, y, mode)
-    assert len(graphs) == 2 and _cudagraph_unsafe(graphs, mutated) == []
+    graphs, mutated = aot_graphs(TrainingLoss(state.module), x, y, mode)
+    assert len(graphs) == 2 and cudagraph_unsafe(graphs, mutated) == []
 
 
 def windowed_flex_config(variant: str, mode: str, compile_mode: str = "off") -> RunConfig:
@@ -215,25 +179,23 @@ def windowed_flex_config(variant: str, mode: str, compile_mode: str = "off") -> 
                      train=TrainConfig(mode=mode, seq_len=450, batch_size=2, compile=compile_mode))
 
 
-@pytest.mark.parametrize("mode", ["ar", "nt"])
 @pytest.mark.slow
-def test_windowed_flex_step_is_one_cudagraph_safe_graph(flex_backward_on_cpu, mode: str) -> None:
-    """``train.compile=cudagraphs`` accepts the windowed Transformers with FlexAttention: their training step with
-    dropout, FlexAttention traced into it, is one graph whose forward and backward hold nothing inductor refuses to
-    capture and mutate none of their inputs (traced on a CPU through FlexAttention's eager backward). The global-local
-    model stands for both: the local one is the same code with g = 0 (a tensor the masks read, not a traced
-    constant: ``backends.torch.window_attention.window_scalars``)."""
-    cfg = windowed_flex_config("transformer_global_local", mode)
+def test_windowed_flex_step_is_one_cudagraph_safe_graph(flex_backward_on_cpu) -> None:
+    """``train.compile=cudagraphs`` accepts the windowed Transformers with FlexAttention: their full-AR training step
+    with dropout, FlexAttention traced into every layer, is one graph (a forward and a backward: a graph break would
+    make more) that holds nothing inductor refuses to capture and mutates none of its inputs (traced on a CPU through
+    FlexAttention's eager backward). The next-token step is checked the same way where its trace is compared with
+    eager (tests/test_torch_window_attention.py, ``_compiled_next_token_step_cold``). The global-local model stands
+    for both: the local one is the same code with g = 0 (a tensor the masks read, not a traced constant:
+    ``backends.torch.window_attention.window_scalars``)."""
+    cfg = windowed_flex_config("transformer_global_local", "ar")
     state = TorchBackend("cpu").init(cfg)
     state.module.train()
     rng = np.random.default_rng(0)
     x = torch.as_tensor(rng.integers(3, 64, (2, 450)))
-    y = torch.as_tensor(rng.integers(3, 64, (2,) if mode == "nt" else (2, 450)))
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(TrainingLoss(state.module))(x, y, mode)
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-    graphs, mutated = _aot_graphs(TrainingLoss(state.module), x, y, mode)
-    assert len(graphs) == 2 and _cudagraph_unsafe(graphs, mutated) == []
+    y = torch.as_tensor(rng.integers(3, 64, (2, 450)))
+    graphs, mutated = aot_graphs(TrainingLoss(state.module), x, y, "ar")
+    assert len(graphs) == 2 and cudagraph_unsafe(graphs, mutated) == []
     assert any("flex_attention" in str(node.target) for gm in graphs for node in gm.graph.nodes)
     torch._dynamo.reset()
 
@@ -254,7 +216,7 @@ def test_cudagraph_safety_check_sees_unsafe_nodes() -> None:
             y[y > 1] = 0.0
             return y.sum()
 
-    found = _cudagraph_unsafe(*_aot_graphs(Unsafe(), torch.arange(4.0)))
+    found = cudagraph_unsafe(*aot_graphs(Unsafe(), torch.arange(4.0)))
     assert any("index_put" in f for f in found) and any("mutated input" in f for f in found), found
 
 

@@ -26,7 +26,7 @@ from backends.torch.layers import Attention, attention_kernel, attention_mask
 from pcaf_core import reference
 from pcaf_core.config import ATTENTION_IMPLS, ConfigError, MemoryConfig, ModelConfig
 from pcaf_core.profiles import get_profile
-from tests.compiled_steps import attention_step_config, compare_steps
+from tests.compiled_steps import attention_step_config, compare_steps, cudagraph_unsafe, recording_backend
 from tests.spec_helpers import spec_params
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
@@ -299,7 +299,9 @@ def _compiled_next_token_step_cold(variant: str, device: str, backend: str) -> N
     """A next-token training step with the reference profile's dropout, whose two lower layers put at least a
     block of rows through FlexAttention's dropout form, compiled by ``backend`` from an empty block-mask cache (as
     a fresh process, a paper row's first step, meets it): one graph with no break (Dynamo's counters), and the
-    eager step's loss and gradients under the same dropout draws."""
+    eager step's loss and gradients under the same dropout draws. ``aot_eager`` records AOT's graphs as it runs
+    them, and they must hold nothing a CUDA graph cannot capture (``train.compile=cudagraphs`` takes this step:
+    tests/test_torch_cuda_graphs.py)."""
     from torch._dynamo.utils import counters
 
     import backends.torch.layers as torch_layers
@@ -328,7 +330,9 @@ def _compiled_next_token_step_cold(variant: str, device: str, backend: str) -> N
     results = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch_layers, "flex_window_attention", counted)
-        for name, step in (("compiled", compile_training(state.module, TrainingLoss(state.module), backend=backend)),
+        recorded = recording_backend() if backend == "aot_eager" else None
+        compiler = recorded[0] if recorded else backend
+        for name, step in (("compiled", compile_training(state.module, TrainingLoss(state.module), backend=compiler)),
                            ("eager", TrainingLoss(state.module))):
             torch.manual_seed(11)
             loss = step(x, y, "nt")
@@ -340,6 +344,9 @@ def _compiled_next_token_step_cold(variant: str, device: str, backend: str) -> N
                 graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
     torch._dynamo.reset()
     assert graphs == 1 and not breaks, breaks
+    if recorded:  # a forward and a backward, each capturable as a CUDA graph
+        _, aot, mutated = recorded
+        assert len(aot) == 2 and cudagraph_unsafe(aot, mutated) == []
     g = wa.n_global_keys(variant, 2)
     assert sorted(set(flex_rows), reverse=True) == [g + 2 * 127 + 1, g + 127 + 1]  # the two lower layers' rows
     torch.testing.assert_close(results["compiled"][0], results["eager"][0], rtol=1e-5, atol=0)
