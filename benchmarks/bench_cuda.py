@@ -68,7 +68,15 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_cuda_cases import SMOKE_SCALE, GpuCase, case_config, failure_row, gpu_cases, windowed_cases
+from benchmarks.bench_cuda_cases import (
+    SMOKE_SCALE,
+    GpuCase,
+    case_config,
+    device_config,
+    failure_row,
+    gpu_cases,
+    windowed_cases,
+)
 from benchmarks.bench_cuda_report import COMPILES, render
 from benchmarks.common import first_and_warm_steps, package_version, pipelined_steps, read_csv, write_csv
 
@@ -254,18 +262,6 @@ def _policy(cfg, note: str = "") -> str:
     if cfg.model.variant in TRANSFORMER_VARIANTS:
         return "causal SDPA (the kernel torch picks on the device)"
     return cpu_policy(cfg)
-
-
-CPU_STAND_IN = "; a CPU stand-in for FlexAttention, which has no backward pass on a CPU"
-
-
-def device_config(cfg, device: str) -> tuple[object, str]:
-    """``cfg`` for ``device`` and a note for its policy label: on a CPU (``--smoke``) a FlexAttention case trains
-    masked, since FlexAttention has no backward pass there, and its label says so."""
-    if device == "cpu" and cfg.model.attention_impl == "banded":
-        cfg.model.attention_impl = "masked"
-        return cfg, CPU_STAND_IN
-    return cfg, ""
 
 
 def models_section(peaks: dict[str, float], warmup: int, steps: int, device: str = "cuda",

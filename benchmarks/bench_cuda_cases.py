@@ -98,10 +98,22 @@ def case_config(case: GpuCase, cpu_case, scale: str = "paper"):
     """The composed run config of ``case`` (``cpu_case``: its ``benchmarks.bench_models`` case) at ``scale``: each
     row is composed once (a Hydra composition costs about half a second), in fp32, and a bf16 case is that config
     with ``train.precision=bf16`` (nothing else in a composition depends on the precision once it is not
-    ``auto``), validated again. A fresh copy each call: :func:`benchmarks.bench_cuda.device_config` edits it."""
+    ``auto``), validated again. A fresh copy each call: :func:`device_config` edits it."""
     cfg = copy.deepcopy(_fp32_config(replace(cpu_case, precision="fp32"), case.backend, case.head_loss, scale))
     cfg.train.precision = cpu_case.precision
     return validate(cfg)
+
+
+CPU_STAND_IN = "; a CPU stand-in for FlexAttention, which has no backward pass on a CPU"
+
+
+def device_config(cfg, device: str) -> tuple[object, str]:
+    """``cfg`` for ``device`` and a note for its policy label: on a CPU (``--smoke``) a FlexAttention case trains
+    masked, since FlexAttention has no backward pass there, and its label says so."""
+    if device == "cpu" and cfg.model.attention_impl == "banded":
+        cfg.model.attention_impl = "masked"
+        return cfg, CPU_STAND_IN
+    return cfg, ""
 
 
 def failure_row(case: GpuCase, section: str, err: Exception) -> dict:

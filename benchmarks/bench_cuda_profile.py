@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_cuda_cases import SMOKE_SCALE, GpuCase, case_config, failure_row
+from benchmarks.bench_cuda_cases import SMOKE_SCALE, GpuCase, case_config, device_config, failure_row
 from benchmarks.bench_cuda_report import COMPILES
 
 
@@ -74,7 +74,6 @@ def windowed_profile_section(out: Path, device: str = "cuda", smoke: bool = Fals
     ``torch.profiler``, op tables ``profile_windowed_<train|eval>.txt``, a row each. On a CPU the model trains
     masked (FlexAttention has no backward there), and the rows' ``policy`` says so."""
     from backends.torch.backend import TorchBackend
-    from benchmarks.bench_cuda import device_config
     from benchmarks.bench_models import Case, _batch
 
     T, batch = (64, 2) if smoke else (1024, 32)

@@ -37,14 +37,14 @@ def check_batch(inputs: np.ndarray, targets: np.ndarray, cfg: RunConfig) -> None
         )
 
 
-def check_setup(cfg: RunConfig, corpus, world: int) -> None:
-    """Raise ValueError before a run starts when its batches cannot be split evenly over ``world`` data-parallel
-    processes, or when ``corpus`` (``train``/``valid`` token arrays, ``vocab_size``) holds ids the model cannot
-    embed; each message says what to change."""
+def check_setup(cfg: RunConfig, corpus, eval_tokens: np.ndarray, eval_batch: int, world: int) -> None:
+    """Raise ValueError before a run starts when its batches (``train.batch_size`` and ``eval_batch`` windows)
+    cannot be split evenly over ``world`` data-parallel processes, or when ``corpus`` (``train`` tokens,
+    ``vocab_size``) or ``eval_tokens`` (the evaluation split) holds ids the model cannot embed; each message says
+    what to change."""
     from pcaf_core.data import check_token_ids  # the data layer loads on first use
-    from pcaf_core.evaluation import eval_batch_size, evaluation_tokens  # which imports this module
 
-    for what, size in (("train.batch_size", cfg.train.batch_size), ("eval batch size", eval_batch_size(cfg))):
+    for what, size in (("train.batch_size", cfg.train.batch_size), ("eval batch size", eval_batch)):
         if size % world:
             raise ValueError(
                 f"{what}={size} is not divisible by the {world} data-parallel processes; "
@@ -58,4 +58,4 @@ def check_setup(cfg: RunConfig, corpus, world: int) -> None:
         )
     # One scan of each split here; every batch is checked again before a backend sees it.
     check_token_ids(corpus.train, cfg.model.vocab_size, what="train split")
-    check_token_ids(evaluation_tokens(corpus), cfg.model.vocab_size, what=f"{cfg.data.eval_split} split")
+    check_token_ids(eval_tokens, cfg.model.vocab_size, what=f"{cfg.data.eval_split} split")

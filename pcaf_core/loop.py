@@ -354,7 +354,7 @@ class TrainingLoop:
 
     def _run(self) -> RunMetrics:
         cfg = validate(self.cfg)
-        check_setup(self.cfg, self.corpus, self.world)
+        check_setup(self.cfg, self.corpus, evaluation_tokens(self.corpus), self.eval_batch_size, self.world)
         corpus = self.corpus
         self._unigram = unigram_ppl(corpus.train, evaluation_tokens(corpus), cfg.model.vocab_size)
         from pcaf_core.data import WindowSampler

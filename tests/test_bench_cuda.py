@@ -45,7 +45,7 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     assert all(r["mode"] == "nt" and r["T"] == "64" and r["batch"] == "2" for r in windowed.values())
     # A CPU trains the FlexAttention cases masked (no backward pass there), and their label says so.
     flex = [r for (m, _), r in windowed.items() if "FlexAttention" in m]
-    assert flex and all(r["policy"].endswith(bench_cuda.CPU_STAND_IN) for r in flex)
+    assert flex and all(r["policy"].endswith(bench_cuda_cases.CPU_STAND_IN) for r in flex)
     blocked = [r for (m, _), r in windowed.items() if "blocked SDPA" in m]  # trains on a CPU as it is
     assert len(blocked) == 4 and all(r["policy"].startswith("SDPA over query blocks") for r in blocked)
     # Every row names its head loss and what fp32 meant; the chunked-head and JAX full-AR cases run too.
@@ -443,7 +443,7 @@ def test_only_windowed_profiles_the_global_local_row(tmp_path: Path) -> None:
     assert not (tmp_path / "profile.csv").exists()
     rows = read_csv(tmp_path / "profile_windowed.csv")
     assert [r["step"] for r in rows] == ["train", "eval"]
-    masked = f"model.attention_impl=masked{bench_cuda.CPU_STAND_IN}"
+    masked = f"model.attention_impl=masked{bench_cuda_cases.CPU_STAND_IN}"
     assert all(r["model"] == bench_cuda_profile.WINDOWED_PROFILED and r["mode"] == "nt" and r["T"] == "64"
                and float(r["step_wall_ms"]) > 0 and r["policy"] == masked for r in rows)
     for call in ("train", "eval"):
