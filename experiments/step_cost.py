@@ -8,9 +8,10 @@ overrides), its backend built as a run builds it, and fed windows of the row's o
 batch and T; the windows' real token statistics matter, since they fill the hash buckets the routes read).
 After ``--warmup`` untimed steps (compilation, allocator) the median of ``--steps`` timed
 ``Backend.train_step`` calls, each timed until its loss is on the host (so an accelerator's queued work is
-included, as in a run's tokens/s), is the step cost. Printed per row: the step, the cost per target (next-token:
-one target per window) or per token (full AR), and the training time the row's configured steps take at that
-cost (``train_s``).
+included, as in a run's tokens/s), is the step cost: with no step in flight, an upper bound of a one-process run's
+step, which launches the next step before it reads a loss (``pcaf_core.cadence``). Printed per row: the step,
+the cost per target (next-token: one target per window) or per token (full AR), and the training time the row's
+configured steps take at that cost (``train_s``).
 
 The row's whole run is predicted too (``wall_s``), since a command that must finish a row needs more than its
 training time: the first step as measured (``first_step_s``: compilation included; warm caches make a run's first
