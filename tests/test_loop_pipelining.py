@@ -63,7 +63,7 @@ def _run(tmp_path, backend, **over):
 
 
 def test_the_next_step_is_launched_before_a_steps_loss_is_read(tmp_path) -> None:
-    """Steps 2, 4 and 6 are read after their successors launched; steps 1, 3 and 6 evaluate, 5 and 7 save, 7 is the
+    """Steps 2 and 4 are read after their successors launched; steps 1, 3 and 6 evaluate, 5 and 7 save, 7 is the
     last: each of those is read, evaluated and saved before anything else launches."""
     backend = _Logged()
     cfg, _ = _run(tmp_path, backend)
