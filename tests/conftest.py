@@ -6,8 +6,11 @@ before ``triton`` is first imported, hence here.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,6 +36,17 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _pinned_jaxlib() -> bool:
+    """Whether the installed jaxlib is the release pyproject.toml pins JAX to (read without importing JAX)."""
+    try:
+        installed = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    with open(REPO / "pyproject.toml", "rb") as fh:
+        dependencies = tomllib.load(fh)["project"]["dependencies"]
+    return any(re.fullmatch(rf"jax(\[[\w,]+\])?=={re.escape(installed)}", d.replace(" ", "")) for d in dependencies)
+
+
 # Both XLA settings below are for the project's pinned CPU stack, and only on a machine without CUDA: a GPU machine's
 # own jaxlib may not know a flag (XLA exits at start-up on an unknown XLA_FLAGS entry, and under pytest's output
 # capture it exits without a word), and there JAX compiles for the GPU anyway.
@@ -41,7 +55,7 @@ if not HAS_CUDA:
 # it. The arithmetic is the same up to float rounding (measured, see below): XLA's own passes (fusion, layouts, its
 # vectorised reductions and its approximations of exp/log/tanh) still run, and LLVM without fast-math may not reorder
 # floating-point operations at any level. A level the user set is kept. Set before JAX starts; subprocesses inherit it.
-if not HAS_CUDA and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+if not HAS_CUDA and _pinned_jaxlib() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 # And XLA:CPU's LLVM IR fusion emitters instead of its MLIR fusion emitters (both XLA's own code generators for the
@@ -49,7 +63,7 @@ if not HAS_CUDA and "xla_backend_optimization_level" not in os.environ.get("XLA_
 # Like -O0, it moves results by float rounding only: a float32 and a float64 forward and gradient of every variant
 # and three train steps differ from the default build's in the last bits, as -O0's do; every test compares within
 # tolerances, or bit for bit against a run under the same flags. A setting the user made is kept.
-if not HAS_CUDA and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+if not HAS_CUDA and _pinned_jaxlib() and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip()
 
 
