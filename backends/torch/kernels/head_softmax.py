@@ -44,8 +44,11 @@ try:
 except ImportError:  # platforms without a Triton build: the torch path serves every device
     triton = None  # type: ignore[assignment]
 
-LSE_BLOCK_N, LSE_BLOCK_V = 8, 1024
-"""Forward tile: 8 rows a program, 1,024 columns a step (8,192 float32 values: 64 a thread at 4 warps)."""
+LSE_BLOCK_N, LSE_BLOCK_V = 8, 512
+"""Forward tile: 8 rows a program, 512 columns a step (4,096 float32 values: 32 a thread at 4 warps). For sm_90 this
+takes 64 registers a thread with Triton 3.6 and 3.7; 1,024 columns took 126-128, a quarter of an SM's warps
+resident, and spilled 16 bytes a thread with Triton 3.6 (the release beside torch 2.11's CUDA builds): the pass
+streams the logits once, so more resident warps keep more loads in flight."""
 GRAD_ROWS, GRAD_BLOCK_N, GRAD_BLOCK_V = 64, 16, 256
 """Backward: a program covers 64 rows of 256 columns, ``[16, 256]`` at a time (32 values a thread at 4 warps), and
 sums its columns over all 64 rows: the column sums are ``cdiv(N, 64)`` rows of ``V`` float32 (10 MB at N = 8,192,
