@@ -4,9 +4,6 @@ The int32 wrap-around variant (the reference JAX code) is computed exactly in in
 int32 once per step: modular arithmetic makes "wrap after every operation" equal to "wrap the exact
 result", and this avoids relying on signed-overflow behaviour of any particular device kernel.
 ``torch.remainder`` takes the sign of the divisor, like ``np.remainder``.
-
-The kernels (:mod:`backends.torch.kernels`) bucket with :func:`bucket_of` and fall back to these ATen forms, so
-this module imports them only inside the functions that choose a kernel: it loads before them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Argument checks shared by the Triton and pure-torch implementations."""
+"""Argument checks shared by the Triton and pure-torch implementations, and the bucket hash."""
 
 from __future__ import annotations
 
 import torch
+
+from pcaf_core.hashing import BUCKET_ADD, HASH_MULT
 
 #: Overflow policies these kernels implement (docs/DESIGN.md §3.2). ``topk_score`` needs the selection
 #: scores and is handled by the torch routing module, not by an address-only kernel.
@@ -52,6 +54,19 @@ def check_num_buckets(num_buckets: int | None) -> None:
     """Raise ``ValueError`` unless ``num_buckets`` is ``None`` or ``>= 1``."""
     if num_buckets is not None and num_buckets < 1:
         raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+
+
+def bucket_of(hashes: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """The spec's second hash, ``(h·1_000_003 + 97_531) mod num_buckets``, in int64.
+
+    Args:
+        hashes: ``[...]`` non-negative int64 context hashes (``pcaf_core.hashing.context_hash`` values lie
+            in ``[0, 2^31 - 1)``, so the product stays below 2^51 and cannot overflow).
+        num_buckets: B >= 1.
+    Returns:
+        ``[...]`` int64 bucket ids in ``[0, num_buckets)``.
+    """
+    return torch.remainder(hashes.to(torch.int64) * HASH_MULT + BUCKET_ADD, num_buckets)
 
 
 def check_rows(name: str, floats: tuple[torch.Tensor, ...], rows: torch.Tensor, *others: torch.Tensor) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from backends.torch import hashing
 from backends.torch.kernels.ops import triton_enabled
 from pcaf_core.hashing import BUCKET_ADD, HASH_ADD, HASH_MOD, HASH_MULT
 
@@ -71,6 +70,8 @@ if triton is not None:
 
 def addresses_torch(tokens: torch.Tensor, order: int, num_buckets: int, int32_wraparound: bool) -> torch.Tensor:
     """ATen's form: :func:`backends.torch.hashing.addresses`' context hash and bucket."""
+    from backends.torch import hashing
+
     h = hashing.context_hash(tokens, order, int32_wraparound=int32_wraparound)
     return hashing.bucket_of(h, num_buckets, int32_wraparound=int32_wraparound)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from backends.torch.hashing import bucket_of
 from backends.torch.kernels._common import (
+    bucket_of,
     check_addresses,
     check_num_buckets,
     check_policy,

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from backends.torch.hashing import bucket_of
 from backends.torch.kernels._common import (
+    bucket_of,
     check_addresses,
     check_num_buckets,
     check_policy,
