@@ -22,6 +22,12 @@ from pcaf_core import hashing as spec
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def aten_addresses(tokens: torch.Tensor, order: int, buckets: int, wrap: bool) -> torch.Tensor:
+    """ATen's form of :func:`backends.torch.hashing.addresses`: its context hash, then the bucket."""
+    return hashing.bucket_of(hashing.context_hash(tokens, order, int32_wraparound=wrap), buckets,
+                             int32_wraparound=wrap)
+
+
 def test_the_kernel_runs_as_triton_on_this_machine() -> None:
     assert triton_enabled(torch.empty(1, device=DEVICE))
 
@@ -39,7 +45,7 @@ def test_addresses_equal_atens_and_the_spec(shape, high: int, order: int, wrap: 
     tokens = tokens.to(dtype).to(DEVICE)
     for buckets in (1, 32_768, 2**31 - 1):
         got = kernel.addresses(tokens, order, buckets, wrap)
-        want = kernel.addresses_torch(tokens, order, buckets, wrap)
+        want = aten_addresses(tokens, order, buckets, wrap)
         assert got.dtype == torch.int64 and torch.equal(got, want), (buckets, order, wrap)
         np.testing.assert_array_equal(got.cpu().numpy(), spec.addresses(tokens.cpu().numpy(), order, buckets,
                                                                         int32_wraparound=wrap))
@@ -51,14 +57,14 @@ def test_hashing_addresses_takes_the_kernel_where_it_applies() -> None:
             mock.patch.object(kernel, "addresses", wraps=kernel.addresses) as called:
         got = hashing.addresses(tokens, 2, 1000)
         assert called.call_count == 1
-        assert torch.equal(hashing.addresses(tokens[:, ::2], 2, 1000), kernel.addresses_torch(tokens[:, ::2], 2,
-                                                                                               1000, False))
+        assert torch.equal(hashing.addresses(tokens[:, ::2], 2, 1000), aten_addresses(tokens[:, ::2], 2, 1000,
+                                                                                      False))
         assert called.call_count == 1  # a strided window takes ATen's form
         with pytest.raises(ValueError, match="context order must be >= 1"):  # the same refusals as before
             hashing.addresses(tokens, 0, 1000)
         with pytest.raises(ValueError, match="does not fit the int32 arithmetic"):
             hashing.addresses(tokens, 1, 2**31, int32_wraparound=True)
-    assert torch.equal(got, kernel.addresses_torch(tokens, 2, 1000, False))
+    assert torch.equal(got, aten_addresses(tokens, 2, 1000, False))
 
 
 def test_the_ops_registration_and_refusals() -> None:
@@ -69,3 +75,8 @@ def test_the_ops_registration_and_refusals() -> None:
         with pytest.raises(ValueError, match="contiguous \\[B, T\\] int32/int64 tokens") as err:
             kernel.addresses(bad, 1, 1000, False)
         assert "\n" not in str(err.value)
+    # Off Triton the op refuses and names the function that takes ATen's form there.
+    with mock.patch.object(kernel, "triton_enabled", return_value=False), \
+            pytest.raises(RuntimeError, match="call backends.torch.hashing.addresses") as err:
+        kernel.addresses(tokens, 1, 1000, False)
+    assert "\n" not in str(err.value)

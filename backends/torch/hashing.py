@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from backends.torch.kernels import addresses as address_kernel
+from backends.torch.kernels import triton_enabled
 from pcaf_core.hashing import BUCKET_ADD, HASH_ADD, HASH_MOD, HASH_MULT
 
 _TWO_31 = 1 << 31
@@ -64,17 +66,13 @@ def addresses(
     """See :func:`pcaf_core.hashing.addresses`. On an eager CUDA step one kernel (``pcaf::addresses``,
     :mod:`backends.torch.kernels.addresses`) where the ops below are five or more, with the same values."""
     if _kernel(tokens) and order >= 1 and num_buckets >= 1 and not (int32_wraparound and num_buckets >= _TWO_31):
-        from backends.torch.kernels import addresses as kernel
-
-        return kernel.addresses(tokens, order, num_buckets, int32_wraparound)
+        return address_kernel.addresses(tokens, order, num_buckets, int32_wraparound)
     h = context_hash(tokens, order, int32_wraparound=int32_wraparound)
     return bucket_of(h, num_buckets, int32_wraparound=int32_wraparound)
 
 
 def kernels_by_default(tokens: torch.Tensor) -> bool:
     """Whether :func:`addresses` runs as ``pcaf::addresses``' kernel: on CUDA tensors."""
-    from backends.torch.kernels import triton_enabled
-
     return tokens.is_cuda and triton_enabled(tokens)
 
 

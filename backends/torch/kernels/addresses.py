@@ -12,7 +12,8 @@ The arithmetic is the spec's, exact in int64 (every product stays below 2^52): `
 mod HASH_MOD`` oldest token first, 0 left of the window, then ``(h·HASH_MULT + BUCKET_ADD) mod B``, remainders
 taking the divisor's sign as ``torch.remainder`` does; with ``int32_wraparound`` every step's sum wrapped to int32
 first, as :func:`backends.torch.hashing.wrap_int32` does. The result equals ATen's form bit for bit
-(``tests/test_torch_addresses.py``), which serves off CUDA.
+(``tests/test_torch_addresses.py``); :func:`backends.torch.hashing.addresses` takes that form wherever Triton does
+not run, and calls this op only where it does.
 """
 
 from __future__ import annotations
@@ -68,18 +69,12 @@ if triton is not None:
         tl.store(out_ptr + offs, b, mask=inside)
 
 
-def addresses_torch(tokens: torch.Tensor, order: int, num_buckets: int, int32_wraparound: bool) -> torch.Tensor:
-    """ATen's form: :func:`backends.torch.hashing.addresses`' context hash and bucket."""
-    from backends.torch import hashing
-
-    h = hashing.context_hash(tokens, order, int32_wraparound=int32_wraparound)
-    return hashing.bucket_of(h, num_buckets, int32_wraparound=int32_wraparound)
-
-
 @torch.library.custom_op("pcaf::addresses", mutates_args=())
 def _addresses(tokens: torch.Tensor, order: int, num_buckets: int, int32_wraparound: bool) -> torch.Tensor:
     if triton is None or not triton_enabled(tokens):
-        return addresses_torch(tokens, order, num_buckets, int32_wraparound)
+        # ATen's form is backends.torch.hashing.addresses itself, which calls this op only where Triton runs.
+        raise RuntimeError(f"pcaf::addresses runs Triton, which does not run on {tokens.device.type} tensors here: "
+                           "call backends.torch.hashing.addresses, which takes ATen's form there")
     out = torch.empty(tokens.shape, dtype=torch.int64, device=tokens.device)
     N, T = tokens.numel(), tokens.shape[-1]
     if N:
