@@ -2,9 +2,10 @@
 
     python3 -m experiments.gpu_paper_rows --make-site          # here, once: .gpu_site/ from this environment
     python3 -m experiments.gpu_paper_rows --unpack records.tar.gz [--into docs/results/runs]   # here, after
+    python3 -m experiments.gpu_paper_rows --unpack-cache compile_cache.tar.gz                  # here, after
     python3 -m experiments.gpu_paper_rows [--step-cost wt2-nt-1024,wt2-nt-2048] [--out DIR] [--budget-s S]
                                           [--scale paper] [--device cuda] [--override KEY=VALUE ...]
-                                          [--stop-on-failure] TABLE/ROW ...
+                                          [--stop-on-failure] [--compile-cache DIR] TABLE/ROW ...
 
 On the GPU machine (docs/EXPERIMENTS.md, "Paper rows on a GPU"), in order:
 
@@ -28,6 +29,13 @@ exists with other contents is refused, not overwritten.
 
 ``--stop-on-failure``: once a row fails (its command exits non-zero, or leaves no completed run), the rows after
 it are not started; the line saying so names them.
+
+``--compile-cache DIR`` (default ``.compile_cache/``, ignored by git): the compilers' caches of every step are kept
+there (:data:`CACHE_VARIABLES`: inductor's graphs and kernels, Triton's, XLA's executables; a variable already set
+is kept) and packed with each row into ``<out>/compile_cache.tar.gz``. A machine that starts bare each time then
+compiles a row's step once: ``--unpack-cache <archive>`` here puts the caches back into ``DIR``, and the next run
+sends ``DIR`` along. A cache made by another compiler or for another GPU is simply not used (the compilers key
+their entries on both); ``--compile-cache ''`` keeps the compilers' own defaults.
 
 ``--budget-s``: a row whose run predicted by step 1 (``wall_s``: its first step, training and evaluation; process
 start-up not included) exceeds the seconds left is skipped, with a line saying so. The tables render here, from the
@@ -100,6 +108,65 @@ def child_env() -> dict[str, str]:
     return env
 
 
+CACHE_DIR = REPO / ".compile_cache"
+CACHE_ARCHIVE = "compile_cache.tar.gz"
+CACHE_VARIABLES = (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"),
+                   ("JAX_COMPILATION_CACHE_DIR", "jax"))
+"""(environment variable, folder under ``--compile-cache``) of each compiler cache the steps keep: inductor's FX
+graphs, autotuning and generated kernels; Triton's compiled kernels (the project's own and inductor's); XLA's
+executables (JAX's persistent compilation cache)."""
+
+
+def cache_env(env: dict[str, str], cache_dir: Path) -> dict[str, str]:
+    """``env`` with each :data:`CACHE_VARIABLES` variable that is not set already pointing into ``cache_dir``."""
+    for variable, folder in CACHE_VARIABLES:
+        env.setdefault(variable, str(cache_dir / folder))
+    return env
+
+
+def _write_tar(files: list[Path], root: Path, archive: Path) -> None:
+    """``files`` (paths relative to ``root``) into the gzipped tar ``archive``, written atomically (a temporary
+    file renamed over it)."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{archive.name}.", dir=archive.parent)
+    os.close(fd)
+    try:
+        with tarfile.open(tmp, "w:gz") as tar:
+            for f in files:
+                tar.add(f, arcname=f.relative_to(root).as_posix())
+        os.replace(tmp, archive)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def pack_cache(cache_dir: Path, archive: Path) -> tuple[int, int]:
+    """Every file under ``cache_dir`` into ``archive`` (atomically); returns (files, bytes of the archive)."""
+    files = sorted(p for p in cache_dir.rglob("*") if p.is_file() and not p.is_symlink())
+    _write_tar(files, cache_dir, archive)
+    return len(files), archive.stat().st_size
+
+
+def unpack_cache(archive: Path, cache_dir: Path) -> int:
+    """The files of a :func:`pack_cache` archive extracted into ``cache_dir`` (over what is there: a cache entry
+    is named by its key); returns their number. A member outside the folder or not a plain file or folder is
+    refused by tarfile's ``data`` filter, with nothing written after it."""
+    if not archive.is_file():
+        raise SystemExit(f"no archive at {archive}: give the {CACHE_ARCHIVE} a GPU run wrote to its --out folder")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "r:gz") as tar:
+        members = [m for m in tar.getmembers() if m.isfile()]
+        tar.extractall(cache_dir, members=members, filter="data")
+    return len(members)
+
+
+def report_cache(cache_dir: Path | None, out: Path) -> None:
+    """:func:`pack_cache` of ``cache_dir`` (when there is one) into ``out``, with a line saying what it holds."""
+    if cache_dir is not None and cache_dir.is_dir():
+        files, size = pack_cache(cache_dir, out / CACHE_ARCHIVE)
+        print(f"[gpu_paper_rows] {out / CACHE_ARCHIVE}: {files} file(s), {size / 2**20:.1f} MiB", flush=True)
+
+
 def step_cost_command(table: str, scale: str, device: str, csv_path: Path, python: str,
                       backend: str = "torch", rows: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> list[str]:
     """``make step-cost`` for ``table`` (``rows``: only those rows; none: every row) with this interpreter (no
@@ -155,17 +222,7 @@ def pack_records(runs_root: Path, archive: Path) -> int:
     """Every :data:`RECORD_FILES` file under ``runs_root`` (paths relative to it) into the gzipped tar
     ``archive``, written atomically (a temporary file renamed over it); returns the number of files."""
     files = sorted(p for p in runs_root.rglob("*") if p.is_file() and p.name in RECORD_FILES)
-    archive.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{archive.name}.", dir=archive.parent)
-    os.close(fd)
-    try:
-        with tarfile.open(tmp, "w:gz") as tar:
-            for f in files:
-                tar.add(f, arcname=f.relative_to(runs_root).as_posix())
-        os.replace(tmp, archive)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _write_tar(files, runs_root, archive)
     return len(files)
 
 
@@ -223,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unpack", metavar="ARCHIVE", help=f"extract the run records of a {ARCHIVE_NAME} into "
                         "--into and stop")
     parser.add_argument("--into", default="docs/results/runs", help="where --unpack puts the records")
+    parser.add_argument("--compile-cache", default=str(CACHE_DIR.relative_to(REPO)), metavar="DIR",
+                        help="where the steps keep the compilers' caches, packed into <out>/" + CACHE_ARCHIVE +
+                        " after each row ('' for the compilers' defaults)")
+    parser.add_argument("--unpack-cache", metavar="ARCHIVE", help=f"extract a {CACHE_ARCHIVE} into --compile-cache "
+                        "and stop")
     parser.add_argument("--step-cost", default=None, help="tables to time first, comma-separated ('' for none; "
                         f"default: the tables of the rows given, or {','.join(PAPER_TABLES)} when none is)")
     parser.add_argument("--scale", default="paper", choices=SCALES)
@@ -251,13 +313,24 @@ def main(argv: list[str] | None = None) -> int:
         for run in unpack_records(Path(args.unpack), Path(args.into)):
             print(f"[gpu_paper_rows] unpacked {run}")
         return 0
+    cache_dir = (REPO / args.compile_cache).resolve() if args.compile_cache else None
+    if args.unpack_cache:
+        if cache_dir is None:
+            raise SystemExit("--unpack-cache needs a --compile-cache folder to extract into")
+        print(f"[gpu_paper_rows] {unpack_cache(Path(args.unpack_cache), cache_dir)} file(s) -> {cache_dir}")
+        return 0
     device = args.device or ACCELERATOR[args.backend]
     rows = parse_rows(args.rows)
     start = time.monotonic()
     python, env = sys.executable, child_env()
+    if cache_dir is not None:
+        cache_env(env, cache_dir)
     out, output_root = Path(args.out).resolve(), Path(args.output_root).resolve()
     (out / "step_cost").mkdir(parents=True, exist_ok=True)
     print(f"[gpu_paper_rows] PYTHONPATH={env['PYTHONPATH']}", flush=True)
+    for variable, _ in CACHE_VARIABLES:
+        if variable in env:
+            print(f"[gpu_paper_rows] {variable}={env[variable]}", flush=True)
     code = 0
     if args.step_cost is None:
         args.step_cost = ",".join(dict.fromkeys(t for t, _ in rows)) or ",".join(PAPER_TABLES)
@@ -271,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu_paper_rows] {' '.join(cmd)}", flush=True)
         rc = subprocess.call(cmd, cwd=REPO, env=env)
         code = code or rc
+        report_cache(cache_dir, out)
     costs = predicted_seconds(out, args.backend)
     for table, row in rows:
         left = args.budget_s - (time.monotonic() - start)
@@ -286,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         packed = pack_records(out / "runs", out / ARCHIVE_NAME) if (out / "runs").is_dir() else 0
         print(f"[gpu_paper_rows] {table}/{row}: exit {rc}, {len(copied)} completed run record(s) -> "
               f"{', '.join(str(p) for p in copied) or 'none'}; {out / ARCHIVE_NAME}: {packed} file(s)", flush=True)
+        report_cache(cache_dir, out)
         failed = rc or not copied
         code = code or rc or (1 if failed else 0)
         if failed and args.stop_on_failure:

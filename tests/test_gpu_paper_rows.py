@@ -210,3 +210,50 @@ def test_step_costs_default_to_the_tables_of_the_rows_given(tmp_path: Path, monk
     gpr.main(["--out", str(tmp_path), "--output-root", str(tmp_path / "outputs")])
     assert len(launched) == 2 and [t in c for t, c in zip(gpr.PAPER_TABLES, launched, strict=True)] == [True, True]
     assert all("ROWS=* " in c or "--rows * " in c for c in launched)  # no rows given: every row of each
+
+
+def test_the_compilers_caches_are_kept_packed_after_each_row_and_unpacked(tmp_path: Path, monkeypatch,
+                                                                          capsys) -> None:
+    """``--compile-cache``: every step runs with the compilers' cache variables pointing into the folder (one the
+    caller set is kept), the folder is packed into ``<out>/compile_cache.tar.gz`` after the step costs and each row,
+    and ``--unpack-cache`` puts it back for the next run; ``''`` leaves the variables alone."""
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    envs = []
+
+    def fake_call(cmd, env, **kwargs):
+        envs.append(env)
+        if "TORCHINDUCTOR_CACHE_DIR" in env:  # what inductor would write there
+            (Path(env["TORCHINDUCTOR_CACHE_DIR"]) / "fxgraph").mkdir(parents=True, exist_ok=True)
+            (Path(env["TORCHINDUCTOR_CACHE_DIR"]) / "fxgraph" / f"entry{len(envs)}").write_text("graph")
+        return 0
+
+    monkeypatch.setattr(gpr.subprocess, "call", fake_call)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    gpr.main(["--step-cost", "wt2-nt-1024", "--compile-cache", str(cache), "--out", str(out), "--output-root",
+              str(tmp_path / "outputs"), "wt2-nt-1024/pcaf_context"])
+    assert len(envs) == 2
+    for env in envs:
+        assert env["TORCHINDUCTOR_CACHE_DIR"] == str(cache / "inductor")
+        assert env["TRITON_CACHE_DIR"] == str(cache / "triton")
+        assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "mine")
+    assert f"{out / gpr.CACHE_ARCHIVE}: 2 file(s)" in capsys.readouterr().out
+    with tarfile.open(out / gpr.CACHE_ARCHIVE) as tar:
+        assert sorted(tar.getnames()) == ["inductor/fxgraph/entry1", "inductor/fxgraph/entry2"]
+
+    fresh = tmp_path / "fresh"
+    assert gpr.main(["--unpack-cache", str(out / gpr.CACHE_ARCHIVE), "--compile-cache", str(fresh)]) == 0
+    assert (fresh / "inductor/fxgraph/entry2").read_text() == "graph"
+
+    envs.clear()
+    gpr.main(["--step-cost", "", "--compile-cache", "", "--out", str(tmp_path / "out2"), "--output-root",
+              str(tmp_path / "outputs"), "wt2-nt-1024/pcaf_context"])
+    assert "TORCHINDUCTOR_CACHE_DIR" not in envs[0] and not (tmp_path / "out2" / gpr.CACHE_ARCHIVE).exists()
+
+    unsafe = tmp_path / "unsafe.tar.gz"
+    with tarfile.open(unsafe, "w:gz") as tar:
+        tar.add(out / gpr.CACHE_ARCHIVE, arcname="../outside")
+    with pytest.raises(tarfile.FilterError):
+        gpr.unpack_cache(unsafe, tmp_path / "third")
+    assert not (tmp_path / "outside").exists()
