@@ -47,9 +47,10 @@ def _pinned_jaxlib() -> bool:
     return any(re.fullmatch(rf"jax(\[[\w,]+\])?=={re.escape(installed)}", d.replace(" ", "")) for d in dependencies)
 
 
-# Both XLA settings below are for the project's pinned CPU stack, and only on a machine without CUDA: a GPU machine's
-# own jaxlib may not know a flag (XLA exits at start-up on an unknown XLA_FLAGS entry, and under pytest's output
-# capture it exits without a word), and there JAX compiles for the GPU anyway.
+# Both XLA settings below are for the project's pinned CPU stack: set only with the pinned jaxlib (_pinned_jaxlib)
+# and only on a machine without CUDA. Another jaxlib may not know a flag (XLA exits at start-up on an unknown
+# XLA_FLAGS entry, and under pytest's output capture it exits without a word: jaxlib 0.11.2 does so on the second),
+# and on a GPU machine JAX compiles for the GPU anyway.
 #
 # XLA's CPU code generation at LLVM -O0 in tests: JAX test time is mostly compilation, and this takes about 30% off
 # it. The arithmetic is the same up to float rounding (measured, see below): XLA's own passes (fusion, layouts, its
