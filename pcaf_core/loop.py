@@ -61,10 +61,7 @@ from pcaf_core.checkpoints import (
     write_checkpoint,
 )
 from pcaf_core.config import RunConfig, validate
-from pcaf_core.config_io import (
-    config_hash,
-    hashable_config,
-)
+from pcaf_core.config_io import config_hash, hashable_config
 from pcaf_core.contention import ContentionSampler
 from pcaf_core.evaluation import (
     EvalResult,
@@ -96,8 +93,9 @@ from pcaf_core.resume import (
 from pcaf_core.run_record import (
     THROUGHPUT_WARMUP_STEPS,
     build_record,
+    curve_row,
     identity,
-    write_failed_record,
+    record_failure,
     write_record,
 )
 from pcaf_core.schedule import lr_for
@@ -272,23 +270,14 @@ class TrainingLoop:
         return rec
 
     def _write_failure(self, error: str, **extra: Any) -> None:
-        """Best effort: a failure while recording the failure must not hide the original error.
+        """Best effort (:func:`pcaf_core.run_record.record_failure`): the caller re-raises the original error.
 
         ``extra`` goes into the record's ``extra``: ``resumable=True`` tells the entry points that
         running the same command again continues this run (an interruption, a full disk);
         ``diverged={step, loss, lr}`` lets a resume with a lower ``train.lr`` through."""
-        if not self.is_main:
-            return
-        try:
-            self._write_record("failed", error, extra)
-        except Exception as exc:  # noqa: BLE001 - the original exception is re-raised by the caller
-            log.error("could not write the failed run record: %s", exc)
-            try:
-                rec = write_failed_record(self.run_dir, self._template, error, cfg=self.cfg, steps_done=self.ls.step)
-                rec.extra.update(extra)
-                write_record(self.run_dir, rec)
-            except Exception as exc2:  # noqa: BLE001
-                log.error("could not write a minimal failed record either: %s", exc2)
+        if self.is_main:
+            record_failure(self.run_dir, lambda: self._record("failed", error, extra), self._template, error,
+                           cfg=self.cfg, steps_done=self.ls.step, extra=extra)
 
     def _resume_hint(self) -> str:
         return resume_hint(self.run_dir, self.last_good_checkpoint, self._template)
@@ -468,18 +457,8 @@ class TrainingLoop:
         return LaunchedStep(step, lr, loss, time.perf_counter() - t0)
 
     def _append_row(self, step: int, lr: float, ev: EvalResult | None) -> None:
-        n = self.ls.pending_loss_count
-        row: dict[str, Any] = {
-            "step": step,
-            "tokens_seen": step * self.global_batch * self.cfg.train.seq_len,
-            "train_loss": self.ls.pending_loss_sum / n if n else None,
-            "eval_loss_reference": ev.loss if ev else None,
-            "eval_ppl_reference": ev.ppl if ev else None,
-            "eval_acc_reference": ev.acc if ev else None,
-            "eval_acc_param_reference": ev.acc_param if ev else None,
-            "elapsed_s": round(self._elapsed(), 3),
-            "lr": lr,
-        }
+        row = curve_row(step, step * self.global_batch * self.cfg.train.seq_len, self.ls.pending_loss_sum,
+                        self.ls.pending_loss_count, ev, self._elapsed(), lr)
         self.ls.pending_loss_sum = 0.0
         self.ls.pending_loss_count = 0
         self.ls.curve.append(row)

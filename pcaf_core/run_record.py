@@ -196,6 +196,41 @@ def write_failed_record(run_dir: Path, template: RunMetrics | None, error: str, 
     return write_record(run_dir, dataclasses.replace(identity(run_dir, template), **fields))
 
 
+def record_failure(run_dir: Path, full_record: Callable[[], RunMetrics], template: RunMetrics | None, error: str,
+                   *, cfg: RunConfig, steps_done: int, extra: dict[str, Any]) -> None:
+    """Best effort, for a run failing with ``error``: write ``full_record()`` (the loop's own ``failed`` record),
+    or, when building or writing it fails too, the minimal :func:`write_failed_record` with ``extra`` in its
+    ``extra``. Nothing is raised: a failure while recording the failure must not hide the original error, which
+    the caller re-raises; what went wrong here is logged."""
+    try:
+        write_record(run_dir, full_record())
+    except Exception as exc:  # noqa: BLE001
+        log.error("could not write the failed run record: %s", exc)
+        try:
+            rec = write_failed_record(run_dir, template, error, cfg=cfg, steps_done=steps_done)
+            rec.extra.update(extra)
+            write_record(run_dir, rec)
+        except Exception as exc2:  # noqa: BLE001
+            log.error("could not write a minimal failed record either: %s", exc2)
+
+
+def curve_row(step: int, tokens_seen: int, loss_sum: float, loss_count: int, ev: EvalResult | None,
+              elapsed_s: float, lr: float) -> dict[str, Any]:
+    """One row of ``curve.csv``: the mean training loss of the ``loss_count`` steps since the last row (None for
+    none), the reference evaluation ``ev`` of this step if there was one, the run's elapsed seconds and the LR."""
+    return {
+        "step": step,
+        "tokens_seen": tokens_seen,
+        "train_loss": loss_sum / loss_count if loss_count else None,
+        "eval_loss_reference": ev.loss if ev else None,
+        "eval_ppl_reference": ev.ppl if ev else None,
+        "eval_acc_reference": ev.acc if ev else None,
+        "eval_acc_param_reference": ev.acc_param if ev else None,
+        "elapsed_s": round(elapsed_s, 3),
+        "lr": lr,
+    }
+
+
 def mark_failed(run_dir: Path, template: RunMetrics | None, error: str, *,
                 cfg: RunConfig | None = None, resumable: bool = False) -> RunMetrics:
     """Mark the run in ``run_dir`` as failed with ``error``, keeping everything an earlier record already

@@ -273,3 +273,29 @@ def test_record_names_the_matmul_precision_that_ran(tmp_path):
         m = run_training(cfg, BigramBackend(), run_dir, corpus=markov_corpus(), progress=False)
         assert m.matmul_precision == read_metrics(run_dir).matmul_precision == want, (profile, setting)
         assert m.config_hash == loop.config_hash(cfg)
+
+
+def test_a_failure_whose_record_cannot_be_built_still_leaves_a_failed_record(tmp_path, monkeypatch, caplog):
+    """When the loop's own ``failed`` record cannot be built, the run still ends with a minimal ``failed`` record
+    naming the original error, the error itself is raised, and what went wrong while recording is logged; when
+    even that record cannot be written, nothing hides the original error."""
+    import pcaf_core.run_record as run_record
+
+    build = loop.build_record
+
+    def build_all_but_failed(*args, **kwargs):
+        if kwargs["status"] == "failed":
+            raise OSError("no memory stats")
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "build_record", build_all_but_failed)
+    with pytest.raises(RuntimeError, match="injected failure at step 5"):
+        run_training(small_cfg(), BigramBackend(raise_at_step=5), tmp_path / "a", progress=False)
+    rec = read_metrics(tmp_path / "a")
+    assert rec.status == "failed" and "injected failure at step 5" in rec.error and rec.steps_done == 4
+    assert "could not write the failed run record: no memory stats" in caplog.text
+
+    monkeypatch.setattr(run_record, "write_record", lambda *a, **k: (_ for _ in ()).throw(OSError("disk gone")))
+    with pytest.raises(RuntimeError, match="injected failure at step 5"):
+        run_training(small_cfg(), BigramBackend(raise_at_step=5), tmp_path / "b", progress=False)
+    assert "could not write a minimal failed record either: disk gone" in caplog.text
