@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -106,7 +107,7 @@ def detach(module: str, argv: list[str], out: Path, cwd: Path, env: dict[str, st
                          f"--collect, or give another --out")
     out.mkdir(parents=True, exist_ok=True)
     with open(out / LOG_FILE, "ab") as log:  # appended: an earlier run's lines stay, below a line naming this one
-        log.write(f"[detached] {_now()}: python -m {module} {' '.join(argv)}\n".encode())
+        log.write(f"[detached] {_now()}: python -m {module} {shlex.join(argv)}\n".encode())
         log.flush()
         proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

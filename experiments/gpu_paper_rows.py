@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         # Its folders as absolute paths: the run starts in the repository root, wherever this command was given.
         child = [a for a in argv if a != "--detach"] + ["--out", str(out), "--output-root",
                                                          str(Path(args.output_root).resolve())]
-        pid = detached.detach("experiments.gpu_paper_rows", child, out, REPO, child_env())
+        pid = detached.detach("experiments.gpu_paper_rows", child, out, REPO)  # it sets its steps' path itself
         print(f"[gpu_paper_rows] started pid {pid} in its own session; log {out / detached.LOG_FILE}; "
               f"collect with --out {args.out} --collect DEST [--wait-s S]", flush=True)
         return 0
