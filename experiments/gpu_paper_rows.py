@@ -5,8 +5,7 @@
     python3 -m experiments.gpu_paper_rows --unpack-cache compile_cache.tar.gz                  # here, after
     python3 -m experiments.gpu_paper_rows [--step-cost wt2-nt-1024,wt2-nt-2048] [--out DIR] [--budget-s S]
                                           [--scale paper] [--device cuda] [--override KEY=VALUE ...]
-                                          [--stop-on-failure] [--compile-cache DIR] [--detach] TABLE/ROW ...
-    python3 -m experiments.gpu_paper_rows --out DIR --collect DEST [--wait-s S]   # a --detach run's files so far
+                                          [--stop-on-failure] [--compile-cache DIR] TABLE/ROW ...
 
 On the GPU machine (docs/EXPERIMENTS.md, "Paper rows on a GPU"), in order:
 
@@ -31,10 +30,9 @@ exists with other contents is refused, not overwritten.
 ``--stop-on-failure``: once a row fails (its command exits non-zero, or leaves no completed run), the rows after
 it are not started; the line saying so names them.
 
-``--detach``: the same command runs in its own process session (:mod:`experiments.detached`), its output in
-``<out>/driver.log``, and this one returns at once, so that a run can outlast the command that started it; each
-``--collect DEST --wait-s S`` waits up to S seconds for it, copies what it has written so far (the archives, the
-step costs, its log and state) into DEST, and says whether it is still running, ended or lost.
+A machine reached through commands shorter than the rows runs this module under :mod:`experiments.detached`
+(``start --out <out> -- python3 -m experiments.gpu_paper_rows --out <out> ...``), and each command takes home what
+it has written so far with ``collect --out <out> --dest DEST --wait-s S``.
 
 ``--compile-cache DIR`` (default ``.compile_cache/``, ignored by git): the compilers' caches of every step are kept
 there (:data:`CACHE_VARIABLES`: inductor's graphs and kernels, Triton's, XLA's executables; a variable already set
@@ -72,7 +70,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments import detached
 from pcaf_core.results import SCALES  # the standard library only, as this module needs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -308,12 +305,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a Hydra override for every step cost and row, e.g. train.compile=on (repeatable); "
                         "one that changes a row's numbers makes its runs extra runs, not the row's")
-    parser.add_argument("--detach", action="store_true", help="start this command (without --detach) in its own "
-                        "process session, its output in <out>/" + detached.LOG_FILE + ", and return at once")
-    parser.add_argument("--collect", metavar="DEST", help="wait for the run in --out (up to --wait-s), copy its "
-                        "archives, log, state and step costs to DEST, and stop")
-    parser.add_argument("--wait-s", type=float, default=0.0, help="with --collect: seconds to wait for the run to end")
-    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     extra = tuple(args.override)
     for item in extra:
@@ -326,43 +317,20 @@ def main(argv: list[str] | None = None) -> int:
         for run in unpack_records(Path(args.unpack), Path(args.into)):
             print(f"[gpu_paper_rows] unpacked {run}")
         return 0
-    if args.collect:
-        return detached.collect(Path(args.out).resolve(), Path(args.collect).resolve(), args.wait_s)[1]
-    if args.detach:
-        out = Path(args.out).resolve()
-        # Its folders as absolute paths: the run starts in the repository root, wherever this command was given.
-        child = [a for a in argv if a != "--detach"] + ["--out", str(out), "--output-root",
-                                                         str(Path(args.output_root).resolve())]
-        pid = detached.detach("experiments.gpu_paper_rows", child, out, REPO)  # it sets its steps' path itself
-        print(f"[gpu_paper_rows] started pid {pid} in its own session; log {out / detached.LOG_FILE}; "
-              f"collect with --out {args.out} --collect DEST [--wait-s S]", flush=True)
-        return 0
     cache_dir = (REPO / args.compile_cache).resolve() if args.compile_cache else None
     if args.unpack_cache:
         if cache_dir is None:
             raise SystemExit("--unpack-cache needs a --compile-cache folder to extract into")
         print(f"[gpu_paper_rows] {unpack_cache(Path(args.unpack_cache), cache_dir)} file(s) -> {cache_dir}")
         return 0
+    device = args.device or ACCELERATOR[args.backend]
     rows = parse_rows(args.rows)
-    out = Path(args.out).resolve()
-    (out / "step_cost").mkdir(parents=True, exist_ok=True)
-    started = detached.mark(out, argv)
-    code = 1
-    try:
-        code = _run(args, rows, out, cache_dir)
-    finally:  # a run killed by a signal leaves "running" with a dead pid, which --collect reports as lost
-        detached.mark(out, argv, code, started)
-    return code
-
-
-def _run(args: argparse.Namespace, rows: list[tuple[str, str]], out: Path, cache_dir: Path | None) -> int:
-    """Steps 1-3 of the module's docstring: the step costs, then each row, its records packed as it ends."""
     start = time.monotonic()
-    extra, device = tuple(args.override), args.device or ACCELERATOR[args.backend]
-    output_root = Path(args.output_root).resolve()
     python, env = sys.executable, child_env()
     if cache_dir is not None:
         cache_env(env, cache_dir)
+    out, output_root = Path(args.out).resolve(), Path(args.output_root).resolve()
+    (out / "step_cost").mkdir(parents=True, exist_ok=True)
     print(f"[gpu_paper_rows] PYTHONPATH={env['PYTHONPATH']}", flush=True)
     for variable, _ in CACHE_VARIABLES:
         if variable in env:
