@@ -102,15 +102,16 @@ def test_collect_copies_top_level_files_and_step_costs_and_packs_what_is_asked(t
     monkeypatch.chdir(tmp_path)
     out, dest = tmp_path / "out", tmp_path / "dest"
     detached.mark(out, [], 0)
-    for name in ("records.tar.gz", "driver.log", "step_cost/wt2-nt-1024.csv", "runs/t/paper/torch/r/x/ckpt.pt",
-                 ".records.tar.gz.tmp", "bench/cuda/gemm.csv", "bench/cuda/sub/profile.txt", "docs/page.md"):
-        (tmp_path / "out" / name if not name.startswith(("bench", "docs")) else tmp_path / name).parent.mkdir(
-            parents=True, exist_ok=True)
-        (tmp_path / "out" / name if not name.startswith(("bench", "docs")) else tmp_path / name).write_text(name)
-    detached.collect(out, dest, wait_s=0, packed=["bench/cuda", "docs/page.md", "not/there"])
+    in_out = ("records.tar.gz", "driver.log", "step_cost/wt2-nt-1024.csv", "runs/t/paper/torch/r/x/ckpt.pt",
+              ".records.tar.gz.tmp")
+    in_checkout = ("bench/cuda/gemm.csv", "bench/cuda/sub/profile.txt", "notes/page.txt")
+    for path in [out / n for n in in_out] + [tmp_path / n for n in in_checkout]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(path.name)
+    detached.collect(out, dest, wait_s=0, packed=["bench/cuda", "notes/page.txt", "not/there"])
     got = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
     assert got == ["driver.json", "driver.log", "packed.tar.gz", "records.tar.gz", "step_cost/wt2-nt-1024.csv"]
     with tarfile.open(dest / "packed.tar.gz") as tar:
-        assert sorted(tar.getnames()) == ["bench/cuda/gemm.csv", "bench/cuda/sub/profile.txt", "docs/page.md"]
+        assert sorted(tar.getnames()) == ["bench/cuda/gemm.csv", "bench/cuda/sub/profile.txt", "notes/page.txt"]
     with pytest.raises(SystemExit, match="relative to it"):
         detached.collect(out, dest, wait_s=0, packed=["../elsewhere"])
