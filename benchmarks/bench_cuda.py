@@ -24,7 +24,9 @@ Sections (``--sections``, comma-separated):
   before the previous one's loss is read (``pipelined_step_ms``, ``pipelined_model_pct``: the wall time of the
   run of steps over their number).
   ``step_peak_mb``: ``torch.cuda.max_memory_allocated`` over one step minus what was allocated before it
-  (torch rows; a JAX row's ``peak_mb`` is the device's peak bytes in use since the process started).
+  (torch rows; a JAX row's ``peak_mb`` is the device's peak bytes in use since the process started). Torch and
+  JAX share the process, so JAX allocates as it goes (``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless set) rather
+  than taking 75% of the device at its first step; ``labels.csv`` records both allocators' settings.
   Fraction of peak: ``pcaf_core.flops.train_step_flops`` per step / step seconds / the dtype's GEMM peak.
 - ``routing``: the routes of ``benchmarks/bench_routing`` (d=224, K=32, 32,768 buckets, batch 1, forward +
   backward, synchronised) on the GPU at T = 4K, 8K, 16K, plus ``recent_kernel`` (the ``recent`` route's
@@ -61,6 +63,7 @@ nothing and its rows say ``bench_set=smoke``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -81,6 +84,8 @@ from benchmarks.bench_cuda_report import COMPILES, render
 from benchmarks.common import first_and_warm_steps, package_version, pipelined_steps, read_csv, write_csv
 
 SECTIONS = ("gemm", "models", "routing", "profile", "jax41m", "traffic")
+JAX_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
+TORCH_ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 STEPS = (*COMPILES, "xla")
 """What ``--compiles`` selects: torch's steps (``COMPILES``) and ``xla``, the JAX backend's jitted step."""
 GEMM_TOKENS = 8192
@@ -139,7 +144,9 @@ def cuda_labels(device: str) -> dict[str, object]:
     return {"gpu": name, "gpu_sms": sms, "torch": torch.__version__,
             "triton": package_version("triton"), "jax": package_version("jax"), "cuda": torch.version.cuda,
             "matmul_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "torch_alloc_conf": os.environ.get(TORCH_ALLOC_CONF, ""),
+            "jax_preallocate": os.environ.get(JAX_PREALLOCATE, "")}
 
 
 def event_ms(fn, warmup: int, repeats: int, device: str = "cuda") -> float:
@@ -411,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
         render(Path(args.render), Path(args.doc))
         print(args.doc)
         return 0
+    # Torch and JAX steps alternate in this one process: JAX's default (taking 75% of the GPU's memory at its first
+    # use) would leave torch a quarter, or fail where torch already holds more. Each allocator takes what its steps
+    # need instead; the labels record both settings. Set before JAX starts its GPU client.
+    os.environ.setdefault(JAX_PREALLOCATE, "false")
     import torch
 
     if args.device == "cpu" and not args.smoke:

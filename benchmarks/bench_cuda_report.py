@@ -334,12 +334,16 @@ def render(bench_dir: Path, doc: Path) -> None:
         return None
 
     smoke = labels.get("bench_set") == "smoke"
+    alloc_conf = labels.get("torch_alloc_conf") or ""  # both absent from a run before they were recorded
+    allocators = (f"torch `PYTORCH_CUDA_ALLOC_CONF={alloc_conf}`" if alloc_conf else "torch's default") + \
+        f", JAX `XLA_PYTHON_CLIENT_PREALLOCATE={labels.get('jax_preallocate') or 'not recorded'}`"
     out = [f"# Speed targets on one CUDA GPU: {labels['gpu']}" + (" (smoke run: toy sizes, no figure means "
                                                                   "anything)" if smoke else ""), "",
            f"`python -m benchmarks.bench_cuda` on {labels['gpu']} ({labels['gpu_sms']} SMs), torch {labels['torch']}, "
            f"Triton {labels['triton']}, CUDA {labels['cuda']}; fp32 means `float32_matmul_precision="
            f"\"{labels['float32_matmul_precision']}\"` (matmul TF32 {labels['matmul_tf32']}, cuDNN TF32 "
-           f"{labels['cudnn_tf32']}); section wall time {labels['wall_s']} s. These are the GPU machine's own "
+           f"{labels['cudnn_tf32']}); allocators: {allocators}; section wall time {labels['wall_s']} s. These are the "
+           "GPU machine's own "
            "packages, not the project's CPU pins; the CPU report is [`bench.md`](bench.md). "
            f"Each ratio below comes from steps interleaved in one process. CSVs and op tables: `{bench_dir.name}/`.",
            "", "## Targets", "",

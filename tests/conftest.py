@@ -34,6 +34,10 @@ def _has_cuda() -> bool:
 HAS_CUDA = _has_cuda()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # The gpu tier runs torch and JAX in one process: JAX's default, 75% of the GPU's memory taken at its first use,
+    # would leave torch's tests a quarter (or fail where torch already holds more). Set before JAX starts.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def _pinned_jaxlib() -> bool:

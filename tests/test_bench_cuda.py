@@ -21,7 +21,10 @@ from pcaf_core.config import head_loss_chunks
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench_cuda")
-    assert bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(out)]) == 0
+    with pytest.MonkeyPatch.context() as mp:  # the run sets JAX's allocator setting: not for the tests after it
+        mp.delenv(bench_cuda.JAX_PREALLOCATE, raising=False)
+        mp.delenv(bench_cuda.TORCH_ALLOC_CONF, raising=False)
+        assert bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(out)]) == 0
     return out
 
 
@@ -61,7 +64,10 @@ def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     assert {c.precision for c in bench_cuda_cases.gpu_cases() if c.backend == "jax"} == {"fp32", "bf16"}
     routes = {r["route"] for r in read_csv(smoke_run / "routing.csv")}
     assert routes == set(bench_cuda.ROUTING_ROUTES)
-    assert read_csv(smoke_run / "labels.csv")[0]["bench_set"] == "smoke"
+    labels = read_csv(smoke_run / "labels.csv")[0]
+    assert labels["bench_set"] == "smoke"
+    # Torch and JAX alternate in one process: JAX allocates as it goes, and both allocators' settings are labels.
+    assert (labels["jax_preallocate"], labels["torch_alloc_conf"]) == ("false", "")
     assert (smoke_run / "profile_fp32.txt").read_text().strip()
     trace = json.loads(gzip.decompress((smoke_run / "trace_bf16_eager.json.gz").read_bytes()))
     assert trace["traceEvents"]  # the bf16 step's timeline
@@ -144,6 +150,7 @@ def test_page_renders_with_verdicts(smoke_run: Path, tmp_path: Path) -> None:
     bench_cuda_report.render(run, doc)
     text = doc.read_text()
     assert "smoke run" in text.splitlines()[0]
+    assert "allocators: torch's default, JAX `XLA_PYTHON_CLIENT_PREALLOCATE=false`" in text
     assert "## Cases that did not run" in text
     assert "| models | PCAF-context | ar | 2048 | 4 | bf16 | cudagraphs | train.compile=cudagraphs could not" in text
     assert "| Full-AR PCAF-context bf16 autocast >= 2.5x fp32 tokens/s (T=1024, batch 8, eager) | 300 / 100 = " \
@@ -327,6 +334,7 @@ def test_committed_gpu_run_renders(tmp_path: Path) -> None:
     bench_cuda_report.render(CUDA_DIR, doc)
     text = doc.read_text()
     assert "| bf16 | eager |" in text and "Why eager bf16 stops at" in text
+    assert "JAX `XLA_PYTHON_CLIENT_PREALLOCATE=not recorded`" in text  # a run from before the label
     assert "| one tile | highest |" in text  # rows from before the settings: what that step ran
     assert "| bf16 | cudagraphs |" in text and "Replayed as CUDA graphs, the bf16 step takes" in text
     assert "### eager step" in text and "### cudagraphs step" in text
