@@ -163,6 +163,22 @@ def supervise(cmd: list[str], out: Path) -> int:
     return code
 
 
+def write_tar(files: list[Path], root: Path, archive: Path) -> None:
+    """``files`` (paths under ``root``) into the gzipped tar ``archive`` under their paths relative to ``root``,
+    written atomically (a temporary file renamed over it: a copy taken meanwhile is the previous archive, whole)."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{archive.name}.", dir=archive.parent)
+    os.close(fd)
+    try:
+        with tarfile.open(tmp, "w:gz") as tar:
+            for f in files:
+                tar.add(f, arcname=f.relative_to(root).as_posix())
+        os.replace(tmp, archive)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def pack(paths: list[str], archive: Path) -> int:
     """Every plain file under ``paths`` (folders or files, relative to the working directory) into the gzipped tar
     ``archive`` under the same relative paths, written atomically; returns the number of files. A path that does
@@ -172,17 +188,7 @@ def pack(paths: list[str], archive: Path) -> int:
         if p.is_absolute() or ".." in p.parts:
             raise SystemExit(f"--pack {p}: give a path under the working directory, relative to it")
         files += [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and not f.is_symlink())
-    archive.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{archive.name}.", dir=archive.parent)
-    os.close(fd)
-    try:
-        with tarfile.open(tmp, "w:gz") as tar:
-            for f in files:
-                tar.add(f, arcname=f.as_posix())
-        os.replace(tmp, archive)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_tar(files, Path("."), archive)
     return len(files)
 
 

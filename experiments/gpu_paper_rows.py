@@ -66,10 +66,10 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 
+from experiments.detached import write_tar
 from pcaf_core.results import SCALES  # the standard library only, as this module needs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,26 +128,10 @@ def cache_env(env: dict[str, str], cache_dir: Path) -> dict[str, str]:
     return env
 
 
-def _write_tar(files: list[Path], root: Path, archive: Path) -> None:
-    """``files`` (paths relative to ``root``) into the gzipped tar ``archive``, written atomically (a temporary
-    file renamed over it)."""
-    archive.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{archive.name}.", dir=archive.parent)
-    os.close(fd)
-    try:
-        with tarfile.open(tmp, "w:gz") as tar:
-            for f in files:
-                tar.add(f, arcname=f.relative_to(root).as_posix())
-        os.replace(tmp, archive)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def pack_cache(cache_dir: Path, archive: Path) -> tuple[int, int]:
     """Every file under ``cache_dir`` into ``archive`` (atomically); returns (files, bytes of the archive)."""
     files = sorted(p for p in cache_dir.rglob("*") if p.is_file() and not p.is_symlink())
-    _write_tar(files, cache_dir, archive)
+    write_tar(files, cache_dir, archive)
     return len(files), archive.stat().st_size
 
 
@@ -226,7 +210,7 @@ def pack_records(runs_root: Path, archive: Path) -> int:
     """Every :data:`RECORD_FILES` file under ``runs_root`` (paths relative to it) into the gzipped tar
     ``archive``, written atomically (a temporary file renamed over it); returns the number of files."""
     files = sorted(p for p in runs_root.rglob("*") if p.is_file() and p.name in RECORD_FILES)
-    _write_tar(files, runs_root, archive)
+    write_tar(files, runs_root, archive)
     return len(files)
 
 
