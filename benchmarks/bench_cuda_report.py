@@ -334,9 +334,10 @@ def render(bench_dir: Path, doc: Path) -> None:
         return None
 
     smoke = labels.get("bench_set") == "smoke"
-    alloc_conf = labels.get("torch_alloc_conf") or ""  # both absent from a run before they were recorded
-    allocators = (f"torch `PYTORCH_CUDA_ALLOC_CONF={alloc_conf}`" if alloc_conf else "torch's default") + \
-        f", JAX `XLA_PYTHON_CLIENT_PREALLOCATE={labels.get('jax_preallocate') or 'not recorded'}`"
+    alloc_conf = labels.get("torch_alloc_conf")  # None (and no JAX setting) in a run from before they were recorded
+    torch_alloc = ("torch's not recorded" if alloc_conf is None else f"torch `PYTORCH_CUDA_ALLOC_CONF={alloc_conf}`"
+                   if alloc_conf else "torch's default")
+    allocators = f"{torch_alloc}, JAX `XLA_PYTHON_CLIENT_PREALLOCATE={labels.get('jax_preallocate') or 'not recorded'}`"
     out = [f"# Speed targets on one CUDA GPU: {labels['gpu']}" + (" (smoke run: toy sizes, no figure means "
                                                                   "anything)" if smoke else ""), "",
            f"`python -m benchmarks.bench_cuda` on {labels['gpu']} ({labels['gpu_sms']} SMs), torch {labels['torch']}, "

@@ -334,7 +334,7 @@ def test_committed_gpu_run_renders(tmp_path: Path) -> None:
     bench_cuda_report.render(CUDA_DIR, doc)
     text = doc.read_text()
     assert "| bf16 | eager |" in text and "Why eager bf16 stops at" in text
-    assert "JAX `XLA_PYTHON_CLIENT_PREALLOCATE=not recorded`" in text  # a run from before the label
+    assert "allocators: torch's not recorded, JAX `XLA_PYTHON_CLIENT_PREALLOCATE=not recorded`" in text  # before them
     assert "| one tile | highest |" in text  # rows from before the settings: what that step ran
     assert "| bf16 | cudagraphs |" in text and "Replayed as CUDA graphs, the bf16 step takes" in text
     assert "### eager step" in text and "### cudagraphs step" in text
