@@ -7,7 +7,9 @@ A :class:`~paper_tables.spec_types.Claim` compares rows on one column. Its verdi
 - ``not measured``: some referenced row has no value (missing, failed or still running runs; or,
   for the published verdict, no published number), or, for a quality claim (perplexity or accuracy),
   some referenced measured row is below the learning bar: a model that has not learned enough says
-  nothing about which architecture is better (the values are still shown in the detail).
+  nothing about which architecture is better; or, for a claim on what the machine sets (tokens/s, peak
+  memory, run time), the referenced rows ran on more than one machine (rows finished in different sessions
+  on different GPUs, say): their numbers are not comparable. The values are still shown in the detail.
 
 Values are compared in measured units (tokens/s, fractions, PPL); published numbers are converted
 back from the printed unit with the column's ``scale``.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from paper_tables.collect import row_machines
 from paper_tables.published import published_value
 from paper_tables.spec_types import Claim, TableSpec, resolve_ref
 from paper_tables.specs import TABLES
@@ -27,6 +30,8 @@ from paper_tables.specs import TABLES
 HOLDS, FAILS, NOT_MEASURED = "holds", "fails", "not measured"
 QUALITY_METRICS = ("best_ppl", "final_ppl", "full_ppl", "acc")
 """Measured fields whose comparison needs every compared row over the learning bar."""
+MACHINE_METRICS = ("tokens_per_sec", "peak_mem_mb", "wall_time_s")
+"""Measured fields the machine sets: their comparison needs every compared row run on one machine."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,19 @@ def below_bar_rows(claim: Claim, spec: TableSpec, aggs: dict[str, pd.DataFrame])
     return out
 
 
+def machines_of_rows(claim: Claim, spec: TableSpec, aggs: dict[str, pd.DataFrame]) -> dict[str, list[str]]:
+    """``{reference: its runs' machines}`` of ``claim``'s measured rows where they ran on more than one machine
+    (:func:`paper_tables.collect.machine_of`) and the claim compares :data:`MACHINE_METRICS`; empty otherwise."""
+    machines: dict[str, list[str]] = {}
+    for ref in (*claim.left, *claim.right):
+        table, row = resolve_ref(ref, spec.name)
+        if TABLES[table].column(claim.metric).metric not in MACHINE_METRICS:
+            return {}
+        if table in aggs:
+            machines[ref] = row_machines(aggs[table], row)
+    return machines if len({m for ms in machines.values() for m in ms}) > 1 else {}
+
+
 def evaluate_claims(
     spec: TableSpec, aggs: dict[str, pd.DataFrame], pubs: dict[str, pd.DataFrame]
 ) -> list[Verdict]:
@@ -167,6 +185,10 @@ def evaluate_claims(
         below = below_bar_rows(claim, spec, aggs)
         if below and m != NOT_MEASURED:
             m, m_detail = NOT_MEASURED, f"below the learning bar: {', '.join(below)} (measured {m_detail})"
+        machines = machines_of_rows(claim, spec, aggs)
+        if machines and m != NOT_MEASURED:
+            ran = "; ".join(f"{ref} on {' and '.join(ms) or 'an unrecorded machine'}" for ref, ms in machines.items())
+            m, m_detail = NOT_MEASURED, f"rows from different machines, not comparable: {ran} (measured {m_detail})"
         p, p_detail = _judge(claim, spec, lambda t, r, k: paper_value(pubs, t, r, k))
         out.append(Verdict(claim, m, p, m_detail, p_detail))
     return out

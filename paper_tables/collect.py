@@ -190,20 +190,24 @@ def load_runs(
     return df.reset_index(drop=True)
 
 
+def machine_of(device: Any) -> str:
+    """The machine of a recorded device text: the text up to its first ';' ("NVIDIA H100 80GB HBM3 (torch
+    2.11.0+cu130)", "cpu (torch 2.13.0+cpu, 2 threads)"), without how the step was computed that follows."""
+    head = str(device or "").split(";")[0].strip()
+    return head + ")" if head.count("(") > head.count(")") else head
+
+
+def row_machines(agg: pd.DataFrame, row: str) -> list[str]:
+    """The machines (:func:`machine_of`) of ``row``'s runs in an aggregated frame, first-seen order."""
+    if "devices" not in agg.columns or row not in agg.index:
+        return []
+    return _unique([m for m in map(machine_of, agg.at[row, "devices"] or []) if m])
+
+
 def measured_devices(agg: pd.DataFrame) -> str:
-    """The devices the measured rows ran on, shortened for a legend: each recorded device text up to its
-    first ';' ("cpu (torch 2.13.0+cpu, 2 threads)"), distinct ones joined with ' / '; "" when none."""
-    if "devices" not in agg.columns:
-        return ""
-    short: list[str] = []
-    for devices in agg["devices"]:
-        for text in devices or []:
-            head = str(text).split(";")[0].strip()
-            if head.count("(") > head.count(")"):
-                head += ")"
-            if head and head not in short:
-                short.append(head)
-    return " / ".join(short)
+    """The devices the measured rows ran on, shortened for a legend (:func:`machine_of`), distinct ones joined
+    with ' / '; "" when none."""
+    return " / ".join(_unique([m for row in agg.index for m in row_machines(agg, row)]))
 
 
 def _number(value: Any) -> float | None:

@@ -18,6 +18,7 @@ from paper_tables.render_latex_csv import render_csv, render_latex, tex_escape
 from paper_tables.spec_types import Claim
 from paper_tables.specs import get_table
 from pcaf_core.results import RunMetrics, write_metrics
+from pcaf_core.run_record import THROUGHPUT_TIMED_TO_LOSS
 
 TABLE = "wt2-nt-1024"
 
@@ -138,6 +139,32 @@ def test_quality_claims_need_every_row_over_the_bar_and_throughput_claims_do_not
     verdicts = {v.claim.id: v for v in build_report(TABLE, "smoke", "torch", runs).verdicts}
     assert verdicts["cache_helps"].measured == NOT_MEASURED
     assert verdicts["keeps_local_throughput"].measured == HOLDS  # tokens/s does not depend on learning
+
+
+def test_throughput_claims_need_one_machine_and_quality_claims_do_not(tmp_path):
+    """Rows finished on different GPUs render into one table, but their tokens/s are not compared: a claim on
+    what the machine sets is not measured, and its detail names each row's machine and the numbers."""
+    root = tmp_path / "outputs"
+    h100, h200 = "NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130)", "NVIDIA H200 (torch 2.11.0+cu130)"
+
+    def gpu_run(row: str, device: str, **kw) -> None:
+        make_run(root, TABLE, row, device=device, throughput_definition=f"tokens/s {THROUGHPUT_TIMED_TO_LOSS}", **kw)
+
+    gpu_run("pcaf_context", f"{h100}; head loss in one tile", best_ppl=300.0, tokens_per_sec=30000.0)
+    gpu_run("local_conv", f"{h100}; compiled", best_ppl=250.0, tokens_per_sec=40000.0)
+    gpu_run("pcaf_no_cache", h200, best_ppl=350.0, tokens_per_sec=41000.0)
+    verdicts = {v.claim.id: v for v in build_report(TABLE, "smoke", "torch", root).verdicts}
+    # One machine, how each step was computed aside (after the ';'): compared.
+    assert verdicts["keeps_local_throughput"].measured == HOLDS
+    assert verdicts["cache_helps"].measured == HOLDS  # quality: the machine does not matter
+    gpu_run("local_conv", h200, best_ppl=250.0, tokens_per_sec=40000.0)  # rerun elsewhere, the same seed
+    verdicts = {v.claim.id: v for v in build_report(TABLE, "smoke", "torch", root).verdicts}
+    assert verdicts["cache_helps"].measured == HOLDS  # pcaf_context on the H100, no cache on the H200: quality
+    verdict = verdicts["keeps_local_throughput"]
+    assert verdict.measured == NOT_MEASURED
+    assert verdict.measured_detail == (f"rows from different machines, not comparable: pcaf_context on {h100}; "
+                                       f"local_conv on {h200} (measured pcaf_context=30,000 > 0.5 x "
+                                       "local_conv=40,000)")
 
 
 def test_cross_table_claim_reads_the_other_table(tmp_path):
