@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from paper_tables.claims import paper_value
-from paper_tables.collect import measured_devices
+from paper_tables.collect import measured_devices, row_machines
 from paper_tables.spec_types import TableSpec
 from pcaf_core.results import read_curve
 
@@ -198,7 +198,10 @@ def plot_throughput(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataF
     measured = [_measured(agg, i, "tokens_per_sec") for i in ids]
     has_tok = any(c.key == "tok_s" and c.published for c in spec.columns)
     paper = [paper_value(pubs, spec.name, i, "tok_s") if has_tok else None for i in ids]
-    longest = max((len(r.label) for r in spec.rows), default=0) if len(ids) <= 8 else max(map(len, ids))
+    names = _point_names(spec, ids)  # the row's group where two rows share a model name (T=1024 / T=2048)
+    tags = _machine_tags(agg, ids)
+    ticks = [(names[r.id] if len(ids) <= 8 else r.id) + tags[r.id] for r in spec.rows]
+    longest = max(map(len, ticks), default=0)  # the rotated tick labels' room below the bars
     fig = Figure(figsize=(max(6.0, 0.45 * len(ids) + 2), 3.4 + 0.045 * longest), layout="constrained")
     ax = fig.subplots()
     x = list(range(len(ids)))
@@ -214,9 +217,7 @@ def plot_throughput(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataF
             state = agg.at[row_id, "status"] if row_id in agg.index else "missing"
             ax.text(i - width / 2, 0.02, "not measured" if state == "ok" else state, rotation=90, ha="center",
                     va="bottom", fontsize=6, color="tab:red", transform=ax.get_xaxis_transform())
-    names = _point_names(spec, ids)  # the row's group where two rows share a model name (T=1024 / T=2048)
-    ax.set_xticks(x, [names[r.id] if len(ids) <= 8 else r.id for r in spec.rows], rotation=60, ha="right",
-                  fontsize=7)
+    ax.set_xticks(x, ticks, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("training tokens / s")
     values = [v for v in measured if v] + [p for p in paper if p]
     # A log axis where the values span a decade or more; a linear one from zero otherwise, where a log axis
@@ -240,6 +241,16 @@ def plot_throughput(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.DataF
     ax.legend(fontsize=7, loc="upper right")
     ax.set_title(title or f"{spec.name}: training throughput", fontsize=10 if "\n" not in title else 9)
     return fig
+
+
+def _machine_tags(agg: pd.DataFrame, row_ids: list[str]) -> dict[str, str]:
+    """``{row id: " [its machine]"}`` where the measured rows ran on more than one machine (rows finished on
+    different GPUs, whose tokens/s do not compare), the machine's name without its software; "" for every row
+    otherwise."""
+    machines = {i: row_machines(agg, i) for i in row_ids}
+    if len({m for ms in machines.values() for m in ms}) <= 1:
+        return dict.fromkeys(row_ids, "")
+    return {i: f" [{' + '.join(m.split(' (')[0] for m in ms)}]" if ms else "" for i, ms in machines.items()}
 
 
 def _point_names(spec: TableSpec, row_ids: list[str]) -> dict[str, str]:
@@ -289,20 +300,21 @@ def _speed_quality_points(spec: TableSpec, rows: list, agg: pd.DataFrame, pubs: 
     return points
 
 
-def _speed_quality_panel(ax: Any, spec: TableSpec, points: list, legend: bool) -> list:
+def _speed_quality_panel(ax: Any, spec: TableSpec, points: list, legend: bool, agg: pd.DataFrame) -> list:
     """Draw one panel; returns its point labels (placed once the figure's layout is final)."""
     from matplotlib import colormaps
 
     from paper_tables.labels import PointLabel
 
     names = _point_names(spec, [p[0] for p in points])
+    tags = _machine_tags(agg, [p[0] for p in points])
     colors = colormaps["tab10"].colors
     labels: list[PointLabel] = []
     for k, (row_id, mine, paper) in enumerate(points):
         color, marker = colors[k % len(colors)], MARKERS[k % len(MARKERS)]
         if mine:
             ax.scatter(*mine, s=36, color=color, marker=marker, zorder=3)
-            labels.append(PointLabel(*mine, names[row_id], color))
+            labels.append(PointLabel(*mine, names[row_id] + tags[row_id], color))
         if paper:
             ax.scatter(*paper, s=36, facecolors="white", edgecolors=color, marker=marker, linewidths=1.2, zorder=3)
             labels.append(PointLabel(*paper, f"{names[row_id]} (paper)", color))
@@ -352,7 +364,7 @@ def plot_speed_quality(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.Da
         return fig
     placed = []
     for k, (group, pts) in enumerate(panels):
-        placed.append((axes[k], _speed_quality_panel(axes[k], spec, pts, legend=k == 0)))
+        placed.append((axes[k], _speed_quality_panel(axes[k], spec, pts, legend=k == 0, agg=agg)))
         if group:
             axes[k].set_title(f"paper rows: {group}", fontsize=10)
     for ax in axes[len(panels):]:

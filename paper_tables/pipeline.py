@@ -62,7 +62,8 @@ def _device_caveat(spec, agg) -> str:
     here = measured_devices(agg)
     if not spec.paper_device or not here or spec.paper_device in here:
         return ""
-    return "\ntwo machines (legend): compare orderings, not tokens/s"
+    several = " / " in here  # our rows themselves ran on more than one machine (each bar names its own)
+    return f"\n{'machines' if several else 'two machines'} (legend): compare orderings, not tokens/s"
 
 
 def rows_tag(rows: str | None) -> str:

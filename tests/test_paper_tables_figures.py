@@ -24,6 +24,7 @@ from paper_tables.published import load_published
 from paper_tables.specs import get_table
 from paper_tables.sweep import aggregate_sweep, load_sweep, swept_value
 from pcaf_core.results import RunMetrics, append_curve_row, write_metrics
+from pcaf_core.run_record import THROUGHPUT_TIMED_TO_LOSS
 
 TABLE = "wt2-nt-1024"
 
@@ -110,6 +111,32 @@ def test_throughput_figure_names_both_machines(tmp_path):
     assert labels == ["measured: cpu (torch 2.13.0+cpu, 2 threads)", "paper: one RTX 3060, PyTorch"]
     assert fig.axes[0].get_yscale() == "log"  # ours ~1K beside the paper's 80K-500K tokens/s
     _assert_png_pdf(*save_figure(fig, tmp_path / "throughput"))
+
+
+def test_rows_from_two_machines_are_labelled_with_their_machine(tmp_path):
+    """Rows finished on different GPUs share a table: each bar and each measured point names its machine
+    (without the software after it), which one machine's rows do not need."""
+    from paper_tables.figures import plot_speed_quality
+
+    root = tmp_path / "outputs"
+    gpus = {"pcaf_context": "NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130); head loss in one tile",
+            "local_conv": "NVIDIA H200 (torch 2.11.0+cu130)"}
+    for row, device in gpus.items():
+        _run(root / TABLE / "smoke" / "torch" / row / "s1", row=row, device=device, tokens_per_sec=1000.0,
+             throughput_definition=f"tokens/s {THROUGHPUT_TIMED_TO_LOSS}")
+    spec, pubs = get_table(TABLE), {TABLE: load_published(TABLE)}
+    _, aggs = collect_tables(root, [TABLE], "smoke", "torch")
+    ticks = [t.get_text() for t in plot_throughput(spec, aggs[TABLE], pubs).axes[0].get_xticklabels()]
+    assert "PCAF-context [NVIDIA H100 80GB HBM3]" in ticks and "Local conv only [NVIDIA H200]" in ticks
+    assert "PCAF no cache" in ticks  # no run: no machine
+    assert _device_caveat(spec, aggs[TABLE]) == "\nmachines (legend): compare orderings, not tokens/s"
+    texts = {t.get_text() for t in plot_speed_quality(spec, aggs[TABLE], pubs).axes[0].texts}
+    assert {"PCAF-context [NVIDIA H100 80GB HBM3]", "PCAF-context (paper)"} <= texts
+    _run(root / TABLE / "smoke" / "torch" / "local_conv" / "s1", row="local_conv", device=gpus["pcaf_context"],
+         tokens_per_sec=1000.0, throughput_definition=f"tokens/s {THROUGHPUT_TIMED_TO_LOSS}")
+    _, aggs = collect_tables(root, [TABLE], "smoke", "torch")
+    ticks = [t.get_text() for t in plot_throughput(spec, aggs[TABLE], pubs).axes[0].get_xticklabels()]
+    assert "PCAF-context" in ticks and not any("[" in t for t in ticks)
 
 
 def test_throughput_within_a_decade_is_drawn_on_a_linear_axis_from_zero(tmp_path):
