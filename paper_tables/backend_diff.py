@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from paper_tables.collect import hardware_of, row_machines
 from paper_tables.pipeline import build_report
 from paper_tables.render import Report
 
@@ -60,8 +61,13 @@ def comparison_frame(torch_report: Report, jax_report: Report) -> pd.DataFrame:
                                       else "missing")
         for field in ("best_ppl", "full_ppl"):
             line[f"{field}_diff"], line[f"{field}_diff_pct"] = _diff(line[f"{field}_torch"], line[f"{field}_jax"])
+        # The throughput ratio compares the backends on one device: rows trained on two GPUs get none.
+        devices = {name: sorted({hardware_of(m) for m in row_machines(report.agg, row.id)})
+                   for name, report in zip(BACKEND_PAIR, (torch_report, jax_report))}
+        line["devices_torch"], line["devices_jax"] = (" + ".join(devices[n]) for n in BACKEND_PAIR)
+        one_device = len(set(devices["torch"]) | set(devices["jax"])) <= 1
         t, j = line["tokens_per_sec_torch"], line["tokens_per_sec_jax"]
-        line["jax_over_torch_tokens_per_s"] = None if t is None or j is None else j / t
+        line["jax_over_torch_tokens_per_s"] = None if t is None or j is None or not one_device else j / t
         lines.append(line)
     return pd.DataFrame(lines, dtype=object)
 
@@ -85,6 +91,9 @@ def render_comparison_markdown(torch_report: Report, jax_report: Report, frame: 
         best = _diff_cell(r["best_ppl_diff"], r["best_ppl_diff_pct"])
         full = _diff_cell(r["full_ppl_diff"], r["full_ppl_diff_pct"])
         ratio = _cell(r["jax_over_torch_tokens_per_s"], ".2f")
+        if _missing(r["jax_over_torch_tokens_per_s"]) and r["devices_torch"] and r["devices_jax"] \
+                and r["devices_torch"] != r["devices_jax"]:
+            ratio = f"not comparable: {r['devices_torch']} / {r['devices_jax']}"
         lines.append(f"| {r['model']} | {r['profile']} | {_cell(r['best_ppl_torch'], '.2f')} | "
                      f"{_cell(r['best_ppl_jax'], '.2f')} | {best} | {_cell(r['full_ppl_torch'], '.2f')} | "
                      f"{_cell(r['full_ppl_jax'], '.2f')} | {full} | {_cell(r['tokens_per_sec_torch'], ',.0f')} | "

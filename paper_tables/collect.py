@@ -197,6 +197,11 @@ def machine_of(device: Any) -> str:
     return head + ")" if head.count("(") > head.count(")") else head
 
 
+def hardware_of(machine: str) -> str:
+    """The device of a :func:`machine_of` text without the software after it ("NVIDIA H100 80GB HBM3")."""
+    return machine.split(" (")[0].strip()
+
+
 def row_machines(agg: pd.DataFrame, row: str) -> list[str]:
     """The machines (:func:`machine_of`) of ``row``'s runs in an aggregated frame, first-seen order."""
     if "devices" not in agg.columns or row not in agg.index:

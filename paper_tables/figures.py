@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from paper_tables.claims import paper_value
-from paper_tables.collect import measured_devices, row_machines
+from paper_tables.collect import hardware_of, measured_devices, row_machines
 from paper_tables.spec_types import TableSpec
 from pcaf_core.results import read_curve
 
@@ -250,7 +250,7 @@ def _machine_tags(agg: pd.DataFrame, row_ids: list[str]) -> dict[str, str]:
     machines = {i: row_machines(agg, i) for i in row_ids}
     if len({m for ms in machines.values() for m in ms}) <= 1:
         return dict.fromkeys(row_ids, "")
-    return {i: f" [{' + '.join(m.split(' (')[0] for m in ms)}]" if ms else "" for i, ms in machines.items()}
+    return {i: f" [{' + '.join(map(hardware_of, ms))}]" if ms else "" for i, ms in machines.items()}
 
 
 def _point_names(spec: TableSpec, row_ids: list[str]) -> dict[str, str]:

@@ -339,6 +339,27 @@ def test_backend_comparison_puts_both_backends_side_by_side_with_the_difference(
     assert "## Claims on each backend" in md
 
 
+def test_backend_comparison_gives_a_throughput_ratio_on_one_device_only(tmp_path):
+    """JAX on an H200 beside torch on an H100: the perplexities compare, the tokens/s do not; one device for
+    both (whatever each backend's software) gives the ratio."""
+    from paper_tables.backend_diff import render_backend_comparison
+
+    runs = tmp_path / "runs"
+    timed = {"throughput_definition": f"tokens/s {THROUGHPUT_TIMED_TO_LOSS}"}
+    make_run(runs, TABLE, "pcaf_context", tokens_per_sec=20000.0, device="NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130)",
+             **timed)
+    make_run(runs, TABLE, "pcaf_context", backend="jax", best_ppl=306.0, tokens_per_sec=16000.0,
+             device="NVIDIA H200 (jax 0.11.2, gpu, 1 device)", **timed)
+    paths = render_backend_comparison(TABLE, "smoke", runs, tmp_path / "out", rows="pcaf_context")
+    line = _line(paths["md"].read_text(), "PCAF-context")
+    assert "| 300.00 | 306.00 | +6.00 (+2.0%) |" in line
+    assert line.endswith("| 20,000 | 16,000 | not comparable: NVIDIA H100 80GB HBM3 / NVIDIA H200 |")
+    make_run(runs, TABLE, "pcaf_context", backend="jax", best_ppl=306.0, tokens_per_sec=16000.0,
+             device="NVIDIA H100 80GB HBM3 (jax 0.11.2, gpu, 1 device)", **timed)  # rerun beside torch's
+    paths = render_backend_comparison(TABLE, "smoke", runs, tmp_path / "out", rows="pcaf_context")
+    assert _line(paths["md"].read_text(), "PCAF-context").endswith("| 20,000 | 16,000 | 0.80 |")
+
+
 def test_accelerator_throughput_timed_to_the_launches_is_set_aside():
     """Records whose accelerator steps were timed only until their launches returned keep every other number; their
     tokens/s is not used, and the row's deviations say why. CPU records and records timed to the loss stand."""
