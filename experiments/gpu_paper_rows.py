@@ -268,9 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unpack", metavar="ARCHIVE", help=f"extract the run records of a {ARCHIVE_NAME} into "
                         "--into and stop")
     parser.add_argument("--into", default="docs/results/runs", help="where --unpack puts the records")
-    parser.add_argument("--compile-cache", default=str(CACHE_DIR.relative_to(REPO)), metavar="DIR",
-                        help="where the steps keep the compilers' caches, packed into <out>/" + CACHE_ARCHIVE +
-                        " after each row ('' for the compilers' defaults)")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help=f"where the steps keep the compilers' caches (default: {CACHE_DIR.name}/ in the "
+                        f"checkout), packed into <out>/{CACHE_ARCHIVE} after each row ('' for the compilers' "
+                        "defaults)")
     parser.add_argument("--unpack-cache", metavar="ARCHIVE", help=f"extract a {CACHE_ARCHIVE} into --compile-cache "
                         "and stop")
     parser.add_argument("--step-cost", default=None, help="tables to time first, comma-separated ('' for none; "
@@ -301,7 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         for run in unpack_records(Path(args.unpack), Path(args.into)):
             print(f"[gpu_paper_rows] unpacked {run}")
         return 0
-    cache_dir = (REPO / args.compile_cache).resolve() if args.compile_cache else None
+    if args.compile_cache is None:
+        cache_dir = CACHE_DIR
+    else:
+        cache_dir = (REPO / args.compile_cache).resolve() if args.compile_cache else None
     if args.unpack_cache:
         if cache_dir is None:
             raise SystemExit("--unpack-cache needs a --compile-cache folder to extract into")

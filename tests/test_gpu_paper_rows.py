@@ -15,6 +15,13 @@ from pcaf_core.record_check import check_run
 from pcaf_core.results import RunMetrics, write_metrics
 
 
+@pytest.fixture(autouse=True)
+def own_compile_cache(tmp_path: Path, monkeypatch) -> None:
+    """The default ``--compile-cache`` of every test here is its own folder: never this checkout's .compile_cache/,
+    which the runner packs after each step (a GPU session's unpacked caches are hundreds of MB)."""
+    monkeypatch.setattr(gpr, "CACHE_DIR", tmp_path / "default_compile_cache")
+
+
 def test_commands_name_the_device_scale_and_tokens_layout(tmp_path: Path) -> None:
     cmd = gpr.reproduce_command("wt2-nt-2048", "transformer_local", "paper", "cuda", tmp_path, "python3")
     assert cmd[:3] == ["python3", "-m", "experiments.reproduce"]
