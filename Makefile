@@ -97,4 +97,4 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff check pcaf_core backends benchmarks experiments paper_tables tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .test_cache

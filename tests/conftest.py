@@ -71,6 +71,19 @@ if not HAS_CUDA and _pinned_jaxlib() and "xla_backend_optimization_level" not in
 if not HAS_CUDA and _pinned_jaxlib() and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip()
 
+# JAX's persistent compilation cache, in this checkout's ignored .test_cache/jax/: JAX test time is mostly XLA
+# compilation of programs that another test, the other xdist worker, a test's subprocess or the previous run
+# compiled already (the same HLO from a new jit wrapper misses JAX's in-memory cache). Every program is kept
+# (thresholds 0; by default JAX keeps only those that took a second to compile): the JAX test files take about 40%
+# less time from the second run on, and the first run about as long as without the cache. XLA keys an entry on the
+# program, the compile options and flags, the jaxlib and the device, so a hit is the executable the compilation
+# would have made. No size cap: JAX's capped cache takes a file lock for every read and write, which cost the
+# suite more than the cache saved; `make clean` removes the folder (about 30 MB after a run). Not under
+# .compile_cache/, which experiments/gpu_paper_rows.py packs and carries. A variable the user set is kept; a fresh
+# clone starts empty. Set before JAX starts; subprocesses inherit it.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".test_cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 # Several tests start subprocesses that must import the project from this checkout.
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
