@@ -18,7 +18,7 @@ from pcaf_core.results import RunMetrics, write_metrics
 @pytest.fixture(autouse=True)
 def own_compile_cache(tmp_path: Path, monkeypatch) -> None:
     """The default ``--compile-cache`` of every test here is its own folder: never this checkout's .compile_cache/,
-    which the runner packs after each step (a GPU session's unpacked caches are hundreds of MB)."""
+    which the runner packs after each step and which holds whatever caches a GPU session unpacked there."""
     monkeypatch.setattr(gpr, "CACHE_DIR", tmp_path / "default_compile_cache")
 
 
