@@ -6,6 +6,7 @@ before ``triton`` is first imported, hence here.
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import os
 import re
@@ -14,6 +15,12 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The cycle collector at thresholds 50,000 / 50 / 50 instead of Python's 700 / 10 / 10. The tests allocate
+# containers by the million (Dynamo's and AOT autograd's traces, OmegaConf's node copies in every composition, JAX's
+# tracing), and at the default every 700 of them start a collection that also walks the young survivors. Only
+# cyclic garbage waits longer; everything else is freed when its last reference goes, as before.
+gc.set_threshold(50_000, 50, 50)
 
 # Under pytest-xdist (`make test` runs two workers on a 2-core machine) each worker, and every process it
 # starts, takes one intra-op thread: two workers of two threads each would fight over the cores.
