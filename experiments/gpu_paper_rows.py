@@ -5,10 +5,16 @@
     python3 -m experiments.gpu_paper_rows --unpack-cache compile_cache.tar.gz                  # here, after
     python3 -m experiments.gpu_paper_rows [--step-cost wt2-nt-1024,wt2-nt-2048] [--out DIR] [--budget-s S]
                                           [--scale paper] [--device cuda] [--override KEY=VALUE ...]
-                                          [--stop-on-failure] [--compile-cache DIR] TABLE/ROW ...
+                                          [--stop-on-failure] [--compile-cache DIR]
+                                          [--gpu-tests K_EXPR [--try-override KEY=VALUE --try-if-passed NAME]]
+                                          TABLE/ROW ...
 
 On the GPU machine (docs/EXPERIMENTS.md, "Paper rows on a GPU"), in order:
 
+0. with ``--gpu-tests K_EXPR``, the ``gpu`` tests that ``-k K_EXPR`` selects (``make test-gpu``; the log and a JUnit
+   report in ``<out>/gpu_tests.{log,xml}``, stopped after ``--gpu-tests-timeout``; :mod:`experiments.gpu_test_gate`).
+   Their outcome stops nothing, but ``--try-if-passed NAME`` uses the ``--try-override`` settings only where every
+   test whose id contains ``NAME`` passed;
 1. ``make step-cost TABLE=<t> SCALE=<scale>`` for each table of ``--step-cost`` (default: the tables of the rows
    given, else wt2-nt-1024 and wt2-nt-2048; none: ``--step-cost ''``), timing only the rows given of that table
    (every row of a table none of whose rows is given), with
@@ -26,6 +32,11 @@ On the GPU machine (docs/EXPERIMENTS.md, "Paper rows on a GPU"), in order:
 Back here, ``--unpack <out>/records.tar.gz --into docs/results/runs`` puts the records where the tables read
 them: only record files at ``<table>/<scale>/<torch|jax>/<row>/<run>/`` are accepted, and a record that already
 exists with other contents is refused, not overwritten.
+
+``--try-override KEY=VALUE``: a setting that cannot change a row's numbers (a field of
+:data:`pcaf_core.run_identity.NON_RESULT_FIELDS`, such as ``train.compile=cudagraphs``) with which each row is run
+first; where that run fails, the row is run again without it, as a new run (``--fresh``). The step costs are timed
+without it.
 
 ``--stop-on-failure``: once a row fails (its command exits non-zero, or leaves no completed run), the rows after
 it are not started; the line saying so names them.
@@ -69,8 +80,10 @@ import tarfile
 import time
 from pathlib import Path
 
+from experiments import gpu_test_gate as gate
 from experiments.detached import write_tar
 from pcaf_core.results import SCALES  # the standard library only, as this module needs
+from pcaf_core.run_identity import NON_RESULT_FIELDS  # the standard library too
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = REPO / ".gpu_site"
@@ -170,11 +183,12 @@ def step_cost_command(table: str, scale: str, device: str, csv_path: Path, pytho
 
 
 def reproduce_command(table: str, row: str, scale: str, device: str, output_root: Path, python: str,
-                      backend: str = "torch", extra: tuple[str, ...] = ()) -> list[str]:
-    """``extra``: Hydra overrides after ``data.layout=tokens`` (the same as the step cost's)."""
+                      backend: str = "torch", extra: tuple[str, ...] = (), fresh: bool = False) -> list[str]:
+    """``extra``: Hydra overrides after ``data.layout=tokens`` (the same as the step cost's); ``fresh``: a new run
+    whatever runs of the row ``output_root`` holds (``--fresh``)."""
     return [python, "-m", "experiments.reproduce", "--table", table, "--scale", scale, "--backend", backend,
-            "--rows", row, "--output-root", str(output_root), "--no-render", f"backend.device={device}",
-            "data.layout=tokens", *extra]
+            "--rows", row, "--output-root", str(output_root), "--no-render", *(["--fresh"] if fresh else []),
+            f"backend.device={device}", "data.layout=tokens", *extra]
 
 
 def copy_records(output_root: Path, table: str, scale: str, row: str, dest_root: Path,
@@ -290,11 +304,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a Hydra override for every step cost and row, e.g. train.compile=on (repeatable); "
                         "one that changes a row's numbers makes its runs extra runs, not the row's")
+    parser.add_argument("--gpu-tests", default="", metavar="K_EXPR",
+                        help="first run the gpu tests selected by this pytest -k expression (make test-gpu; "
+                        f"<out>/{gate.LOG_NAME}, <out>/{gate.JUNIT_NAME}); a failure does not stop the rows")
+    parser.add_argument("--gpu-tests-timeout", type=float, default=240.0, metavar="S",
+                        help="stop the gpu tests after S seconds (default 240)")
+    parser.add_argument("--try-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting that leaves a row's numbers as they are (one of "
+                        f"{', '.join(NON_RESULT_FIELDS)}), e.g. train.compile=cudagraphs: each row is run with it "
+                        "first and, where that run fails, again without it as a new run (repeatable)")
+    parser.add_argument("--try-if-passed", default="", metavar="NAME",
+                        help="use --try-override only where every test of --gpu-tests whose id contains NAME passed")
     args = parser.parse_args(argv)
     extra = tuple(args.override)
-    for item in extra:
-        if "=" not in item or " " in item:
-            raise SystemExit(f"--override {item!r} is not KEY=VALUE without spaces: e.g. --override train.compile=on")
+    tries = tuple(args.try_override)
+    for flag, items in (("--override", extra), ("--try-override", tries)):
+        for item in items:
+            if "=" not in item or " " in item:
+                raise SystemExit(f"{flag} {item!r} is not KEY=VALUE without spaces: e.g. {flag} train.compile=on")
+    for item in tries:
+        if item.partition("=")[0] not in NON_RESULT_FIELDS:
+            raise SystemExit(f"--try-override {item!r}: only a setting that cannot change a row's numbers is tried "
+                             f"and dropped ({', '.join(NON_RESULT_FIELDS)}); give others as --override")
+    if args.try_if_passed and not (args.gpu_tests and tries):
+        raise SystemExit("--try-if-passed needs --gpu-tests (the tests it reads) and --try-override (what it gates)")
     if args.make_site:
         print(f"{SITE}: {', '.join(make_site())}")
         return 0
@@ -324,6 +357,15 @@ def main(argv: list[str] | None = None) -> int:
         if variable in env:
             print(f"[gpu_paper_rows] {variable}={env[variable]}", flush=True)
     code = 0
+    if args.gpu_tests:
+        print(f"[gpu_paper_rows] gpu tests -k {args.gpu_tests!r} -> {out / gate.LOG_NAME}", flush=True)
+        rc, outcomes = gate.run_gpu_tests(args.gpu_tests, out, python, env, args.gpu_tests_timeout, REPO)
+        print(f"[gpu_paper_rows] {gate.summary(rc, outcomes)}", flush=True)
+        if args.try_if_passed:
+            passed, why = gate.gate(outcomes, args.try_if_passed)
+            print(f"[gpu_paper_rows] {why}: the rows run {'with' if passed else 'without'} "
+                  f"{' '.join(tries)}", flush=True)
+            tries = tries if passed else ()
     if args.step_cost is None:
         args.step_cost = ",".join(dict.fromkeys(t for t, _ in rows)) or ",".join(PAPER_TABLES)
     for table in [t for t in args.step_cost.split(",") if t]:
@@ -345,15 +387,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gpu_paper_rows] skipped {table}/{row}: predicted {need:.0f} s for its run, {left:.0f} s left",
                   flush=True)
             continue
-        cmd = reproduce_command(table, row, args.scale, device, output_root, python, args.backend, extra)
-        print(f"[gpu_paper_rows] {' '.join(cmd)}", flush=True)
-        rc = subprocess.call(cmd, cwd=REPO, env=env)
-        copied = copy_records(output_root, table, args.scale, row, out / "runs", args.backend)
-        packed = pack_records(out / "runs", out / ARCHIVE_NAME) if (out / "runs").is_dir() else 0
-        print(f"[gpu_paper_rows] {table}/{row}: exit {rc}, {len(copied)} completed run record(s) -> "
-              f"{', '.join(str(p) for p in copied) or 'none'}; {out / ARCHIVE_NAME}: {packed} file(s)", flush=True)
-        report_cache(cache_dir, out)
-        failed = rc or not copied
+        # With --try-override: the tried settings first; where that run fails, the row again without them, as a
+        # new run (--fresh: the failed run's resume view has the tried settings, so it cannot be continued).
+        attempts = [(extra + tries, False), (extra, True)] if tries else [(extra, False)]
+        for attempt, (overrides, fresh) in enumerate(attempts):
+            cmd = reproduce_command(table, row, args.scale, device, output_root, python, args.backend, overrides,
+                                    fresh)
+            print(f"[gpu_paper_rows] {' '.join(cmd)}", flush=True)
+            rc = subprocess.call(cmd, cwd=REPO, env=env)
+            copied = copy_records(output_root, table, args.scale, row, out / "runs", args.backend)
+            packed = pack_records(out / "runs", out / ARCHIVE_NAME) if (out / "runs").is_dir() else 0
+            print(f"[gpu_paper_rows] {table}/{row}: exit {rc}, {len(copied)} completed run record(s) -> "
+                  f"{', '.join(str(p) for p in copied) or 'none'}; {out / ARCHIVE_NAME}: {packed} file(s)",
+                  flush=True)
+            report_cache(cache_dir, out)
+            failed = rc or not copied
+            if not failed or attempt == len(attempts) - 1:
+                break
+            print(f"[gpu_paper_rows] {table}/{row} failed with {' '.join(tries)}: running it again without "
+                  "(--try-override)", flush=True)
         code = code or rc or (1 if failed else 0)
         if failed and args.stop_on_failure:
             left = [f"{t}/{r}" for t, r in rows[rows.index((table, row)) + 1:]]

@@ -264,3 +264,68 @@ def test_the_compilers_caches_are_kept_packed_after_each_row_and_unpacked(tmp_pa
     with pytest.raises(tarfile.FilterError):
         gpr.unpack_cache(unsafe, tmp_path / "third")
     assert not (tmp_path / "outside").exists()
+
+
+def _reproduce_that_fails_with(bad: str, output_root: Path, launched: list[list[str]]):
+    """A stand-in for ``experiments.reproduce``: a command carrying the override ``bad`` fails (exit 1, no record),
+    any other leaves a completed run of its row."""
+    def fake(cmd, **kwargs):
+        launched.append(cmd)
+        if bad in cmd:
+            return 1
+        table, row = cmd[cmd.index("--table") + 1], cmd[cmd.index("--rows") + 1]
+        _completed_run(output_root, table, row, f"seed1234-{len(list(output_root.rglob('metrics.json')))}")
+        return 0
+    return fake
+
+
+def test_a_tried_setting_is_dropped_for_a_row_whose_run_fails_with_it(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``--try-override``: each row runs with it first; where that fails, again without it as a new run
+    (``--fresh``), and the row counts as trained. A row that succeeds with it is not run twice."""
+    output_root, launched = tmp_path / "outputs", []
+    monkeypatch.setattr(gpr.subprocess, "call", _reproduce_that_fails_with("train.compile=cudagraphs", output_root,
+                                                                           launched))
+    common = ["--step-cost", "", "--scale", "paper", "--out", str(tmp_path / "out"), "--output-root",
+              str(output_root), "--override", "eval.full_batch_size=256"]
+    assert gpr.main([*common, "--try-override", "train.compile=cudagraphs", "wt2-nt-1024/transformer_local"]) == 0
+    first, second = launched
+    assert first[-2:] == ["eval.full_batch_size=256", "train.compile=cudagraphs"] and "--fresh" not in first
+    assert second[-1] == "eval.full_batch_size=256" and "--fresh" in second
+    assert ("wt2-nt-1024/transformer_local failed with train.compile=cudagraphs: running it again without "
+            "(--try-override)") in capsys.readouterr().out
+    assert len(list((tmp_path / "out" / "runs").rglob("metrics.json"))) == 1
+    launched.clear()
+    assert gpr.main([*common, "--try-override", "train.compile=on", "wt2-nt-2048/transformer_local"]) == 0
+    assert len(launched) == 1 and launched[0][-1] == "train.compile=on"
+
+
+def test_the_tried_setting_waits_for_its_gpu_tests(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``--try-if-passed``: the rows get the tried setting only where every gpu test matching the name passed;
+    the gpu tests run first, and their failure does not stop the rows."""
+    output_root, launched = tmp_path / "outputs", []
+    monkeypatch.setattr(gpr.subprocess, "call", _reproduce_that_fails_with("never", output_root, launched))
+    ran = []
+    common = ["--step-cost", "", "--out", str(tmp_path / "out"), "--output-root", str(output_root),
+              "--gpu-tests", "windowed_flex_cudagraph or agree_on_one_cuda_device", "--try-override",
+              "train.compile=cudagraphs", "--try-if-passed", "windowed_flex_cudagraph"]
+    name = "tests.test_torch_cuda_graphs::test_windowed_flex_cudagraph_step_trains_like_eager_on_cuda"
+    for outcome, graphs in (("passed", True), ("skipped", False), ("failed", False)):
+        outcomes = {f"{name}[transformer_local]": "passed", f"{name}[transformer_global_local]": outcome,
+                    "tests.test_cross_backend::test_torch_and_jax_agree_on_one_cuda_device[x]": "failed"}
+        monkeypatch.setattr(gpr.gate, "run_gpu_tests", lambda *a, o=outcomes, **k: ran.append(a[0]) or (1, o))
+        launched.clear()
+        assert gpr.main([*common, "wt2-nt-1024/transformer_global_local"]) == 0
+        assert ran[-1] == "windowed_flex_cudagraph or agree_on_one_cuda_device"
+        assert len(launched) == 1 and ("train.compile=cudagraphs" in launched[0]) is graphs
+        text = capsys.readouterr().out
+        assert "gpu tests: exit 1; " in text
+        assert f"the rows run {'with' if graphs else 'without'} train.compile=cudagraphs" in text
+
+
+def test_only_a_setting_that_keeps_the_numbers_can_be_tried(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="only a setting that cannot change a row's numbers"):
+        gpr.main(["--try-override", "train.lr=1e-3", "wt2-nt-1024/transformer_local"])
+    with pytest.raises(SystemExit, match="--try-if-passed needs --gpu-tests"):
+        gpr.main(["--try-override", "train.compile=cudagraphs", "--try-if-passed", "x", "wt2-nt-1024/local_conv"])
+    with pytest.raises(SystemExit, match="is not KEY=VALUE"):
+        gpr.main(["--try-override", "train.compile", "wt2-nt-1024/local_conv"])
