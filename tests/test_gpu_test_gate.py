@@ -39,11 +39,14 @@ def test_outcomes_of_a_real_junit_report_and_the_gate_they_give(tmp_path: Path) 
     """Each test of a report pytest wrote is passed, failed, error or skipped, by id; the gate opens only where
     every test matching the name passed and at least one did."""
     (tmp_path / "test_sample.py").write_text(TESTS)
+    (tmp_path / "test_needs_a_package.py").write_text("import a_package_this_machine_lacks\n")
     junit = tmp_path / "report.xml"
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_sample.py",
-                    f"--junitxml={junit}"], cwd=tmp_path, capture_output=True, check=False)
+                    "test_needs_a_package.py", f"--junitxml={junit}", "--continue-on-collection-errors"],
+                   cwd=tmp_path, capture_output=True, check=False)
     outcomes = gate.read_junit(junit)
     assert outcomes == {
+        "::test_needs_a_package": "error",  # a file that does not import: the other file's tests still ran
         "test_sample::test_graph_step_trains_like_eager": "passed",
         "test_sample::test_windowed_graph[local]": "passed",
         "test_sample::test_windowed_graph[global_local]": "failed",
@@ -57,7 +60,7 @@ def test_outcomes_of_a_real_junit_report_and_the_gate_they_give(tmp_path: Path) 
                                   "test_sample::test_windowed_graph[global_local] failed")
     assert gate.gate(outcomes, "skipped_without")[0] is False
     assert gate.gate(outcomes, "not_in_the_report") == (False, "no test matching 'not_in_the_report' ran")
-    assert gate.summary(1, outcomes) == "gpu tests: exit 1; 2 passed, 1 failed, 1 error, 1 skipped"
+    assert gate.summary(1, outcomes) == "gpu tests: exit 1; 2 passed, 1 failed, 2 error, 1 skipped"
     assert gate.read_junit(tmp_path / "absent.xml") == {}
     (tmp_path / "cut.xml").write_text("<testsuites><testsuite><testcase name=")  # a run killed mid-write
     assert gate.read_junit(tmp_path / "cut.xml") == {}
@@ -92,7 +95,8 @@ def test_the_command_is_the_gpu_tier_with_a_selection_and_a_report(tmp_path: Pat
     cmd = gate.gpu_tests_command("windowed_flex_cudagraph or agree", tmp_path / "r.xml", "python3")
     if cmd[0] == "make":
         assert cmd[:3] == ["make", "test-gpu", "GPU_PY=python3"]
-        assert cmd[3] == f"PYTEST_ARGS=-k 'windowed_flex_cudagraph or agree' --junitxml={tmp_path / 'r.xml'}"
+        assert cmd[3] == (f"PYTEST_ARGS=-k 'windowed_flex_cudagraph or agree' --junitxml={tmp_path / 'r.xml'} "
+                          "--continue-on-collection-errors")
     else:
         assert "-m" in cmd and "gpu" in cmd and cmd[cmd.index("-k") + 1] == "windowed_flex_cudagraph or agree"
     with pytest.raises(SystemExit, match="without quotes"):
