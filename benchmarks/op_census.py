@@ -55,6 +55,40 @@ def cuda_code_paths() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def custom_ops_as_shapes() -> Iterator[None]:
+    """Until the context ends, each ``pcaf::`` op returns zeros of the shapes, dtypes and strides its fake
+    implementation gives, without running its kernel; every other op runs as it is.
+
+    What an op is charged or counted depends on the shapes alone, and on the CUDA code paths no op's shape or choice
+    depends on a value (they read nothing back: tests/test_torch_cuda_graphs.py), so the step dispatches the same
+    ops on the same shapes as with the kernels run: tests/test_step_traffic.py compares the two. On a CPU the
+    kernels run under Triton's interpreter, which took 14 minutes for the three steps of :func:`eager_step` at the
+    paper shape (T=1024, batch 8). Zeros, not uninitialised memory: an index a kernel returns must stay in range
+    for the gathers that read it."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
+
+    def zeros_like_fake(t):
+        if not isinstance(t, FakeTensor):
+            return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).zero_()
+
+    class CustomOpShapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.namespace != "pcaf":
+                return func(*args, **kwargs)
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                out = func(*args, **kwargs)
+            return tree_map(zeros_like_fake, out)
+
+    with CustomOpShapes():
+        yield
+
+
+@contextlib.contextmanager
 def aten_forms() -> Iterator[None]:
     """Until the context ends, every choice of a fused ``pcaf::`` kernel over its ATen form is made for the ATen form,
     on any device: the head loss's 16-bit passes, dropout alone and fused with its neighbours, the memory read's
@@ -76,14 +110,16 @@ def aten_forms() -> Iterator[None]:
 @contextlib.contextmanager
 def eager_step(model: str = "PCAF-context", mode: str = "ar", precision: str = "bf16", T: int = 64, batch: int = 2,
                profile: str | None = None, fused: bool = True, device: str = "cpu",
-               scale: str = "paper") -> Iterator[Callable[[], None]]:
+               scale: str = "paper", kernels: bool = True) -> Iterator[Callable[[], None]]:
     """One more eager training step of ``model`` (``bench_cuda``'s case at ``T`` and ``batch``) ready to run: the
     backend built and warmed by two steps (the optimiser's state and the step's cached constants exist by then).
     Yields the function that runs it. On a CPU (``device="cpu"``) the tensors take the code paths a CUDA tensor
     takes (:func:`cuda_code_paths`) and the products go through ATen, as on CUDA, not the CPU's oneDNN path.
     ``profile``: another profile than the benchmark's (``reference_torch``, the paper's PyTorch code).
     ``fused=False``: ATen's forms instead of the fused kernels (:func:`aten_forms`). ``scale``: the widths of
-    another scale than the paper's (``bench_cuda``'s smoke runs)."""
+    another scale than the paper's (``bench_cuda``'s smoke runs). ``kernels=False``: the ``pcaf::`` ops give zeros
+    of their outputs' shapes instead of running (:func:`custom_ops_as_shapes`), for counts at large shapes on a
+    CPU."""
     from unittest import mock
 
     from backends.torch import cpu_gemm
@@ -103,7 +139,8 @@ def eager_step(model: str = "PCAF-context", mode: str = "ar", precision: str = "
     on_cpu = device == "cpu"
     with cuda_code_paths() if on_cpu else contextlib.nullcontext(), \
             aten_forms() if not fused else contextlib.nullcontext(), \
-            mock.patch.object(cpu_gemm, "onednn_on_this_cpu", lambda: False):
+            mock.patch.object(cpu_gemm, "onednn_on_this_cpu", lambda: False), \
+            custom_ops_as_shapes() if not kernels else contextlib.nullcontext():
         state = backend.init(cfg)
         for m in state.module.modules():  # the conv's form on CUDA (ConvBlock's "auto" shifts on CPUs only)
             if isinstance(m, ConvBlock) and m.conv_form == "auto":

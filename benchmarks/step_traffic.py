@@ -22,8 +22,11 @@ bytes bound it first.
     python -m benchmarks.step_traffic --bench-dir docs/results/bench_cuda  # floors at that run's rates
 
 On a CPU the step runs on CPU tensors taking the CUDA code paths (as ``benchmarks.op_census`` does), each
-``pcaf::`` op in its ATen form; the counts do not depend on the device. ``make bench-cuda`` counts the same on the
-GPU (its ``traffic`` section) and judges the bf16 step against the floor at the rates measured in the same run.
+``pcaf::`` op giving zeros of its outputs' shapes instead of running its kernel
+(:func:`benchmarks.op_census.custom_ops_as_shapes`: the same ops on the same shapes, a few seconds at the paper
+shape where Triton's interpreter took 14 minutes); the counts do not depend on the device. ``make bench-cuda``
+counts the same on the GPU, kernels run (its ``traffic`` section), and judges the bf16 step against the floor at
+the rates measured in the same run.
 """
 
 from __future__ import annotations
@@ -163,12 +166,16 @@ def summary(ops: list[OpTraffic], peaks: dict[str, float], bandwidth: float) -> 
 
 
 def count_step(precision: str = "bf16", T: int = 1024, batch: int = 8, fused: bool = True, device: str = "cpu",
-               model: str = "PCAF-context", mode: str = "ar", scale: str = "paper") -> list[OpTraffic]:
+               model: str = "PCAF-context", mode: str = "ar", scale: str = "paper",
+               kernels: bool = True) -> list[OpTraffic]:
     """The ops of one eager training step of ``bench_cuda``'s case (:func:`benchmarks.op_census.eager_step`; the
-    WikiText-2 paper shape, full AR, T=1024, batch 8 by default)."""
+    WikiText-2 paper shape, full AR, T=1024, batch 8 by default). ``kernels=False`` (a CPU): the ``pcaf::`` ops give
+    zeros of their outputs' shapes instead of running (:func:`benchmarks.op_census.custom_ops_as_shapes`), the same
+    ops charged the same bytes in a fraction of the time."""
     from benchmarks.op_census import eager_step
 
-    with eager_step(model, mode, precision, T, batch, fused=fused, device=device, scale=scale) as step:
+    with eager_step(model, mode, precision, T, batch, fused=fused, device=device, scale=scale,
+                    kernels=kernels) as step:
         mode_ = traffic_mode()
         with mode_:
             step()
@@ -200,10 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a bench_cuda run's folder: floors at its GEMM peaks and copy bandwidth")
     parser.add_argument("--top", type=int, default=15, help="how many ops to list")
     args = parser.parse_args(argv)
-    ops = count_step(args.precision, args.T, args.batch, fused=not args.aten_forms, mode=args.mode)
+    peaks, bandwidth = rates(args.bench_dir) if args.bench_dir else (None, None)  # before the count: fail first
+    ops = count_step(args.precision, args.T, args.batch, fused=not args.aten_forms, mode=args.mode, kernels=False)
     label = (f"PCAF-context {args.mode} {args.precision}, T={args.T}, batch {args.batch}, eager"
              + (", ATen passes" if args.aten_forms else ""))
-    peaks, bandwidth = rates(args.bench_dir) if args.bench_dir else (None, None)
     if peaks is not None:
         s = summary(ops, peaks, bandwidth)
         print(f"{label}: {s['ops']} ops, {s['read_gb']} GB read, {s['written_gb']} GB written, {s['gflop']} GFLOP; "

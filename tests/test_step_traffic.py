@@ -110,8 +110,23 @@ def test_the_fused_step_moves_fewer_bytes_in_fewer_ops(counted) -> None:
     assert {o.dtype for o in counted[("fp32", True)] if o.flops} == {"fp32"}
 
 
+def test_the_custom_ops_as_shapes_dispatch_what_their_kernels_do(counted) -> None:
+    """With each ``pcaf::`` op giving zeros of its outputs' shapes (the command line's count on a CPU), the step
+    dispatches the same ops, charged the same bytes and FLOPs, as with the kernels run under Triton's interpreter."""
+    for (precision, fused), ops in counted.items():
+        assert step_traffic.count_step(precision, T=16, batch=1, fused=fused, kernels=False) == ops
+    for precision in ("bf16", "fp32"):
+        assert (step_traffic.count_step(precision, T=16, batch=1, mode="nt", kernels=False)
+                == step_traffic.count_step(precision, T=16, batch=1, mode="nt"))
+
+
 def test_main_prints_floors_at_a_runs_rates(tmp_path: Path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(step_traffic, "count_step", lambda *a, **k: [OpTraffic("aten::mm", 10**9, 0, 10**12, "bf16")])
+    def count(*args, **kwargs):
+        assert (tmp_path / "bandwidth.csv").exists(), "the rates are read before the step is counted"
+        assert kwargs["kernels"] is False
+        return [OpTraffic("aten::mm", 10**9, 0, 10**12, "bf16")]
+
+    monkeypatch.setattr(step_traffic, "count_step", count)
     with pytest.raises(SystemExit, match="bandwidth.csv is missing"):
         write_csv(tmp_path / "gemm.csv", [{"gemm": "head", "dtype": d, "gflops": g}
                                           for d, g in (("fp32", 50_000), ("bf16", 500_000))])
