@@ -24,6 +24,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with pytest.MonkeyPatch.context() as mp:  # the run sets JAX's allocator setting: not for the tests after it
         mp.delenv(bench_cuda.JAX_PREALLOCATE, raising=False)
         mp.delenv(bench_cuda.TORCH_ALLOC_CONF, raising=False)
+        mp.delenv("TRITON_INTERPRET", raising=False)  # as `python -m benchmarks.bench_cuda --smoke` runs on a CPU
         assert bench_cuda.main(["--smoke", "--device", "cpu", "--out-dir", str(out)]) == 0
     return out
 
@@ -32,6 +33,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_smoke_run_writes_every_section(smoke_run: Path) -> None:
     for name in ("gemm", "bandwidth", "models", "routing", "profile", "traffic", "traffic_ops", "labels"):
         assert read_csv(smoke_run / f"{name}.csv"), name
+    assert not (smoke_run / "failures.csv").exists(), read_csv(smoke_run / "failures.csv")
     # The eager step's floor with the fused kernels and with ATen's passes, each precision, at this run's rates.
     traffic = {(r["model"], r["dtype"]): r for r in read_csv(smoke_run / "traffic.csv")}
     assert set(traffic) == {(m, d) for m in ("PCAF-context", "PCAF-context, ATen passes") for d in ("fp32", "bf16")}
