@@ -13,8 +13,9 @@ On the GPU machine (docs/EXPERIMENTS.md, "Paper rows on a GPU"), in order:
 
 0. with ``--gpu-tests K_EXPR``, the ``gpu`` tests that ``-k K_EXPR`` selects (``make test-gpu``; the log and a JUnit
    report in ``<out>/gpu_tests.{log,xml}``, stopped after ``--gpu-tests-timeout``; :mod:`experiments.gpu_test_gate`).
-   Their outcome stops nothing, but ``--try-if-passed NAME`` uses the ``--try-override`` settings only where every
-   test whose id contains ``NAME`` passed;
+   Their outcome stops nothing, but ``--try-if-passed NAME`` uses the ``--try-override`` settings for a row only
+   where every test whose id contains ``NAME`` passed (at least one); ``{row}`` in ``NAME`` is the row's name, so
+   that a test's case for a model gates that model's rows;
 1. ``make step-cost TABLE=<t> SCALE=<scale>`` for each table of ``--step-cost`` (default: the tables of the rows
    given, else wt2-nt-1024 and wt2-nt-2048; none: ``--step-cost ''``), timing only the rows given of that table
    (every row of a table none of whose rows is given), with
@@ -314,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{', '.join(NON_RESULT_FIELDS)}), e.g. train.compile=cudagraphs: each row is run with it "
                         "first and, where that run fails, again without it as a new run (repeatable)")
     parser.add_argument("--try-if-passed", default="", metavar="NAME",
-                        help="use --try-override only where every test of --gpu-tests whose id contains NAME passed")
+                        help="use --try-override for a row only where every test of --gpu-tests whose id contains "
+                        "NAME passed; {row} in NAME stands for the row's name, e.g. 'cudagraph_step[{row}]'")
     args = parser.parse_args(argv)
     extra = tuple(args.override)
     tries = tuple(args.try_override)
@@ -357,15 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         if variable in env:
             print(f"[gpu_paper_rows] {variable}={env[variable]}", flush=True)
     code = 0
+    outcomes: dict[str, str] = {}
     if args.gpu_tests:
         print(f"[gpu_paper_rows] gpu tests -k {args.gpu_tests!r} -> {out / gate.LOG_NAME}", flush=True)
         rc, outcomes = gate.run_gpu_tests(args.gpu_tests, out, python, env, args.gpu_tests_timeout, REPO)
         print(f"[gpu_paper_rows] {gate.summary(rc, outcomes)}", flush=True)
-        if args.try_if_passed:
-            passed, why = gate.gate(outcomes, args.try_if_passed)
-            print(f"[gpu_paper_rows] {why}: the rows run {'with' if passed else 'without'} "
-                  f"{' '.join(tries)}", flush=True)
-            tries = tries if passed else ()
     if args.step_cost is None:
         args.step_cost = ",".join(dict.fromkeys(t for t, _ in rows)) or ",".join(PAPER_TABLES)
     for table in [t for t in args.step_cost.split(",") if t]:
@@ -387,9 +385,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gpu_paper_rows] skipped {table}/{row}: predicted {need:.0f} s for its run, {left:.0f} s left",
                   flush=True)
             continue
+        row_tries = tries
+        if tries and args.try_if_passed:
+            passed, why = gate.gate(outcomes, args.try_if_passed.replace("{row}", row))
+            print(f"[gpu_paper_rows] {why}: {table}/{row} runs {'with' if passed else 'without'} "
+                  f"{' '.join(tries)}", flush=True)
+            row_tries = tries if passed else ()
         # With --try-override: the tried settings first; where that run fails, the row again without them, as a
         # new run (--fresh: the failed run's resume view has the tried settings, so it cannot be continued).
-        attempts = [(extra + tries, False), (extra, True)] if tries else [(extra, False)]
+        attempts = [(extra + row_tries, False), (extra, True)] if row_tries else [(extra, False)]
         for attempt, (overrides, fresh) in enumerate(attempts):
             cmd = reproduce_command(table, row, args.scale, device, output_root, python, args.backend, overrides,
                                     fresh)
@@ -404,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             failed = rc or not copied
             if not failed or attempt == len(attempts) - 1:
                 break
-            print(f"[gpu_paper_rows] {table}/{row} failed with {' '.join(tries)}: running it again without "
+            print(f"[gpu_paper_rows] {table}/{row} failed with {' '.join(row_tries)}: running it again without "
                   "(--try-override)", flush=True)
         code = code or rc or (1 if failed else 0)
         if failed and args.stop_on_failure:

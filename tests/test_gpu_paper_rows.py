@@ -300,26 +300,46 @@ def test_a_tried_setting_is_dropped_for_a_row_whose_run_fails_with_it(tmp_path: 
 
 
 def test_the_tried_setting_waits_for_its_gpu_tests(tmp_path: Path, monkeypatch, capsys) -> None:
-    """``--try-if-passed``: the rows get the tried setting only where every gpu test matching the name passed;
-    the gpu tests run first, and their failure does not stop the rows."""
+    """``--try-if-passed``: a row gets the tried setting only where every gpu test matching the name passed;
+    ``{row}`` in the name makes each model's test case gate that model's rows. The gpu tests run first, and their
+    failure does not stop the rows."""
     output_root, launched = tmp_path / "outputs", []
     monkeypatch.setattr(gpr.subprocess, "call", _reproduce_that_fails_with("never", output_root, launched))
     ran = []
-    common = ["--step-cost", "", "--out", str(tmp_path / "out"), "--output-root", str(output_root),
-              "--gpu-tests", "windowed_flex_cudagraph or agree_on_one_cuda_device", "--try-override",
-              "train.compile=cudagraphs", "--try-if-passed", "windowed_flex_cudagraph"]
     name = "tests.test_torch_cuda_graphs::test_windowed_flex_cudagraph_step_trains_like_eager_on_cuda"
-    for outcome, graphs in (("passed", True), ("skipped", False), ("failed", False)):
-        outcomes = {f"{name}[transformer_local]": "passed", f"{name}[transformer_global_local]": outcome,
-                    "tests.test_cross_backend::test_torch_and_jax_agree_on_one_cuda_device[x]": "failed"}
-        monkeypatch.setattr(gpr.gate, "run_gpu_tests", lambda *a, o=outcomes, **k: ran.append(a[0]) or (1, o))
+    rows = ["wt2-nt-1024/transformer_local", "wt2-nt-2048/transformer_global_local", "wt2-nt-2048/pcaf_no_cache"]
+
+    def run(gate_name: str, global_local: str) -> dict[str, bool]:
+        outcomes = {f"{name}[transformer_local]": "passed", f"{name}[transformer_global_local]": global_local,
+                    "tests.test_torch_cuda_graphs::test_losses_read_one_step_late_are_the_steps_own_on_cuda": "failed"}
+        monkeypatch.setattr(gpr.gate, "run_gpu_tests", lambda *a, **k: ran.append(a[0]) or (1, outcomes))
         launched.clear()
-        assert gpr.main([*common, "wt2-nt-1024/transformer_global_local"]) == 0
-        assert ran[-1] == "windowed_flex_cudagraph or agree_on_one_cuda_device"
-        assert len(launched) == 1 and ("train.compile=cudagraphs" in launched[0]) is graphs
-        text = capsys.readouterr().out
-        assert "gpu tests: exit 1; " in text
-        assert f"the rows run {'with' if graphs else 'without'} train.compile=cudagraphs" in text
+        assert gpr.main(["--step-cost", "", "--out", str(tmp_path / "out"), "--output-root", str(output_root),
+                         "--gpu-tests", "windowed_flex_cudagraph or losses_read_one_step_late", "--try-override",
+                         "train.compile=cudagraphs", "--try-if-passed", gate_name, *rows]) == 0
+        assert ran[-1] == "windowed_flex_cudagraph or losses_read_one_step_late" and len(launched) == len(rows)
+        return {cmd[cmd.index("--rows") + 1]: "train.compile=cudagraphs" in cmd for cmd in launched}
+
+    # One name for every row: all or nothing.
+    assert run("windowed_flex_cudagraph", "passed") == {
+        "transformer_local": True, "transformer_global_local": True, "pcaf_no_cache": True}
+    for outcome in ("skipped", "failed"):
+        assert set(run("windowed_flex_cudagraph", outcome).values()) == {False}
+    text = capsys.readouterr().out
+    assert "gpu tests: exit 1; " in text
+    assert ("1 of 2 test(s) matching 'windowed_flex_cudagraph' did not pass: "
+            f"{name}[transformer_global_local] failed: wt2-nt-1024/transformer_local runs without "
+            "train.compile=cudagraphs") in text
+    # Per row: the local case passed, so local attention's rows are tried as graphs; a row with no case of its own
+    # is not.
+    per_row = "windowed_flex_cudagraph_step_trains_like_eager_on_cuda[{row}]"
+    assert run(per_row, "skipped") == {
+        "transformer_local": True, "transformer_global_local": False, "pcaf_no_cache": False}
+    text = capsys.readouterr().out
+    assert ("1 test(s) matching 'windowed_flex_cudagraph_step_trains_like_eager_on_cuda[transformer_local]' passed: "
+            "wt2-nt-1024/transformer_local runs with train.compile=cudagraphs") in text
+    assert ("no test matching 'windowed_flex_cudagraph_step_trains_like_eager_on_cuda[pcaf_no_cache]' ran: "
+            "wt2-nt-2048/pcaf_no_cache runs without train.compile=cudagraphs") in text
 
 
 def test_only_a_setting_that_keeps_the_numbers_can_be_tried(tmp_path: Path) -> None:
