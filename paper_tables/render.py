@@ -357,11 +357,20 @@ def note_lines(report: Report) -> list[str]:
     the published CSV."""
     out = []
     here = measured_devices(report.agg)
+    peak = ("Peak MB (ours) is the training process's peak: CUDA max_memory_allocated on a GPU, the process's peak "
+            "RSS on a CPU.")
     if report.spec.paper_device and here and report.spec.paper_device not in here:
-        out.append(f"Two machines: the paper's Tok/s and Peak MB come from {report.spec.paper_device}, ours from "
-                   f"{here}. Compare ratios within a column, as the throughput claims do (one row against another "
-                   "on the same machine), not numbers across the two machines. Peak MB (ours) is the training "
-                   "process's peak: CUDA max_memory_allocated on a GPU, the process's peak RSS on a CPU.")
+        ours = here.split(" / ")
+        if len(ours) == 1:
+            out.append(f"Two machines: the paper's Tok/s and Peak MB come from {report.spec.paper_device}, ours from "
+                       f"{here}. Compare ratios within a column, as the throughput claims do (one row against "
+                       f"another on the same machine), not numbers across the two machines. {peak}")
+        else:  # our column spans machines too: within it, only rows of one machine compare
+            out.append(f"{len(ours) + 1} machines: the paper's Tok/s and Peak MB come from "
+                       f"{report.spec.paper_device}, ours from {here} (the Device(s) line says which row ran on "
+                       "which). Compare Tok/s and Peak MB only between rows that ran on the same machine, as the "
+                       "throughput claims do (a claim whose rows ran on different machines reads 'not measured'), "
+                       f"never across machines, ours included. {peak}")
     wall = next((c for c in report.spec.columns if c.metric == "wall_time_s" and c.published is None), None)
     if wall is not None:
         out.append(f"{wall.header} (ours): each row's whole run (its segments summed where it resumed): "

@@ -67,6 +67,10 @@ def test_table_renders_from_records_of_two_gpus(tmp_path: Path) -> None:
     assert (f"{GPUS['local_conv'][0]} (`local_conv`) / {GPUS['transformer_global_local'][0]} "
             f"(`transformer_global_local`)") in device_line
     assert "Runs read: 2 record(s)" in device_line
+    # Our column spans two GPUs: the note says only rows of one machine compare, ours included.
+    note = next(line for line in text.splitlines() if line.startswith("- 3 machines: "))
+    assert f"ours from {GPUS['local_conv'][0]} / {GPUS['transformer_global_local'][0]}" in note
+    assert "only between rows that ran on the same machine" in note and "Two machines" not in text
     assert (out / f"{TABLE}_smoke_torch_curves.png").stat().st_size > 0  # the learning curves from curve.csv
 
 
