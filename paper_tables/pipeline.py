@@ -62,8 +62,9 @@ def _device_caveat(spec, agg) -> str:
     here = measured_devices(agg)
     if not spec.paper_device or not here or spec.paper_device in here:
         return ""
-    several = " / " in here  # our rows themselves ran on more than one machine (each bar names its own)
-    return f"\n{'machines' if several else 'two machines'} (legend): compare orderings, not tokens/s"
+    if " / " in here:  # our rows themselves ran on more than one machine (each bar names its own)
+        return "\nours ran on several machines (see labels): compare bars of one machine"
+    return "\ntwo machines (legend): compare orderings, not tokens/s"
 
 
 def rows_tag(rows: str | None) -> str:

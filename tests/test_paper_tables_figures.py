@@ -129,7 +129,8 @@ def test_rows_from_two_machines_are_labelled_with_their_machine(tmp_path):
     ticks = [t.get_text() for t in plot_throughput(spec, aggs[TABLE], pubs).axes[0].get_xticklabels()]
     assert "PCAF-context [NVIDIA H100 80GB HBM3]" in ticks and "Local conv only [NVIDIA H200]" in ticks
     assert "PCAF no cache" in ticks  # no run: no machine
-    assert _device_caveat(spec, aggs[TABLE]) == "\nmachines (legend): compare orderings, not tokens/s"
+    assert _device_caveat(spec, aggs[TABLE]) == (
+        "\nours ran on several machines (see labels): compare bars of one machine")
     texts = {t.get_text() for t in plot_speed_quality(spec, aggs[TABLE], pubs).axes[0].texts}
     assert {"PCAF-context [NVIDIA H100 80GB HBM3]", "PCAF-context (paper)"} <= texts
     _run(root / TABLE / "smoke" / "torch" / "local_conv" / "s1", row="local_conv", device=gpus["pcaf_context"],
