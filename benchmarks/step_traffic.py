@@ -209,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     peaks, bandwidth = rates(args.bench_dir) if args.bench_dir else (None, None)  # before the count: fail first
     ops = count_step(args.precision, args.T, args.batch, fused=not args.aten_forms, mode=args.mode, kernels=False)
-    label = (f"PCAF-context {args.mode} {args.precision}, T={args.T}, batch {args.batch}, eager"
-             + (", ATen passes" if args.aten_forms else ""))
+    label = (f"PCAF-context {args.mode} {args.precision}, T={args.T}, batch {args.batch}, WikiText-2 paper shape, "
+             f"profile reference_torch, dropout 0.1, eager" + (", ATen passes" if args.aten_forms else "")
+             + ", CUDA code paths counted on CPU tensors")
     if peaks is not None:
         s = summary(ops, peaks, bandwidth)
         print(f"{label}: {s['ops']} ops, {s['read_gb']} GB read, {s['written_gb']} GB written, {s['gflop']} GFLOP; "
