@@ -71,6 +71,28 @@ class TrainingLoss(nn.Module):
         return self.module(tokens, targets, mode, need_log_probs=False, need_predictions=False).loss
 
 
+def _checked_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device`` this process can train on (``cpu``, or ``cuda``/``cuda:N`` with that CUDA
+    device present); otherwise a one-line ``ValueError`` saying what to use instead."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"backend.device={device}: the torch backend trains on cpu or cuda (cuda:N for one of "
+                         "several GPUs)")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "without CUDA"
+            raise ValueError(f"backend.device={device}: torch {torch.__version__} ({built}) sees no CUDA device on "
+                             "this machine: use backend.device=cpu, or run where a GPU and a CUDA build of torch are")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"backend.device={device}: this machine has {count} CUDA device(s), cuda:0 to "
+                             f"cuda:{count - 1}")
+    return dev
+
+
 @dataclass
 class TorchState:
     """Model (``module``), the training-loss callable (``wrapped``: :class:`TrainingLoss`, inside
@@ -106,7 +128,7 @@ class TorchBackend:
     def __init__(self, device: str | torch.device | None = None, *, rank: int = 0, world_size: int = 1) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.torch_device = torch.device(device)
+        self.torch_device = _checked_device(device)
         self.rank = rank
         self.world_size = world_size
         if self.torch_device.type == "cuda":
