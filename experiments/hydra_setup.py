@@ -21,6 +21,16 @@ from experiments.schema import BackendConfig, ExperimentConfig, register
 from pcaf_core.config_io import SECTIONS
 
 
+def _experiment_options(option: str) -> list[str]:
+    """What ``experiment=<option>`` could have named: the rows of its table (``<table>/<row>``) where the table
+    exists, else the tables. Hydra lists no options of a nested group."""
+    root = app.CONF_DIR / "experiment"
+    table = option.split("/", 1)[0]
+    if (root / table).is_dir():
+        return [f"{table}/{f.stem}" for f in sorted((root / table).glob("*.yaml")) if not f.stem.startswith("_")]
+    return [f"{t.name}/<row>" for t in sorted(root.iterdir()) if t.is_dir()]
+
+
 def ensure_hydra() -> None:
     """Initialise Hydra's compose API on the suite's config directory once per process."""
     register()
@@ -75,6 +85,8 @@ def one_line(exc: BaseException, override: str = "") -> str:
             head = f"{group}={option}: no such option in the config group {group}"
         else:
             head = _first_line(text).replace("In 'config': ", "")
+        if not options and missing and missing.group(1).startswith("experiment/"):
+            options = _experiment_options(missing.group(1).split("/", 1)[1])
         return head + (f"; available: {', '.join(options)}" if options else "; check the group and option name")
     if isinstance(exc, OverrideParseException):
         return (f"cannot parse the override {override or '(one of them)'} ({_first_line(text)}): write key=value, "

@@ -70,6 +70,17 @@ def test_config_errors_fail_before_training_and_name_the_key(override, key, tmp_
     assert not list(tmp_path.rglob("metrics.json"))  # nothing was trained
 
 
+@pytest.mark.parametrize("experiment,listed", [
+    ("wt2-nt-1024/pcaf_contxt", "wt2-nt-1024/pcaf_context, wt2-nt-1024/pcaf_no_cache"),  # the table's rows
+    ("wt2-nt-4096/pcaf_context", "wt2-nt-1024/<row>, wt2-nt-2048/<row>"),  # no such table: the tables
+])
+def test_an_unknown_experiment_lists_what_it_could_have_named(experiment, listed, tmp_path):
+    res = run_app([f"experiment={experiment}", "scale=smoke", f"output_root={tmp_path}"])
+    (line,) = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and line.startswith(f"config error: experiment={experiment}: no such option")
+    assert listed in line and "_base" not in line
+
+
 def test_table_driver_validates_every_row_before_training(tmp_path, capsys):
     from experiments.reproduce import main
 
