@@ -209,10 +209,15 @@ def row_machines(agg: pd.DataFrame, row: str) -> list[str]:
     return _unique([m for m in map(machine_of, agg.at[row, "devices"] or []) if m])
 
 
+def measured_machines(agg: pd.DataFrame) -> list[str]:
+    """The distinct devices the measured rows ran on, shortened for a legend (:func:`machine_of`), in row
+    order; [] when none."""
+    return _unique([m for row in agg.index for m in row_machines(agg, row)])
+
+
 def measured_devices(agg: pd.DataFrame) -> str:
-    """The devices the measured rows ran on, shortened for a legend (:func:`machine_of`), distinct ones joined
-    with ' / '; "" when none."""
-    return " / ".join(_unique([m for row in agg.index for m in row_machines(agg, row)]))
+    """:func:`measured_machines` joined with ' / '; "" when none."""
+    return " / ".join(measured_machines(agg))
 
 
 def _number(value: Any) -> float | None:

@@ -18,6 +18,7 @@ from paper_tables.collect import (
     collect_tables,
     extra_runs,
     measured_devices,
+    measured_machines,
     shown_root,
     unattributed_runs,
 )
@@ -62,7 +63,7 @@ def _device_caveat(spec, agg) -> str:
     here = measured_devices(agg)
     if not spec.paper_device or not here or spec.paper_device in here:
         return ""
-    if " / " in here:  # our rows themselves ran on more than one machine (each bar names its own)
+    if len(measured_machines(agg)) > 1:  # our rows themselves ran on more than one machine (each bar names its own)
         return "\nours ran on several machines (see labels): compare bars of one machine"
     return "\ntwo machines (legend): compare orderings, not tokens/s"
 

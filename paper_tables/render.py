@@ -23,7 +23,7 @@ from typing import Any
 import pandas as pd
 
 from paper_tables.claims import NOT_MEASURED, Verdict, claim_is_on_suite_rows
-from paper_tables.collect import LEARNING_BAR_DIVISOR, measured_devices
+from paper_tables.collect import LEARNING_BAR_DIVISOR, measured_devices, measured_machines
 from paper_tables.headline import headline_lines
 from paper_tables.published import published_value
 from paper_tables.record_notes import SHARED_MARK, claim_detail, record_lines
@@ -360,7 +360,7 @@ def note_lines(report: Report) -> list[str]:
     peak = ("Peak MB (ours) is the training process's peak: CUDA max_memory_allocated on a GPU, the process's peak "
             "RSS on a CPU.")
     if report.spec.paper_device and here and report.spec.paper_device not in here:
-        ours = here.split(" / ")
+        ours = measured_machines(report.agg)
         if len(ours) == 1:
             out.append(f"Two machines: the paper's Tok/s and Peak MB come from {report.spec.paper_device}, ours from "
                        f"{here}. Compare ratios within a column, as the throughput claims do (one row against "
