@@ -117,6 +117,20 @@ def make_site(dest: Path = SITE) -> list[str]:
     return copied
 
 
+STEP_PACKAGES = ("hydra", "omegaconf", "yaml")
+"""What every step cost and row imports beyond torch, JAX and numpy: :data:`SITE_PACKAGES` and PyYAML, which
+OmegaConf needs and the GPU image has."""
+
+
+def missing_packages(python: str, env: dict[str, str]) -> list[str]:
+    """The :data:`STEP_PACKAGES` that ``python`` cannot import in ``env`` (one interpreter start, well under a
+    second)."""
+    probe = ("import importlib.util, sys; "
+             "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))")
+    done = subprocess.run([python, "-c", probe, *STEP_PACKAGES], env=env, cwd=REPO, capture_output=True, text=True)
+    return done.stdout.split() if done.returncode == 0 else list(STEP_PACKAGES)
+
+
 def child_env() -> dict[str, str]:
     """The environment of every step: ``.gpu_site`` (when it exists) and the repository first on ``PYTHONPATH``."""
     env = dict(os.environ)
@@ -358,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     for variable, _ in CACHE_VARIABLES:
         if variable in env:
             print(f"[gpu_paper_rows] {variable}={env[variable]}", flush=True)
+    missing = missing_packages(python, env)
+    if missing:  # before the gpu tests' minutes: without them every step cost and row would fail at once
+        raise SystemExit(f"{python} cannot import {', '.join(missing)} with PYTHONPATH={env['PYTHONPATH']}: run "
+                         f"`.venv/bin/python -m experiments.gpu_paper_rows --make-site` in the project's checkout and "
+                         f"bring {SITE.name}/ along (the packages a step needs beside torch and JAX)")
     code = 0
     outcomes: dict[str, str] = {}
     if args.gpu_tests:

@@ -349,3 +349,25 @@ def test_only_a_setting_that_keeps_the_numbers_can_be_tried(tmp_path: Path) -> N
         gpr.main(["--try-override", "train.compile=cudagraphs", "--try-if-passed", "x", "wt2-nt-1024/local_conv"])
     with pytest.raises(SystemExit, match="is not KEY=VALUE"):
         gpr.main(["--try-override", "train.compile", "wt2-nt-1024/local_conv"])
+
+
+def test_a_machine_without_the_step_packages_is_told_before_anything_runs(tmp_path: Path, monkeypatch) -> None:
+    """Hydra, OmegaConf and PyYAML importable by the steps' interpreter, or one line saying to bring .gpu_site,
+    before the gpu tests or any row start."""
+    import os
+    import sys
+
+    assert gpr.missing_packages(sys.executable, dict(os.environ)) == []  # this project's environment has them
+    for name, script, missing in (("no_yaml", "echo yaml", ["yaml"]),  # the probe's answer: PyYAML not found
+                                  ("broken", "exit 1", list(gpr.STEP_PACKAGES))):  # no answer: none counts as found
+        python = tmp_path / name
+        python.write_text(f"#!/bin/sh\n{script}\n")
+        python.chmod(0o755)
+        assert gpr.missing_packages(str(python), dict(os.environ)) == missing
+    launched = []
+    monkeypatch.setattr(gpr.subprocess, "call", lambda cmd, **kw: launched.append(cmd) or 0)
+    monkeypatch.setattr(gpr.gate, "run_gpu_tests", lambda *a, **k: launched.append(a) or (0, {}))
+    monkeypatch.setattr(gpr, "missing_packages", lambda python, env: ["hydra", "omegaconf"])
+    with pytest.raises(SystemExit, match=r"cannot import hydra, omegaconf with PYTHONPATH=.*--make-site"):
+        gpr.main(["--step-cost", "", "--out", str(tmp_path / "out"), "--gpu-tests", "x", "wt2-nt-1024/local_conv"])
+    assert launched == []
