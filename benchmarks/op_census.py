@@ -4,11 +4,12 @@ An eager step on a GPU launches about one kernel per dispatched op, each from th
 (on an H100 the eager bf16 full-AR PCAF-context step was busy 9.2 of its 20.4 ms). This counts the ops of one
 eager training step (forward, backward, optimiser) at the WikiText-2 paper shape with a short T and batch (T=64,
 batch 2: T=16, batch 1 counts two ops fewer), with CPU tensors taking the code paths a CUDA tensor takes: the
-Triton candidate kernels (under the interpreter), gathered scores, the segmented key-gradient op, the head loss's
-kernels over 16-bit logits, dropout's mask kernel, the memory read's row and L2 normalisation kernels and the
-gate's and the addresses' kernels; the products through ATen rather than the CPU's oneDNN path, and the conv as
-``F.conv1d``. Counted are the ops that launch a kernel on a GPU (not views, aliases or allocations); a custom op
-such as a Triton kernel's counts as one.
+Triton candidate kernels, gathered scores, the segmented key-gradient op, the head loss's kernels over 16-bit
+logits, dropout's mask kernel, the memory read's row and L2 normalisation kernels and the gate's and the addresses'
+kernels; the products through ATen rather than the CPU's oneDNN path, and the conv as ``F.conv1d``. Counted are
+the ops that launch a kernel on a GPU (not views, aliases or allocations); a custom op such as a Triton kernel's
+counts as one. The command line runs each ``pcaf::`` op as the shapes of its outputs
+(:func:`custom_ops_as_shapes`: the same count, 5 s instead of 20 s under Triton's interpreter).
 
     python -m benchmarks.op_census                       # full-AR PCAF-context, bf16 and fp32
     python -m benchmarks.op_census --mode nt --top 30
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import os
 import sys
 from collections.abc import Callable, Iterator
 
@@ -157,10 +157,12 @@ def eager_step(model: str = "PCAF-context", mode: str = "ar", precision: str = "
 
 
 def census(model: str = "PCAF-context", mode: str = "ar", precision: str = "bf16", T: int = 64,
-           batch: int = 2, profile: str | None = None, fused: bool = True) -> collections.Counter[str]:
+           batch: int = 2, profile: str | None = None, fused: bool = True,
+           kernels: bool = True) -> collections.Counter[str]:
     """The ops that launch a kernel on CUDA, by schema name, of one eager training step (:func:`eager_step`, on CPU
     tensors taking the CUDA code paths). Left out: views, aliases, allocations and profiler marks
-    (:func:`launches_kernel`). A custom op (``pcaf::``) counts once: its own ops are not seen."""
+    (:func:`launches_kernel`). A custom op (``pcaf::``) counts once: its own ops are not seen. ``kernels=False``:
+    the ``pcaf::`` ops as shapes (:func:`custom_ops_as_shapes`), the same count without Triton's interpreter."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _Count(TorchDispatchMode):
@@ -173,7 +175,7 @@ def census(model: str = "PCAF-context", mode: str = "ar", precision: str = "bf16
                 self.count[func._schema.name] += 1
             return func(*args, **(kwargs or {}))
 
-    with eager_step(model, mode, precision, T, batch, profile, fused) as step, _Count() as counted:
+    with eager_step(model, mode, precision, T, batch, profile, fused, kernels=kernels) as step, _Count() as counted:
         step()
     return counted.count
 
@@ -200,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--aten-forms", action="store_true",
                         help="ATen's forms instead of the fused kernels (bench_cuda's 'ATen passes' case)")
     args = parser.parse_args(argv)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
     for precision in (("bf16", "fp32") if args.precision == "both" else (args.precision,)):
-        count = census(args.model, args.mode, precision, profile=args.profile, fused=not args.aten_forms)
+        count = census(args.model, args.mode, precision, profile=args.profile, fused=not args.aten_forms,
+                       kernels=False)
         label = f"{args.model} {args.mode} {precision}" + (f" {args.profile}" if args.profile else "") + (
             ", ATen passes" if args.aten_forms else "")
         print(f"{label}, eager, CUDA code paths: {sum(count.values())} ops a step")

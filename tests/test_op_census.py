@@ -14,6 +14,12 @@ def counts():
     return {p: op_census.census(precision=p, T=16, batch=1) for p in ("bf16", "fp32")}
 
 
+def test_the_command_line_s_count_without_the_kernels_is_the_same(counts) -> None:
+    """``python -m benchmarks.op_census`` counts with the ``pcaf::`` ops as shapes (no Triton interpreter)."""
+    for precision, count in counts.items():
+        assert op_census.census(precision=precision, T=16, batch=1, kernels=False) == count
+
+
 def test_the_census_takes_the_cuda_code_paths(counts) -> None:
     for count in counts.values():
         assert count["pcaf::ar_candidates"] == 1  # the Triton candidate kernel, not the CPU's selection
