@@ -174,18 +174,25 @@ def render_and_print(table: str, scale: str, backend: str, runs, out, *, profile
     for key, path in paths.items():
         if key != "md":
             print(path)
-    damaged = _damaged_rows(paths["csv"])
+    lines = _csv_rows(paths["csv"])
+    damaged = [line["row"] for line in lines if line["status"] == "damaged"]
     if damaged:
         print(f"{len(damaged)} row(s) rendered as damaged ({', '.join(damaged)}): see {paths['md']}", file=sys.stderr)
+    set_aside = {line["row"]: line["set_aside"] for line in lines if line["status"] == "missing" and line["set_aside"]}
+    if set_aside:
+        sets = sorted(set(set_aside.values()))
+        print(f"{len(set_aside)} row(s) missing whose runs are there with other settings ({', '.join(set_aside)}): "
+              f"they ran with {' | '.join(sets)}; give the same overrides to render them as the rows "
+              f"(notes of {paths['md']})", file=sys.stderr)
     print(paths["md"], flush=True)
     return 0
 
 
-def _damaged_rows(csv_path: Path) -> list[str]:
+def _csv_rows(csv_path: Path) -> list[dict[str, str]]:
     import csv
 
     with open(csv_path, newline="", encoding="utf-8") as fh:
-        return [line["row"] for line in csv.DictReader(fh) if line["status"] == "damaged"]
+        return list(csv.DictReader(fh))
 
 
 if __name__ == "__main__":

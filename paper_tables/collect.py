@@ -36,7 +36,7 @@ from pcaf_core.contention import describe as describe_sharing
 from pcaf_core.contention import shared as was_shared
 from pcaf_core.record_check import DAMAGED, UNVERIFIED, check_run
 from pcaf_core.results import METRICS_FILE, PAPER_BUDGET_SCALES, SCALES, RunMetrics, SchemaError, read_metrics
-from pcaf_core.run_identity import identity_digest, is_row_run, read_run_config
+from pcaf_core.run_identity import NON_RESULT_FIELDS, identity_digest, is_row_run, read_run_config
 from pcaf_core.run_record import THROUGHPUT_TIMED_TO_LOSS
 
 RUN_FIELDS = tuple(f.name for f in fields(RunMetrics))
@@ -280,8 +280,27 @@ def _unique(values: list[Any]) -> list[Any]:
     return out
 
 
+COMMAND_LINE = " (command line)"
+"""The suffix of a record's deviation that its command line set (``pcaf_core`` writes ``key=value (command line)``)."""
+
+
+def ran_with(deviations: list[str] | None) -> str:
+    """The overrides a run's command line gave that can change its numbers (``backend.device=gpu
+    data.layout=tokens``; :data:`~pcaf_core.run_identity.NON_RESULT_FIELDS` left out), from its record's
+    deviations; ``""`` when it recorded none."""
+    out = []
+    for d in deviations or []:
+        if d.endswith(COMMAND_LINE):
+            override = d.removesuffix(COMMAND_LINE)
+            if override.partition("=")[0] not in NON_RESULT_FIELDS:
+                out.append(override)
+    return " ".join(out)
+
+
 def _aggregate_row(sub: pd.DataFrame, row: RowSpec) -> dict[str, Any]:
+    set_aside = sub.iloc[0:0]
     if len(sub) and "role" in sub.columns:
+        set_aside = sub[(sub["role"] == "extra") & (sub["status"] != "damaged")]
         sub = sub[sub["role"] != "extra"]
     all_damaged = sub[sub["status"] == "damaged"] if len(sub) else sub
     sub = _dedupe_seeds(sub)
@@ -343,9 +362,15 @@ def _aggregate_row(sub: pd.DataFrame, row: RowSpec) -> dict[str, Any]:
         status, text = "running", f"running (step {r['steps_done']}/{planned})"
     elif len(failed):
         status, text = "failed", f"failed: {out['error']}"
+    elif len(set_aside):
+        status, text = "missing", f"missing ({len(set_aside)} run(s) with other settings set aside)"
     else:
         status, text = "missing", "missing"
     out["status"], out["status_text"] = status, text
+    # What the runs of this row that are not its runs ran with (sweep jobs, other overrides): what a renderer
+    # would have to be given to take them for the row, when the row has no run of its own.
+    out["set_aside"] = (_unique([ran_with(d) or "its config is not the row's" for d in set_aside["deviations"]])
+                        if status == "missing" else [])
     return out
 
 

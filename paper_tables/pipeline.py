@@ -19,6 +19,7 @@ from paper_tables.collect import (
     extra_runs,
     measured_devices,
     measured_machines,
+    ran_with,
     shown_root,
     unattributed_runs,
 )
@@ -110,11 +111,10 @@ def _extra_lines(extra, spec) -> list[str]:
     for _, run in extra.iterrows():
         if run["row"] not in spec.row_ids:
             continue
-        changed = [d.removesuffix(" (command line)") for d in run["deviations"] or [] if d.endswith("(command line)")]
+        overrides = ran_with(run["deviations"])
         lines.append(f"`{run['run_dir']}`: {run['row']}, {run['status']}"
                      + (f", best PPL {float(run['best_ppl']):.2f}" if run["best_ppl"] is not None else "")
-                     + (f"; differs from the row: {', '.join(changed)}" if changed else
-                        "; its config is not the row's composed config"))
+                     + (f"; ran with `{overrides}`" if overrides else "; its config is not the row's composed config"))
     return lines
 
 

@@ -91,12 +91,13 @@ def _num(value: float | None) -> str:
 def render_csv(report: Report) -> str:
     """One line per row: ids, status, then ``<key>_paper``, ``<key>_paper_std``, ``<key>_ours``,
     ``<key>_ours_std`` per column, all in the paper's unit for that column (see the spec), then the
-    learning bar, unigram PPL, profiles, deviations and error."""
+    learning bar, unigram PPL, profiles, deviations, error, and for a missing row what the runs of it that were set
+    aside ran with (``paper_tables.collect.ran_with``, ``;`` between distinct sets)."""
     spec = report.spec
     fields = ["row", "experiment", "model", "dataset", "seq_len", "status", "n_runs"]
     for col in spec.columns:
         fields += [f"{col.key}_paper", f"{col.key}_paper_std", f"{col.key}_ours", f"{col.key}_ours_std"]
-    fields += ["learning_bar", "unigram_ppl", "profiles", "deviations", "error"]
+    fields += ["learning_bar", "unigram_ppl", "profiles", "deviations", "error", "set_aside"]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
@@ -109,7 +110,7 @@ def render_csv(report: Report) -> str:
             "status": line["status"], "n_runs": int(line["n_runs"]),
             "learning_bar": line["learning_bar"], "unigram_ppl": _num(line["unigram_ppl"]),
             "profiles": ";".join(line["profiles"] or []), "deviations": "; ".join(line["deviations"] or []),
-            "error": line["error"],
+            "error": line["error"], "set_aside": "; ".join(line["set_aside"] or []),
         }
         for col in spec.columns:
             p = published_value(pub, row.published_key, col.published) if pub is not None else None

@@ -23,7 +23,7 @@ GPUS = {"local_conv": ("NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130)", "gpu-a"),
 
 
 @pytest.mark.slow
-def test_table_renders_from_records_of_two_gpus(tmp_path: Path) -> None:
+def test_table_renders_from_records_of_two_gpus(tmp_path: Path, capsys) -> None:
     outputs, records = tmp_path / "outputs", tmp_path / "docs_runs"
     # As the GPU rows run, with a command-line override (there: data.layout=tokens, which smoke scale already sets).
     assert reproduce_main(["--table", TABLE, "--scale", "smoke", "--rows", ",".join(ROWS), "--output-root",
@@ -44,12 +44,22 @@ def test_table_renders_from_records_of_two_gpus(tmp_path: Path) -> None:
 
     out = tmp_path / "tables"
     render = ["render", "--table", TABLE, "--scale", "smoke", "--backend", "torch", "--runs", str(records), "--out"]
-    # Without the override the runs are not the rows as the table defines them: listed, never rendered as rows.
+    # Without the override the runs are not the rows as the table defines them: listed, never rendered as rows,
+    # and the command says which override would render them.
+    capsys.readouterr()
     assert render_main([*render, str(tmp_path / "as_defined"), "--no-figures"]) == 0
     text = (tmp_path / "as_defined" / f"{TABLE}_smoke_torch.md").read_text()
-    assert sum(line.endswith("| missing |") for line in text.splitlines()) == 7
-    assert text.count(f"differs from the row: {OVERRIDE}") == 2
+    assert sum(line.endswith("| missing |") for line in text.splitlines()) == 5
+    assert sum(line.endswith("| missing (1 run(s) with other settings set aside) |")
+               for line in text.splitlines()) == 2
+    assert text.count(f"ran with `{OVERRIDE}`") == 2
+    err = capsys.readouterr().err
+    assert (f"2 row(s) missing whose runs are there with other settings ({', '.join(ROWS)}): they ran with "
+            f"{OVERRIDE}; give the same overrides") in err
+    csv_text = (tmp_path / "as_defined" / f"{TABLE}_smoke_torch.csv").read_text()
+    assert csv_text.splitlines()[0].endswith(",set_aside") and csv_text.count(f",{OVERRIDE}\n") == 2
     assert render_main([*render, str(out), OVERRIDE]) == 0
+    assert "with other settings" not in capsys.readouterr().err
     text = (out / f"{TABLE}_smoke_torch.md").read_text()
     shared = next(line for line in text.splitlines() if line.startswith("- All measured rows: "))
     assert f"; {OVERRIDE} (command line);" in shared

@@ -82,7 +82,7 @@ def test_a_sweep_job_newer_than_the_row_run_is_listed_not_rendered(tmp_path):
                deviations=["memory.top_k=4 (command line)"], curve=(900.0, 280.0))
     md = render_markdown(build_report(TABLE, "smoke", "torch", root))
     assert "300.00" in _line(md) and "280.00" not in _line(md)
-    assert f"`{job}`: pcaf_context, completed, best PPL 280.00; differs from the row: memory.top_k=4" in md
+    assert f"`{job}`: pcaf_context, completed, best PPL 280.00; ran with `memory.top_k=4`" in md
     # A caller that composed the row itself (experiments.reproduce) decides by the digests it passes.
     expected = {(TABLE, "pcaf_context"): [identity_digest(_changed(memory__top_k=4))]}
     assert "280.00" in _line(render_markdown(build_report(TABLE, "smoke", "torch", root, expected=expected)))

@@ -103,7 +103,7 @@ def test_a_sweep_into_the_same_outputs_is_never_taken_for_the_row_and_make_quote
     md = Path(res.stdout.strip().splitlines()[-1])
     assert md == outputs / "tables" / "wt2-nt-1024_smoke_torch_pcaf_context.md"
     assert f"{row_best:.2f}" in _pcaf_line(md) and f"{job_best:.2f}" not in _pcaf_line(md)
-    assert f"`{job}`: pcaf_context, completed, best PPL {job_best:.2f}; differs from the row: memory.top_k=4" \
+    assert f"`{job}`: pcaf_context, completed, best PPL {job_best:.2f}; ran with `memory.top_k=4`" \
         in md.read_text()
 
     res = _make("figures", "FIGURE_TABLES=wt2-nt-1024", "SCALE=smoke", f"OUTPUTS={outputs}")
