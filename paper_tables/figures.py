@@ -40,13 +40,15 @@ def _count_text(v: float) -> str:
 
 
 def save_figure(fig: Figure, stem: str | os.PathLike[str]) -> list[Path]:
-    """Write ``<stem>.png`` (150 dpi) and ``<stem>.pdf``; returns both paths. Figures use the
+    """Write ``<stem>.png`` (150 dpi) and ``<stem>.pdf`` (without a creation date); returns both paths. Figures use the
     constrained layout, so labels are kept inside the canvas without a tight bounding box."""
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".pdf")]
     for path in paths:
-        fig.savefig(path, dpi=150)
+        # No creation date in the PDF: the same records render the same bytes, so a re-render changes only the
+        # files whose figure changed.
+        fig.savefig(path, dpi=150, metadata={"CreationDate": None} if path.suffix == ".pdf" else None)
     return paths
 
 
@@ -138,11 +140,49 @@ def measured_settings(spec: TableSpec, agg: pd.DataFrame) -> dict[str, str]:
     return out
 
 
+FOCUS_AFTER = 0.1
+"""The learning curves' vertical axis starts at the rows' best-so-far PPL once each row has trained this share of
+its x range (the paper's curve figures do the same: the axis "focuses on the competitive perplexity regime after the
+initial high-loss transient"), so the late differences between rows are not flattened by a first evaluation that
+sits near the vocabulary size."""
+FOCUS_MIN_POINTS = 3
+"""The focus applies only when every line of the panel has at least this many evaluations from
+:data:`FOCUS_AFTER` on; a curve of two or three evaluations keeps the full range (cutting it would leave one
+point)."""
+
+
+def focused_limits(means: list[pd.Series]) -> tuple[float, float, float] | None:
+    """``(x_left, y_bottom, y_top)`` of a panel of best-so-far curves ``means`` (each indexed by training done,
+    non-increasing) that leaves out their initial transient, or None where the full range should stay: fewer
+    than :data:`FOCUS_MIN_POINTS` evaluations from :data:`FOCUS_AFTER` of a line's training on, or nothing above
+    the focused top to cut. The top is the highest of the lines' values at their first evaluation from
+    :data:`FOCUS_AFTER` of their own training on, the bottom the lowest value, ``x_left`` the earliest of those
+    first evaluations; each with a margin for a log axis."""
+    tops, bottoms, lefts, highest = [], [], [], 0.0
+    for mean in means:
+        mean = mean.dropna()
+        if mean.empty:
+            continue
+        after = mean[mean.index >= FOCUS_AFTER * float(mean.index[-1])]  # training done counts from zero
+        if len(after) < FOCUS_MIN_POINTS:
+            return None
+        tops.append(float(after.iloc[0]))
+        lefts.append(float(after.index[0]))
+        bottoms.append(float(mean.min()))
+        highest = max(highest, float(mean.max()))
+    if not tops:
+        return None
+    top = max(tops) * 1.06
+    return (min(lefts) / 1.25, min(bottoms) / 1.06, top) if top < highest else None
+
+
 def plot_learning_curves(spec: TableSpec, curves: dict[str, list[pd.Series]], title: str = "",
                          measured: dict[str, str] | None = None, x: str = "step") -> Figure:
     """Best-so-far validation PPL against ``x`` (the curves' index, a :data:`CURVE_AXES` key; log scale
     for tokens and windows, which differ by orders of magnitude between rows); one panel per row group
-    (titled with the paper's group and, from ``measured``, what the runs actually used), one line per row."""
+    (titled with the paper's group and, from ``measured``, what the runs actually used), one line per row. A
+    panel leaves out the first evaluations' transient where :func:`focused_limits` says so, and its PPL axis's
+    label says it did."""
     groups: list[str] = []
     for row in spec.rows:
         if row.group not in groups:
@@ -153,11 +193,12 @@ def plot_learning_curves(spec: TableSpec, curves: dict[str, list[pd.Series]], ti
     axes = fig.subplots(nrows, ncols, squeeze=False)
     for i, group in enumerate(groups):
         ax = axes[i // ncols][i % ncols]
-        drawn = 0
+        drawn, means = 0, []
         for row in spec.rows:
             if row.group != group or row.id not in curves:
                 continue
             mean = _mean_curve(curves[row.id])
+            means.append(mean)
             n = len(curves[row.id])
             # A marker and dash pattern per line: rows with identical curves (same network, same
             # init) stay visible on top of each other.
@@ -171,9 +212,15 @@ def plot_learning_curves(spec: TableSpec, curves: dict[str, list[pd.Series]], ti
         ax.set_ylabel("best-so-far validation PPL")
         if drawn:
             ax.set_yscale("log")
+            focus = focused_limits(means)
+            if focus is not None:  # the lines' first evaluations lie above and left of the axes
+                ax.set_ylim(*focus[1:])
+                ax.set_ylabel(f"best-so-far validation PPL\n(from {FOCUS_AFTER:.0%} of training on)")
             _log_ticks(ax, "y")
             if x != "step":
                 ax.set_xscale("log")
+                if focus is not None:
+                    ax.set_xlim(left=focus[0])
                 _log_ticks(ax, "x", unit="count")
             ax.legend(fontsize=7)
         else:
@@ -262,8 +309,8 @@ def _point_names(spec: TableSpec, row_ids: list[str]) -> dict[str, str]:
 
 def _log_ticks(ax: Any, axis: str, unit: str = "") -> None:
     """Plain numbers on a log axis (``200``, ``3k``, ``1.2M``), at 1-2-5 steps (decades past a factor of 1,000);
-    at finer steps (30, 40, 60 …) when the axis spans less than a factor of 20, so a reader can read values
-    between 50 and 100. Call it after the axis limits are set."""
+    at finer steps (30, 40, 60 …) when the axis spans less than a factor of 20 (x: 5), and finer again (250, 350)
+    below a factor of 4, so a reader can read values between the labels. Call it after the axis limits are set."""
     from matplotlib.ticker import LogLocator, NullFormatter
 
     def fmt(v: float, _pos: Any = None) -> str:
@@ -272,8 +319,11 @@ def _log_ticks(ax: Any, axis: str, unit: str = "") -> None:
     target = ax.xaxis if axis == "x" else ax.yaxis
     lo, hi = ax.get_xlim() if axis == "x" else ax.get_ylim()
     span = hi / max(lo, 1e-300)
-    # Decades only past a factor of 1,000: 1-2-5 labels over four or more decades run into each other.
-    subs = (1.0,) if span >= 1e3 else (1.0, 2.0, 5.0) if span >= 20 else (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+    # Decades only past a factor of 1,000: 1-2-5 labels over four or more decades run into each other. The
+    # finer steps only where the labels fit: on the y axis, and on the wider x labels below a factor of 5.
+    fine = span < (5 if axis == "x" else 20)
+    subs = ((1.0,) if span >= 1e3 else (1.0, 2.0, 5.0) if not fine else (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+            if span >= 4 else (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0))
     target.set_major_locator(LogLocator(base=10, subs=subs))
     target.set_major_formatter(FuncFormatter(fmt))
     target.set_minor_formatter(NullFormatter())
@@ -333,9 +383,11 @@ def _speed_quality_panel(ax: Any, spec: TableSpec, points: list, legend: bool, a
     ax.set_ylim(min(ys) / 1.15, max(ys) * 1.35)
     _log_ticks(ax, "x", unit="count")
     _log_ticks(ax, "y")
-    if legend:
-        ax.scatter([], [], s=36, color="0.35", label="measured (filled)")
-        ax.scatter([], [], s=36, facecolors="white", edgecolors="0.35", label="paper (hollow)")
+    if legend:  # each side's machine, as the throughput figure's legend names them: the x axis is tokens/s
+        here = measured_devices(agg)
+        ax.scatter([], [], s=36, color="0.35", label=f"measured (filled): {here}" if here else "measured (filled)")
+        ax.scatter([], [], s=36, facecolors="white", edgecolors="0.35",
+                   label=f"paper (hollow): {spec.paper_device}" if spec.paper_device else "paper (hollow)")
         ax.legend(fontsize=8, loc="best")
     return labels
 

@@ -15,6 +15,7 @@ from paper_tables.figures import (
     load_curves,
     measured_settings,
     plot_learning_curves,
+    plot_speed_quality,
     plot_sweep,
     plot_throughput,
     save_figure,
@@ -111,6 +112,10 @@ def test_throughput_figure_names_both_machines(tmp_path):
     assert labels == ["measured: cpu (torch 2.13.0+cpu, 2 threads)", "paper: one RTX 3060, PyTorch"]
     assert fig.axes[0].get_yscale() == "log"  # ours ~1K beside the paper's 80K-500K tokens/s
     _assert_png_pdf(*save_figure(fig, tmp_path / "throughput"))
+    # The speed-vs-quality figure's x axis is tokens/s too: its legend names the same machines.
+    fig = plot_speed_quality(spec, agg, {TABLE: load_published(TABLE)})
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["measured (filled): cpu (torch 2.13.0+cpu, 2 threads)", "paper (hollow): one RTX 3060, PyTorch"]
 
 
 def test_rows_from_two_machines_are_labelled_with_their_machine(tmp_path):
@@ -171,6 +176,55 @@ def test_next_token_curves_are_drawn_against_windows_seen(tmp_path):
     append_curve_row(root / TABLE / "smoke" / "torch" / "pcaf_context" / "s1", {"step": 20, "eval_ppl_reference": 40.0})
     _, aggs = collect_tables(root, [TABLE], "smoke", "torch")
     assert curve_axis(spec, aggs[TABLE]) == "step"  # one evaluation without a token count
+
+
+def _falling(first: float, later: list[float], step: int) -> pd.Series:
+    return pd.Series([first, *later], index=[step // 500, *range(step, step * (len(later) + 1), step)]).cummin()
+
+
+def test_learning_curves_leave_out_the_first_evaluations_transient():
+    """As the paper's curve figures: a first evaluation near the vocabulary size (here 20,000) would flatten the
+    late differences between rows into a sliver; the PPL axis starts at 10% of training, from a factor of 1.06
+    above the highest line there, and says so. The x axis starts at the earliest of those evaluations."""
+    from paper_tables.figures import focused_limits
+
+    spec = get_table(TABLE)
+    curves = {"pcaf_context": [_falling(4000.0, [600.0, 400.0, 300.0, 250.0, 240.0], 32_000)],
+              "transformer_dense": [_falling(20000.0, [700.0, 500.0, 450.0, 420.0, 410.0], 16_000)]}
+    assert focused_limits([c[0] for c in curves.values()]) == pytest.approx((16_000 / 1.25, 240.0 / 1.06, 700.0 * 1.06))
+    fig = plot_learning_curves(spec, curves, x="windows")
+    ax = next(a for a in fig.axes if a.get_visible())
+    assert ax.get_ylim() == pytest.approx((240.0 / 1.06, 700.0 * 1.06))
+    assert ax.get_xlim()[0] == pytest.approx(16_000 / 1.25)
+    assert ax.get_ylabel() == "best-so-far validation PPL\n(from 10% of training on)"
+    labels = [t.get_text() for t in ax.get_yticklabels() if 240 / 1.06 <= t.get_position()[1] <= 742]
+    assert labels == ["250", "300", "350", "400", "500", "600", "700"]  # every 50 below a factor of 4
+
+
+def test_learning_curves_of_few_evaluations_keep_the_full_range():
+    """Two evaluations (the cpu-scale tables' first and last) or a transient that is not above the rest: the axis
+    is left as matplotlib chooses, with every point on it."""
+    from paper_tables.figures import focused_limits
+
+    two = pd.Series([3000.0, 400.0], index=[32, 8000])
+    assert focused_limits([two]) is None
+    assert focused_limits([two, _falling(4000.0, [600.0, 400.0, 300.0], 32_000)]) is None
+    flat = pd.Series([500.0, 500.0, 480.0, 470.0], index=[1, 100, 200, 300])
+    assert focused_limits([flat]) is None
+    fig = plot_learning_curves(get_table(TABLE), {"pcaf_context": [two]}, x="windows")
+    ax = next(a for a in fig.axes if a.get_visible())
+    assert ax.get_ylim()[0] < 400.0 < 3000.0 < ax.get_ylim()[1]
+    assert ax.get_ylabel() == "best-so-far validation PPL"
+
+
+def test_a_figure_renders_to_the_same_bytes_twice(tmp_path):
+    """No creation date in the PDF: re-rendering unchanged records leaves the committed files unchanged."""
+    spec = get_table(TABLE)
+    curves = {"pcaf_context": [_falling(4000.0, [600.0, 400.0, 300.0], 32_000)]}
+    first = save_figure(plot_learning_curves(spec, curves, x="windows"), tmp_path / "a")
+    second = save_figure(plot_learning_curves(spec, curves, x="windows"), tmp_path / "b")
+    for a, b in zip(first, second):
+        assert a.read_bytes() == b.read_bytes()
 
 
 def test_cli_rejects_unknown_table_with_the_valid_names(capsys):
