@@ -120,10 +120,30 @@ NEGATED = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "~=": "!~="}
 """The relation a pair of values has when ``op`` does not hold for it (what the detail prints)."""
 
 
+def margin(left: float, target: float) -> str:
+    """How far ``left`` is from ``target`` (the claim's ``factor * right``), either way: ``0.32%``, ``14%``, and
+    past a factor of 2 the factor (``14.9x``); ``""`` where a value is NaN, zero or of another sign."""
+    if math.isnan(left) or math.isnan(target) or left * target <= 0:
+        return ""
+    ratio = max(left / target, target / left)
+    return f"{ratio:.3g}x" if ratio >= 2 else f"{100 * (ratio - 1):.2g}%"
+
+
+def _by(pairs: list[tuple[float, float]], closest: bool) -> str:
+    """`` (by 1.4%)`` for one pair, `` (closest by 0.32%)`` for the nearest of several, so that a verdict resting
+    on a fraction of a percent (from one seed a row, say) reads as the close call it is."""
+    margins = [(max(lv / t, t / lv), margin(lv, t)) for lv, t in pairs if margin(lv, t)]
+    if not margins:
+        return ""
+    return f" ({'closest ' if closest and len(pairs) > 1 else ''}by {min(margins)[1]})"
+
+
 def _judge(claim: Claim, spec: TableSpec, lookup) -> tuple[str, str]:
     """Verdict and detail. The detail states the relation the values have: ``a=1 < b=2`` when every pair
     satisfies the claim, ``a=3 >= b=2`` when none does, and one ``;``-separated pair per right-hand row
-    otherwise, so a reader never sees the claim's operator between numbers that contradict it."""
+    otherwise, so a reader never sees the claim's operator between numbers that contradict it. An order claim's
+    detail adds how far the values are from the claim's boundary (:func:`margin`): the closest pair's margin in
+    the first two forms, each pair's in the third."""
     left = [(ref, lookup(*resolve_ref(ref, spec.name), claim.metric)) for ref in claim.left]
     right = [(ref, lookup(*resolve_ref(ref, spec.name), claim.metric)) for ref in claim.right]
     absent = [ref for ref, v in (*left, *right) if v is None]
@@ -133,14 +153,20 @@ def _judge(claim: Claim, spec: TableSpec, lookup) -> tuple[str, str]:
     factor = f"{claim.factor:g} x " if claim.factor != 1.0 else ""
     tol = f" (tol {claim.tol:.0%})" if claim.op == "~=" else ""
     ok = all(held.values())
+    order = claim.op != "~="  # a tolerance claim states its tolerance instead
+
+    def by(pairs, closest=True):
+        return _by([(lv, claim.factor * rv) for lv, rv in pairs], closest) if order else ""
+
     if ok or not any(held.values()):
         op = claim.op if ok else NEGATED[claim.op]
         detail = (", ".join(f"{ref}={_fmt(v)}" for ref, v in left) + f" {op} {factor}"
-                  + ", ".join(f"{ref}={_fmt(v)}" for ref, v in right) + tol)
+                  + ", ".join(f"{ref}={_fmt(v)}" for ref, v in right) + tol
+                  + by([(lv, rv) for _, lv in left for _, rv in right]))
     else:
         detail = "; ".join(
             f"{lr}={_fmt(lv)} {claim.op if held[lr, rr] else NEGATED[claim.op]} {factor}{rr}={_fmt(rv)}"
-            for lr, lv in left for rr, rv in right) + tol
+            + by([(lv, rv)], closest=False) for lr, lv in left for rr, rv in right) + tol
     return (HOLDS if ok else FAILS), detail
 
 

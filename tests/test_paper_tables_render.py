@@ -107,7 +107,7 @@ def test_claim_verdicts_from_measured_numbers(runs):
     assert verdicts["cache_helps"].measured_detail.startswith("below the learning bar: pcaf_no_cache (measured ")
     assert "pcaf_no_cache=350" in verdicts["cache_helps"].measured_detail
     assert verdicts["beats_local_conv"].measured == FAILS  # 305 > 250 (local conv has no unigram PPL: not gated)
-    assert verdicts["beats_local_conv"].measured_detail == "pcaf_context=305 >= local_conv=250"
+    assert verdicts["beats_local_conv"].measured_detail == "pcaf_context=305 >= local_conv=250 (by 22%)"
     assert verdicts["gate_helps"].measured == NOT_MEASURED  # no gate failed
     assert "pcaf_no_gate" in verdicts["gate_helps"].measured_detail
     assert verdicts["beats_attention"].measured == NOT_MEASURED  # dense missing, local running
@@ -123,11 +123,11 @@ def test_claim_detail_states_the_relation_the_numbers_have():
     def judge(values):
         return _judge(claim, spec, lambda table, row, key: values[row])
 
-    assert judge({"a": 1.0, "b": 2.0, "c": 3.0}) == (HOLDS, "a=1 < b=2, c=3")
-    assert judge({"a": 4.0, "b": 2.0, "c": 3.0}) == (FAILS, "a=4 >= b=2, c=3")
-    assert judge({"a": 2.5, "b": 2.0, "c": 3.0}) == (FAILS, "a=2.5 >= b=2; a=2.5 < c=3")
+    assert judge({"a": 1.0, "b": 2.0, "c": 3.0}) == (HOLDS, "a=1 < b=2, c=3 (closest by 2x)")
+    assert judge({"a": 4.0, "b": 2.0, "c": 3.0}) == (FAILS, "a=4 >= b=2, c=3 (closest by 33%)")
+    assert judge({"a": 2.5, "b": 2.0, "c": 3.0}) == (FAILS, "a=2.5 >= b=2 (by 25%); a=2.5 < c=3 (by 20%)")
     throughput = Claim(id="t", text="", left=("a",), op=">", right=("b",), metric="tok_s", factor=0.5)
-    assert _judge(throughput, spec, lambda t, r, k: {"a": 10.0, "b": 30.0}[r]) == (FAILS, "a=10 <= 0.5 x b=30")
+    assert _judge(throughput, spec, lambda t, r, k: {"a": 10.0, "b": 30.0}[r]) == (FAILS, "a=10 <= 0.5 x b=30 (by 50%)")
 
 
 def test_quality_claims_need_every_row_over_the_bar_and_throughput_claims_do_not(runs):
@@ -164,7 +164,7 @@ def test_throughput_claims_need_one_machine_and_quality_claims_do_not(tmp_path):
     assert verdict.measured == NOT_MEASURED
     assert verdict.measured_detail == (f"rows from different machines, not comparable: pcaf_context on {h100}; "
                                        f"local_conv on {h200} (measured pcaf_context=30,000 > 0.5 x "
-                                       "local_conv=40,000)")
+                                       "local_conv=40,000 (by 50%))")
 
 
 def test_cross_table_claim_reads_the_other_table(tmp_path):
