@@ -436,8 +436,8 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def plot_sweep(df: pd.DataFrame, x: str, y: str = "best_ppl", title: str = "") -> Figure:
-    """``y`` (mean ± std over runs) vs the swept value ``x``.
+def plot_sweep(df: pd.DataFrame, x: str, y: str = "best_ppl", title: str = "", ylabel: str = "") -> Figure:
+    """``y`` (mean ± std over runs; its axis labelled ``ylabel``, default ``y``) vs the swept value ``x``.
 
     ``df`` holds one line per completed run with columns ``x`` and ``y`` (e.g. from
     :func:`paper_tables.sweep.load_sweep`); rows where ``y`` is absent are ignored. Numeric sweep values
@@ -463,6 +463,7 @@ def plot_sweep(df: pd.DataFrame, x: str, y: str = "best_ppl", title: str = "") -
         ax.errorbar(pos, stats["mean"], yerr=stats["std"].fillna(0.0), marker="o", capsize=3)
         for p, (m, n) in zip(pos, zip(stats["mean"], stats["count"])):
             ax.annotate(f"n={int(n)}", (p, m), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.margins(x=0.08)  # room for the last point's run count
         if numeric:
             positive = [v for v in xs if v > 0]
             if len(positive) == len(xs) and max(xs) / min(xs) >= 8:
@@ -471,6 +472,6 @@ def plot_sweep(df: pd.DataFrame, x: str, y: str = "best_ppl", title: str = "") -
         else:
             ax.set_xticks(pos, [str(v) for v in xs])
     ax.set_xlabel(x)
-    ax.set_ylabel(y)
+    ax.set_ylabel(ylabel or y)
     ax.set_title(title or f"{y} vs {x}", fontsize=10 if "\n" not in title else 7)
     return fig

@@ -19,13 +19,19 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from paper_tables.collect import load_runs, shown_root
+from paper_tables.collect import load_runs, machine_of, shown_root
 from paper_tables.figures import plot_sweep, save_figure
 
 CONFIG_NAMES = ("config.yaml", os.path.join(".hydra", "config.yaml"))
 OVERRIDES_NAME = os.path.join(".hydra", "overrides.yaml")
 SWEEP_METRICS = ("best_ppl", "final_ppl", "acc_at_best", "acc_param_at_best", "full_ppl", "tokens_per_sec",
                  "peak_mem_mb", "params")
+METRIC_LABELS = {
+    "best_ppl": "best validation PPL (reference protocol)", "final_ppl": "final validation PPL (reference protocol)",
+    "acc_at_best": "accuracy at the best evaluation", "acc_param_at_best": "head's accuracy at the best evaluation",
+    "full_ppl": "full-split validation PPL", "tokens_per_sec": "training tokens / s",
+    "peak_mem_mb": "peak memory (MB)", "params": "parameters"}
+"""The plot's axis label of each :data:`SWEEP_METRICS` field."""
 
 _MISSING = object()
 
@@ -98,19 +104,21 @@ def swept_value(run_dir: str | os.PathLike[str], root: str | os.PathLike[str], p
 
 def load_sweep(root: str | os.PathLike[str], param: str) -> pd.DataFrame:
     """One line per run record under ``root``: column ``param`` (the swept value, ``None`` when not
-    found), ``value_source``, ``status``, ``error``, ``seed``, ``table``, ``row``, ``run_dir`` and the
-    :data:`SWEEP_METRICS`."""
+    found), ``value_source``, ``status``, ``error``, ``seed``, ``table``, ``row``, ``scale``, ``backend``,
+    ``profile``, ``precision``, ``matmul_precision``, ``machine`` (``paper_tables.collect.machine_of`` of the
+    recorded device), ``run_dir`` and the :data:`SWEEP_METRICS`."""
     runs = load_runs(root)
     lines = []
     for _, run in runs.iterrows():
         value, source = swept_value(run["run_dir"], root, param, run["overrides"], run["extra"])
         line = {param: value, "value_source": source}
-        for key in ("status", "error", "seed", "table", "row", "scale", "backend", "profile", "run_dir",
-                    "shared_machine", *SWEEP_METRICS):
+        for key in ("status", "error", "seed", "table", "row", "scale", "backend", "profile", "precision",
+                    "matmul_precision", "run_dir", "shared_machine", *SWEEP_METRICS):
             line[key] = run[key]
+        line["machine"] = machine_of(run["device"]) if run["device"] else None
         lines.append(line)
     columns = [param, "value_source", "status", "error", "seed", "table", "row", "scale", "backend", "profile",
-               "run_dir", "shared_machine", *SWEEP_METRICS]
+               "precision", "matmul_precision", "machine", "run_dir", "shared_machine", *SWEEP_METRICS]
     return pd.DataFrame(lines, columns=columns, dtype=object)
 
 
@@ -175,17 +183,23 @@ def _status(line: pd.Series) -> str:
 
 
 def sweep_labels(df: pd.DataFrame) -> str:
-    """``Row: … · Scale: … · Backend: … · Profile: … · Seeds: …`` over the runs read (every distinct value)."""
+    """``Row: … · Scale: … · Backend: … · Profile: … · Seeds: … · Precision: … · Device: …`` over the runs
+    read (every distinct value; the precision with its float32 matmul precision where recorded, e.g.
+    ``fp32 (matmul highest)``)."""
     if df.empty:
         return "no runs"
 
     def values(col: str) -> str:
-        found = sorted({str(v) for v in df[col] if v is not None and str(v) != "nan"})
+        found = sorted({str(v) for v in df[col] if v is not None and str(v) not in ("nan", "")})
         return ", ".join(found) or "unknown"
 
     rows = sorted({f"{t}/{r}" for t, r in zip(df["table"], df["row"])})
+    precision = df.assign(precision=[f"{p} (matmul {m})" if m and str(m) != "nan" else p
+                                     for p, m in zip(df["precision"], df["matmul_precision"])])
     return (f"Row: {', '.join(rows)} · Scale: {values('scale')} · Backend: {values('backend')} · "
-            f"Profile: {values('profile')} · Seeds: {values('seed')}")
+            f"Profile: {values('profile')} · Seeds: {values('seed')} · "
+            f"Precision: {', '.join(sorted({str(v) for v in precision['precision'] if v})) or 'unknown'} · "
+            f"Device: {values('machine')}")
 
 
 def render_sweep_markdown(agg: pd.DataFrame, param: str, y: str, root: str, unresolved: list[str],
@@ -244,8 +258,10 @@ def render_sweep(runs: str | os.PathLike[str], params: str | Sequence[str], out:
         csv_path = stem.with_name(stem.name + ".csv")
         csv_path.write_text(render_sweep_csv(agg), encoding="utf-8")
         labels = sweep_labels(df)
-        title = f"{y} vs {key}\n" + labels.replace(" · Profile", "\nProfile")
-        png, pdf = save_figure(plot_sweep(df[df["status"] == "completed"], x=key, y=y, title=title), stem)
+        lines = labels.replace(" · Profile", "\nProfile").replace(" · Device", "\nDevice")
+        title = f"{METRIC_LABELS[y]} vs {key}\n{lines}"
+        png, pdf = save_figure(plot_sweep(df[df["status"] == "completed"], x=key, y=y, title=title,
+                                          ylabel=METRIC_LABELS[y]), stem)
         md = stem.with_name(stem.name + ".md")
         md.write_text(render_sweep_markdown(agg, key, y, shown_root(runs), unresolved_runs(df, key), labels),
                       encoding="utf-8")

@@ -256,7 +256,8 @@ def _multirun(root: Path) -> None:
         (d / ".hydra" / "config.yaml").write_text(f"memory:\n  top_k: {k}\ntrain:\n  seed: {seed}\n")
         failed = k == 64
         _run(d, table="sweeps-41m", row="pcaf_topk16", seed=seed, status="failed" if failed else "completed",
-             error="diverged" if failed else None, best_ppl=None if failed else 100.0 - k / 4 + seed)
+             error="diverged" if failed else None, best_ppl=None if failed else 100.0 - k / 4 + seed,
+             device="cpu (torch 2.13.0+cpu, 2 threads; peak memory = process max RSS)", matmul_precision="highest")
     _run(root / "by_override" / "run", table="sweeps-41m", row="pcaf_topk16", seed=3, best_ppl=80.0,
          overrides=["memory.top_k=32"])
     _run(root / "unknown", table="sweeps-41m", row="pcaf_topk16", seed=4)
@@ -283,7 +284,8 @@ def test_cli_sweep_writes_table_and_plot(tmp_path, capsys):
     md = md_path.read_text()
     assert "| 4 | 100.50 ± 0.71 |" in md
     assert ("- Row: sweeps-41m/pcaf_topk16 · Scale: smoke · Backend: torch · Profile: reference_torch · "
-            "Seeds: 1, 2, 3, 4") in md  # every number carries its labels
+            "Seeds: 1, 2, 3, 4 · Precision: fp32, fp32 (matmul highest) · Device: cpu (torch 2.13.0+cpu, 2 threads)"
+            ) in md  # every number carries its labels (two runs recorded no device nor matmul precision)
     assert "1 failed: diverged" in md
     assert "Runs without a value for `memory.top_k`" in md and "unknown" in md
     _assert_png_pdf(out / "sweep_memory.top_k.png", out / "sweep_memory.top_k.pdf")
@@ -292,7 +294,9 @@ def test_cli_sweep_writes_table_and_plot(tmp_path, capsys):
 
 def test_plot_sweep_handles_categorical_values_and_bad_columns(tmp_path):
     df = pd.DataFrame({"memory.route": ["context", "semantic", "context"], "best_ppl": [90.0, 95.0, 92.0]})
-    png, pdf = save_figure(plot_sweep(df, x="memory.route"), tmp_path / "route")
+    fig = plot_sweep(df, x="memory.route", ylabel="best validation PPL (reference protocol)")
+    assert fig.axes[0].get_ylabel() == "best validation PPL (reference protocol)"
+    png, pdf = save_figure(fig, tmp_path / "route")
     _assert_png_pdf(png, pdf)
     with pytest.raises(KeyError, match="plot_sweep needs columns"):
         plot_sweep(df, x="memory.top_k")
