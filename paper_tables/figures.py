@@ -4,9 +4,11 @@ canvases are picked by file type). Each ``plot_*`` returns a :class:`~matplotlib
 
 - :func:`plot_learning_curves`: best-so-far validation PPL (reference protocol) against training done
   (next-token windows, i.e. targets, or tokens; steps where a run recorded neither), one line per row
-  (mean over seeds at each point), one panel per row group, as the paper's curve figures.
+  (mean over seeds at each point), one panel per row group, as the paper's curve figures, the PPL axis from
+  10% of training on where the curves have the evaluations for it (:func:`focused_limits`).
 - :func:`plot_throughput`: training tokens/s per row, measured beside published (log scale).
-- :func:`plot_speed_quality`: tokens/s vs best PPL, measured (filled) and published (hollow).
+- :func:`plot_speed_quality`: tokens/s vs best PPL, measured (filled) and published (hollow), each side's
+  machine in the legend.
 - :func:`plot_sweep`: a metric vs the swept value of a Hydra multirun (mean ± std over runs).
 """
 
