@@ -166,7 +166,9 @@ def _expected_per_backend(table: str, scale: str, rows: str | None, overrides: l
 def render_and_print(table: str, scale: str, backend: str, runs, out, *, profile: str | None = None,
                      figures: bool = True, rows: str | None = None, expected=None) -> int:
     """Render one table (:func:`paper_tables.pipeline.render_table`), print every path with the Markdown path
-    last, and say on stderr which rows are damaged. Returns 0."""
+    last, and say on stderr which rows are damaged and which missing rows have runs set aside (with the
+    overrides that would render them). Returns 0."""
+    from paper_tables.collect import NO_OVERRIDES
     from paper_tables.pipeline import render_table
 
     paths = render_table(table, scale, backend, runs, out, profile=profile, figures=figures, rows=rows,
@@ -180,10 +182,11 @@ def render_and_print(table: str, scale: str, backend: str, runs, out, *, profile
         print(f"{len(damaged)} row(s) rendered as damaged ({', '.join(damaged)}): see {paths['md']}", file=sys.stderr)
     set_aside = {line["row"]: line["set_aside"] for line in lines if line["status"] == "missing" and line["set_aside"]}
     if set_aside:
-        sets = sorted(set(set_aside.values()))
+        sets = sorted({s for v in set_aside.values() for s in v.split("; ") if s != NO_OVERRIDES})
+        hint = (f"they ran with {' | '.join(sets)}; give the same overrides to render them as the rows" if sets else
+                "their configs are not the rows' and their command lines changed nothing: rerun the rows")
         print(f"{len(set_aside)} row(s) missing whose runs are there with other settings ({', '.join(set_aside)}): "
-              f"they ran with {' | '.join(sets)}; give the same overrides to render them as the rows "
-              f"(notes of {paths['md']})", file=sys.stderr)
+              f"{hint} (notes of {paths['md']})", file=sys.stderr)
     print(paths["md"], flush=True)
     return 0
 

@@ -280,6 +280,9 @@ def _unique(values: list[Any]) -> list[Any]:
     return out
 
 
+NO_OVERRIDES = "no command-line overrides recorded"
+"""The ``set_aside`` entry of a run that is not its row's run although its command line changed nothing (a record
+from another code revision, or one edited by hand)."""
 COMMAND_LINE = " (command line)"
 """The suffix of a record's deviation that its command line set (``pcaf_core`` writes ``key=value (command line)``)."""
 
@@ -369,7 +372,7 @@ def _aggregate_row(sub: pd.DataFrame, row: RowSpec) -> dict[str, Any]:
     out["status"], out["status_text"] = status, text
     # What the runs of this row that are not its runs ran with (sweep jobs, other overrides): what a renderer
     # would have to be given to take them for the row, when the row has no run of its own.
-    out["set_aside"] = (_unique([ran_with(d) or "its config is not the row's" for d in set_aside["deviations"]])
+    out["set_aside"] = (_unique([ran_with(d) or NO_OVERRIDES for d in set_aside["deviations"]])
                         if status == "missing" else [])
     return out
 

@@ -88,6 +88,36 @@ def test_a_sweep_job_newer_than_the_row_run_is_listed_not_rendered(tmp_path):
     assert "280.00" in _line(render_markdown(build_report(TABLE, "smoke", "torch", root, expected=expected)))
 
 
+def test_a_row_whose_only_runs_are_set_aside_says_what_would_render_them(tmp_path, capsys):
+    """The row reads missing with its set-aside runs counted, the CSV names what they ran with, and the command
+    line says which overrides would render them; a run whose command line changed nothing gets no such advice."""
+    from paper_tables.__main__ import main
+
+    root = tmp_path / "out"
+    _run(root, "job", _changed(memory__top_k=4), best=280.0, curve=(900.0, 280.0),
+         deviations=["memory.top_k=4 (command line)", "train.compile=eager (command line)"])
+    render = ["render", "--table", TABLE, "--scale", "smoke", "--backend", "torch", "--runs", str(root), "--out",
+              str(tmp_path / "t"), "--no-figures"]
+    assert main(render) == 0
+    err = capsys.readouterr().err
+    assert ("1 row(s) missing whose runs are there with other settings (pcaf_context): they ran with "
+            "memory.top_k=4; give the same overrides to render them as the rows") in err  # compile changes no number
+    md = (tmp_path / "t" / f"{TABLE}_smoke_torch.md").read_text()
+    assert _line(md).endswith("| missing (1 run(s) with other settings set aside) |")
+    _run(root, "edited", _changed(memory__top_k=8), best=290.0, curve=(900.0, 290.0))  # no overrides recorded
+    assert main(render) == 0
+    assert "they ran with memory.top_k=4; give the same overrides" in capsys.readouterr().err
+    csv_text = (tmp_path / "t" / f"{TABLE}_smoke_torch.csv").read_text()
+    line = next(ln for ln in csv_text.splitlines() if ln.startswith("pcaf_context,"))
+    assert line.endswith(",memory.top_k=4; no command-line overrides recorded") or line.endswith(
+        ",no command-line overrides recorded; memory.top_k=4")
+    alone = tmp_path / "alone"
+    _run(alone, "edited", _changed(memory__top_k=8), best=290.0, curve=(900.0, 290.0))
+    assert main([*render[:8], str(alone), *render[9:]]) == 0
+    assert "their configs are not the rows' and their command lines changed nothing: rerun the rows" in (
+        capsys.readouterr().err)
+
+
 def test_digests_catch_an_edited_record_curve_or_config_and_old_records_are_unverified(tmp_path):
     root = tmp_path / "out"
     good = _run(root, "good", CONFIG)
