@@ -373,7 +373,7 @@ def _aggregate_row(sub: pd.DataFrame, row: RowSpec) -> dict[str, Any]:
     # What the runs of this row that are not its runs ran with (sweep jobs, other overrides): what a renderer
     # would have to be given to take them for the row, when the row has no run of its own.
     out["set_aside"] = (_unique([ran_with(d) or NO_OVERRIDES for d in set_aside["deviations"]])
-                        if status == "missing" else [])
+                        if status == "missing" and len(set_aside) else [])
     return out
 
 
