@@ -16,7 +16,7 @@ import pandas as pd
 
 from paper_tables.collect import hardware_of, row_machines
 from paper_tables.pipeline import build_report
-from paper_tables.render import Report
+from paper_tables.render import Report, devices_text, precision_text
 
 BACKEND_PAIR = ("torch", "jax")
 
@@ -77,6 +77,8 @@ def render_comparison_markdown(torch_report: Report, jax_report: Report, frame: 
     title = f"# {spec.name} at scale {torch_report.scale}: torch beside JAX"
     lines = [title, "",
              f"- Rows: {len(frame)}; profile per row as in the table; runs read under `{torch_report.runs_root}`",
+             *(f"- {name}: Device(s): {devices_text(report)} · {precision_text(report)}"
+               for name, report in (("torch", torch_report), ("JAX", jax_report))),
              "- Difference = JAX − torch (and its % of torch); both columns are what each backend's own rendered "
              "table prints (best PPL: reference protocol, minimum over evaluations; full-split: one deterministic "
              "pass). Both backends train on the same windows in the same order (the shared loop's sampler) but "

@@ -328,7 +328,7 @@ def _aggregate_row(sub: pd.DataFrame, row: RowSpec) -> dict[str, Any]:
     }
     basis = done if len(done) else sub
     for key, col in (("profiles", "profile"), ("protocols", "protocol"), ("devices", "device"),
-                     ("datasets", "dataset"), ("precisions", "precision")):
+                     ("datasets", "dataset"), ("precisions", "precision"), ("matmul_precisions", "matmul_precision")):
         out[key] = _unique(list(basis[col])) if len(basis) else []
     deviations: list[str] = []
     for devs in basis["deviations"] if len(basis) else []:

@@ -237,22 +237,39 @@ def _collected(report: Report, key: str) -> list[str]:
     out: list[str] = []
     for values in report.agg[key]:
         for v in values or []:
-            if v not in out:
+            if str(v) not in out:
                 out.append(str(v))
     return out
 
 
-def caption_lines(report: Report) -> list[str]:
-    """The report's caption: source table, selection, profiles, protocols, devices."""
-    spec = report.spec
-    profiles = _collected(report, "profiles")
-    protocols = _collected(report, "protocols")
+def devices_text(report: Report) -> str:
+    """The devices the report's runs recorded, each with its rows where there are several (throughput and memory
+    columns depend on it); ``none recorded`` without any."""
     devices = _collected(report, "devices")
     if len(devices) > 1:
         # Rows trained on different machines (or finished at different times on different GPUs): say which ran
         # where, since throughput and memory columns depend on it.
         rows = list(zip(report.agg["row"], report.agg["devices"], strict=True))
         devices = [f"{d} ({', '.join(f'`{r}`' for r, ds in rows if d in (ds or []))})" for d in devices]
+    return " / ".join(devices) or "none recorded"
+
+
+def precision_text(report: Report) -> str:
+    """``Precision: fp32 (float32 matmuls: highest) · Seed(s): 1234``: the training precisions, the float32 matrix
+    product precision (docs/SPEC.md §9; records before it was recorded leave it out) and the seeds of the report's
+    completed runs (every distinct value)."""
+    precisions = ", ".join(_collected(report, "precisions")) or "none recorded"
+    matmul = [m for m in _collected(report, "matmul_precisions") if m]
+    seeds = ", ".join(_collected(report, "seeds")) or "none"
+    return (f"Precision: {precisions}" + (f" (float32 matmuls: {', '.join(matmul)})" if matmul else "")
+            + f" · Seed(s): {seeds}")
+
+
+def caption_lines(report: Report) -> list[str]:
+    """The report's caption: source table, selection, profiles, protocols, devices, precision and seeds."""
+    spec = report.spec
+    profiles = _collected(report, "profiles")
+    protocols = _collected(report, "protocols")
     paper_profiles = sorted({r.profile for r in spec.rows})
     proto_text = "; ".join(PROTOCOL_TEXT.get(p, p) for p in _expand_protocols(protocols)) or "none recorded"
     source = f"paper table `{spec.label}`" if spec.label else "not a paper table"
@@ -262,8 +279,8 @@ def caption_lines(report: Report) -> list[str]:
         f"{', '.join(profiles) or 'none'} (paper's rows: {', '.join(paper_profiles)})"
         + (f" · profile filter: {report.profile_filter}" if report.profile_filter else ""),
         f"Evaluation protocol: {proto_text}. Paper values use the reference protocol.",
-        f"Device(s): {' / '.join(devices) or 'none recorded'} · Runs read: {report.n_records} record(s) "
-        f"under `{report.runs_root}`.",
+        f"Device(s): {devices_text(report)} · Runs read: {report.n_records} record(s) under `{report.runs_root}`.",
+        f"{precision_text(report)}.",
     ]
     return lines
 

@@ -358,6 +358,19 @@ def test_backend_comparison_gives_a_throughput_ratio_on_one_device_only(tmp_path
              device="NVIDIA H100 80GB HBM3 (jax 0.11.2, gpu, 1 device)", **timed)  # rerun beside torch's
     paths = render_backend_comparison(TABLE, "smoke", runs, tmp_path / "out", rows="pcaf_context")
     assert _line(paths["md"].read_text(), "PCAF-context").endswith("| 20,000 | 16,000 | 0.80 |")
+    # Each side's machine, precision and seeds head the page.
+    labels = [ln for ln in paths["md"].read_text().splitlines() if ln.startswith(("- torch: ", "- JAX: "))]
+    assert labels == ["- torch: Device(s): NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130) · Precision: fp32 · Seed(s): 1",
+                      "- JAX: Device(s): NVIDIA H100 80GB HBM3 (jax 0.11.2, gpu, 1 device) · Precision: fp32 · "
+                      "Seed(s): 1"]
+
+
+def test_caption_names_precision_and_every_seed_once(runs, tmp_path):
+    """The table's caption says what arithmetic trained the rows and with which seeds: seeds 1 and 2 of two rows and
+    7 of another, each listed once; the float32 matmul precision where the records name it."""
+    make_run(runs, TABLE, "local_conv", seed=2, name="second", matmul_precision="highest")
+    md = render_markdown(build_report(TABLE, "smoke", "torch", runs))
+    assert "- Precision: fp32 (float32 matmuls: highest) · Seed(s): 1, 2, 7." in md.splitlines()
 
 
 def test_accelerator_throughput_timed_to_the_launches_is_set_aside():
