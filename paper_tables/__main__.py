@@ -4,7 +4,8 @@
   writes ``<T>_<S>_<B>.{md,tex,csv}``, ``<T>_<S>_<B>_claims.csv`` and the figures (``<T>_<S>_<B>_<rows>.*`` for
   a row selection); prints every path, the Markdown path last. A row's runs are chosen by their identity
   (:func:`paper_tables.collect.run_role`): a sweep job under the same root is listed, never rendered as the
-  row; a damaged record is rendered as damaged, with a line on stderr naming it.
+  row; a damaged record is rendered as damaged, with a line on stderr naming it; a row whose only runs were
+  trained with other overrides reads missing, with a line on stderr naming the overrides that would render them.
 - ``backends --table T --scale S --runs DIR --out DIR [--rows GLOBS]``: the table's rows measured on torch
   and on JAX side by side, with the JAX − torch differences: ``<T>_<S>_torch_vs_jax.{md,csv}``.
 - ``sweep --runs DIR --param KEY [--param KEY2] --out DIR [--y METRIC] [--name NAME]``: one table and
