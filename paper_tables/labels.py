@@ -100,5 +100,7 @@ def place_labels(fig: Figure, ax: Any, labels: list[PointLabel], fontsize: float
             lab.text, (lab.x, lab.y), xytext=(OFFSET_PT if right else -OFFSET_PT, dy_px / px_per_pt),
             textcoords="offset points", ha="left" if right else "right", va="center", fontsize=fontsize,
             color=lab.color, zorder=4,
+            # A light backing: a connecting line drawn under a label does not strike through its text.
+            bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8),
             arrowprops=dict(arrowstyle="-", color=lab.color, linewidth=0.5, shrinkA=0, shrinkB=2) if leader else None))
     return texts
