@@ -40,6 +40,7 @@ help:
 	@echo "make sweep SWEEP_ROW=<table>/<row> SWEEP='memory.top_k=4,8,16,32' SCALE=smoke - Hydra multirun"
 	@echo "    LAUNCHER=local|slurm (reproduce-table, sweep): one job per run, on this machine or a Slurm cluster"
 	@echo "make figures - re-render tables and figures from existing run records"
+	@echo "make paper-results - the committed paper-scale tables and figures again, from docs/results/runs"
 	@echo "make params  - paper-scale parameter counts from the instantiated models"
 	@echo "make bench   - the benchmark report docs/results/bench.md (routing vs T, throughput and fraction of peak,"
 	@echo "               torch beside JAX; CSV and plots under bench/); BACKENDS_ROUNDS=2 for a shorter run;"

@@ -55,9 +55,9 @@ their entries on both); ``--compile-cache ''`` keeps the compilers' own defaults
 
 ``--budget-s``: a row whose run predicted by step 1 (``wall_s``: its first step, training and evaluation; process
 start-up not included) exceeds the seconds left is skipped, with a line saying so. The tables render here, from the
-records alone:
-``python -m paper_tables render --table <t> --scale paper --backend <b> --runs <records> --out <dir>
-backend.device=<device> data.layout=tokens``; ``python -m paper_tables backends`` sets torch and JAX side by side.
+records alone: ``python -m experiments.paper_results`` (``make paper-results``) runs ``python -m paper_tables
+render`` with :func:`trained_overrides` for every table and backend that has records, and ``paper_tables backends``
+for torch and JAX side by side.
 
 ``--backend jax`` runs the rows on the JAX backend (``--device gpu``, JAX's name for a CUDA device, is then the
 default): the same settings, for the cross-backend comparison at the paper's scale.
@@ -96,6 +96,16 @@ PAPER_TABLES = ("wt2-nt-1024", "wt2-nt-2048")
 BACKENDS = ("torch", "jax")
 ACCELERATOR = {"torch": "cuda", "jax": "gpu"}
 """Each backend's name for the CUDA device (``backend.device``)."""
+DATA_OVERRIDE = "data.layout=tokens"
+"""The one deviation of the paper rows' data: the raw WikiText-2 release is not available offline, the tokenized one
+stands in."""
+
+
+def trained_overrides(backend: str) -> list[str]:
+    """The Hydra overrides this module trains a paper row of ``backend`` with on the GPU, and that a table must be
+    rendered with to take the records it brings back for the rows: ``backend.device=<the GPU's name>`` and
+    :data:`DATA_OVERRIDE`."""
+    return [f"backend.device={ACCELERATOR[backend]}", DATA_OVERRIDE]
 
 
 def make_site(dest: Path = SITE) -> list[str]:
@@ -188,7 +198,7 @@ def step_cost_command(table: str, scale: str, device: str, csv_path: Path, pytho
     """``make step-cost`` for ``table`` (``rows``: only those rows; none: every row) with this interpreter (no
     virtualenv or data target is remade: the GPU machine has no ``.venv`` and prepares data on first use);
     ``python -m experiments.step_cost`` without make. ``extra``: Hydra overrides after ``data.layout=tokens``."""
-    overrides = " ".join((f"--device {device} --csv {csv_path} data.layout=tokens", *extra))
+    overrides = " ".join((f"--device {device} --csv {csv_path} {DATA_OVERRIDE}", *extra))
     globs = ",".join(rows) or "*"
     if shutil.which("make"):
         return ["make", "-o", ".venv/.installed", "-o", "data", "step-cost", f"PY={python}", f"TABLE={table}",
@@ -203,7 +213,7 @@ def reproduce_command(table: str, row: str, scale: str, device: str, output_root
     whatever runs of the row ``output_root`` holds (``--fresh``)."""
     return [python, "-m", "experiments.reproduce", "--table", table, "--scale", scale, "--backend", backend,
             "--rows", row, "--output-root", str(output_root), "--no-render", *(["--fresh"] if fresh else []),
-            f"backend.device={device}", "data.layout=tokens", *extra]
+            f"backend.device={device}", DATA_OVERRIDE, *extra]
 
 
 def copy_records(output_root: Path, table: str, scale: str, row: str, dest_root: Path,

@@ -28,7 +28,7 @@ ALL_TABLES := wt2-nt-1024 wt2-nt-2048 wt103-nt-baselines wt103-nt-ablations swee
 FIGURE_TABLES ?= $(ALL_TABLES)
 # OVERRIDES and SWEEP are lists of Hydra overrides (shell words); every path variable is quoted.
 
-.PHONY: reproduce-table reproduce-all sweep figures params step-cost
+.PHONY: reproduce-table reproduce-all sweep figures paper-results params step-cost
 
 # One paper table: run its rows (reusing completed runs), collect, render. The last line printed is
 # the path of the rendered Markdown table.
@@ -57,15 +57,18 @@ sweep: $(VENV)/.installed $(LAUNCHER_STAMP) data
 
 # Re-render every table and figure from the run records already under $(OUTPUTS) (each row from its own runs,
 # chosen by identity; sweep jobs are listed, not rendered as rows) into $(FIGURES_OUT). OVERRIDES: the ones the
-# rows were trained with. The committed paper-scale GPU rows:
-#   make figures FIGURE_TABLES='wt2-nt-1024 wt2-nt-2048' SCALE=paper OUTPUTS=docs/results/runs \
-#     FIGURES_OUT=docs/results OVERRIDES='backend.device=cuda data.layout=tokens'
+# rows were trained with. The committed paper-scale GPU rows: make paper-results.
 FIGURES_OUT ?= $(OUTPUTS)/tables
 figures: $(VENV)/.installed
 	@for t in $(FIGURE_TABLES); do \
 	  $(PY) -m paper_tables render --table $$t --scale $(call q,$(SCALE)) --backend $(call q,$(BACKEND)) \
 	    --runs $(call q,$(OUTPUTS)) --out $(call q,$(FIGURES_OUT)) $(OVERRIDES) || exit $$?; \
 	done
+
+# The committed paper-scale tables, figures and torch-beside-JAX pages rendered again from docs/results/runs alone,
+# each backend's records with the overrides its rows were trained with (experiments/paper_results.py).
+paper-results: $(VENV)/.installed
+	$(PY) -m experiments.paper_results
 
 # Every paper-scale row's parameter count from the instantiated model (meta device), beside the paper's.
 params: $(VENV)/.installed
