@@ -335,9 +335,13 @@ def render(bench_dir: Path, doc: Path) -> None:
 
     smoke = labels.get("bench_set") == "smoke"
     alloc_conf = labels.get("torch_alloc_conf")  # None (and no JAX setting) in a run from before they were recorded
-    torch_alloc = ("torch's not recorded" if alloc_conf is None else f"torch `PYTORCH_CUDA_ALLOC_CONF={alloc_conf}`"
-                   if alloc_conf else "torch's default")
-    allocators = f"{torch_alloc}, JAX `XLA_PYTHON_CLIENT_PREALLOCATE={labels.get('jax_preallocate') or 'not recorded'}`"
+    if alloc_conf is None and not labels.get("jax_preallocate"):
+        allocators = "not recorded (the run predates their labels)"
+    else:
+        torch_alloc = ("torch's not recorded" if alloc_conf is None else
+                       f"torch `PYTORCH_CUDA_ALLOC_CONF={alloc_conf}`" if alloc_conf else "torch's default")
+        allocators = (f"{torch_alloc}, JAX `XLA_PYTHON_CLIENT_PREALLOCATE="
+                      f"{labels.get('jax_preallocate') or 'not recorded'}`")
     out = [f"# Speed targets on one CUDA GPU: {labels['gpu']}" + (" (smoke run: toy sizes, no figure means "
                                                                   "anything)" if smoke else ""), "",
            f"`python -m benchmarks.bench_cuda` on {labels['gpu']} ({labels['gpu_sms']} SMs), torch {labels['torch']}, "
@@ -442,23 +446,26 @@ def render(bench_dir: Path, doc: Path) -> None:
     if (bench_dir / "bandwidth.csv").exists():
         out += [""] + [f"Copy bandwidth: {_f(r['gb_per_s'], 0)} GB/s ({r['dtype']}, {r['mb']} MB copied in "
                        f"{r['ms']} ms; bytes read and written)." for r in read_csv(bench_dir / "bandwidth.csv")]
+    piped = any(r.get("pipelined_step_ms") for r in models)  # runs from before the pipelined timing have none
     out += ["", "## Training steps", "",
             "WikiText-2 paper shapes (d / h / layers / V in the table), profile `reference_torch`, one "
             "`TorchBackend(\"cuda\").train_step` per step, median of the timed steps; % of peak: analytic model "
             "FLOPs (`pcaf_core.flops`, next-token counted over the full window) / step time / the same dtype's "
-            "GEMM peak above. Pipelined: as many steps again as a one-process run trains them, each launched before "
-            "the previous one's loss is read, their wall time over their number."
+            "GEMM peak above."
+            + (" Pipelined: as many steps again as a one-process run trains them, each launched before the previous "
+               "one's loss is read, their wall time over their number." if piped else "")
             + (" A `cudagraphs` row's step peak is what one replay allocates beyond the graphs' memory pool, which "
                "holds the step's buffers from capture on." if any(r["compile"] == "cudagraphs" for r in models)
                else ""), "",
-            "| model | mode | T | batch | dtype | compile | dropout | step (ms) | pipelined (ms) | tokens/s | "
-            "targets/s | step peak (MB) | model GFLOP/s | % of peak | first step (s) | head loss | fp32 matmuls |",
-            "|---" * 17 + "|"]
+            "| model | mode | T | batch | dtype | compile | dropout | step (ms) | "
+            + ("pipelined (ms) | " if piped else "") + "tokens/s | targets/s | step peak (MB) | model GFLOP/s | "
+            "% of peak | first step (s) | head loss | fp32 matmuls |",
+            "|---" * (17 if piped else 16) + "|"]
     for r in models:
         # Runs from before the head-loss and matmul-precision settings trained in one tile at "highest".
         head = (r.get("head_loss") or "head loss in one tile").removeprefix("head loss in ")
         out.append(f"| {r['model']} | {r['mode']} | {r['T']} | {r['batch']} | {r['dtype']} | {r['compile']} | "
-                   f"{r['dropout']} | {r['step_ms']} | {r.get('pipelined_step_ms') or ''} | "
+                   f"{r['dropout']} | {r['step_ms']} | " + (f"{r.get('pipelined_step_ms') or ''} | " if piped else "") +
                    f"{_f(r['tokens_per_s'], 0)} | {_f(r['targets_per_s'], 0)} | "
                    f"{r['step_peak_mb'] or r.get('peak_mb', '')} | {_f(r['model_gflops'], 0)} | {r['model_pct']} | "
                    f"{r['first_step_s']} | {head} | {r.get('matmul_precision') or 'highest'} |")

@@ -336,11 +336,16 @@ def test_committed_gpu_run_renders(tmp_path: Path) -> None:
     bench_cuda_report.render(CUDA_DIR, doc)
     text = doc.read_text()
     assert "| bf16 | eager |" in text and "Why eager bf16 stops at" in text
-    assert "allocators: torch's not recorded, JAX `XLA_PYTHON_CLIENT_PREALLOCATE=not recorded`" in text  # before them
+    assert "allocators: not recorded (the run predates their labels)" in text
     assert "| one tile | highest |" in text  # rows from before the settings: what that step ran
+    assert "pipelined (ms)" not in text and "Pipelined:" not in text  # a run from before the pipelined timing
     assert "| bf16 | cudagraphs |" in text and "Replayed as CUDA graphs, the bf16 step takes" in text
     assert "### eager step" in text and "### cudagraphs step" in text
     assert "(cudagraphs step; at most 0.01 nats" in text
+    # The committed page is what its committed CSVs render to (make bench-cuda-curves renders it).
+    assert text == (CUDA_DIR.parent / "bench_cuda.md").read_text(), (
+        "docs/results/bench_cuda.md is not what docs/results/bench_cuda renders to: python -m benchmarks.bench_cuda "
+        "--render docs/results/bench_cuda --doc docs/results/bench_cuda.md")
 
 
 def test_step_gaps_find_the_wait_before_the_first_kernel_and_in_all() -> None:
