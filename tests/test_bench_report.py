@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from benchmarks.bench_report import render
@@ -477,3 +480,19 @@ def test_a_near_miss_is_not_printed_as_missed_by_one() -> None:
     assert _missed(64.0, 80.0) == "missed by 1.25x"
     assert _missed(80.0, 80.0) == "met"
     assert _missed(1.2, 1.19, higher_is_better=False) == "missed by 1.008x"
+
+
+def test_the_committed_report_is_what_its_committed_csvs_render_to(tmp_path):
+    """docs/results/bench.md carries copies of its inputs (``bench_<name>.csv``); rendered again from them it is
+    byte for byte the committed page, so no renderer change or hand edit leaves it saying what its rows do not."""
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    names = [n for n in ("routing", "models", "gemm", "backends", "precision") if (results / f"bench_{n}.csv").exists()]
+    for name in names:
+        shutil.copy(results / f"bench_{name}.csv", bench / f"{name}.csv")
+    assert len(names) >= 4
+    page = render(bench, tmp_path / "out" / "bench.md", cuda_dir=results / "bench_cuda")
+    assert page.read_text() == (results / "bench.md").read_text(), (
+        "docs/results/bench.md is not what its CSVs render to: make bench-report BENCH_DIR=<a folder holding "
+        "docs/results/bench_<name>.csv as <name>.csv>")
