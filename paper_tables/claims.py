@@ -120,22 +120,31 @@ NEGATED = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "~=": "!~="}
 """The relation a pair of values has when ``op`` does not hold for it (what the detail prints)."""
 
 
+def _ratio(left: float, target: float) -> float | None:
+    """``left`` over ``target`` or its inverse, whichever is at least 1; None where a value is NaN, zero or of
+    another sign."""
+    if math.isnan(left) or math.isnan(target) or left * target <= 0:
+        return None
+    return max(left / target, target / left)
+
+
 def margin(left: float, target: float) -> str:
     """How far ``left`` is from ``target`` (the claim's ``factor * right``), either way: ``0.32%``, ``14%``, and
-    past a factor of 2 the factor (``14.9x``); ``""`` where a value is NaN, zero or of another sign."""
-    if math.isnan(left) or math.isnan(target) or left * target <= 0:
+    past a factor of 2 the factor (``14.9x``); ``""`` where :func:`_ratio` has none."""
+    ratio = _ratio(left, target)
+    if ratio is None:
         return ""
-    ratio = max(left / target, target / left)
     return f"{ratio:.3g}x" if ratio >= 2 else f"{100 * (ratio - 1):.2g}%"
 
 
 def _by(pairs: list[tuple[float, float]], closest: bool) -> str:
     """`` (by 1.4%)`` for one pair, `` (closest by 0.32%)`` for the nearest of several, so that a verdict resting
     on a fraction of a percent (from one seed a row, say) reads as the close call it is."""
-    margins = [(max(lv / t, t / lv), margin(lv, t)) for lv, t in pairs if margin(lv, t)]
-    if not margins:
+    measurable = [(lv, t) for lv, t in pairs if _ratio(lv, t) is not None]
+    if not measurable:
         return ""
-    return f" ({'closest ' if closest and len(pairs) > 1 else ''}by {min(margins)[1]})"
+    nearest = min(measurable, key=lambda pair: _ratio(*pair))
+    return f" ({'closest ' if closest and len(pairs) > 1 else ''}by {margin(*nearest)})"
 
 
 def _judge(claim: Claim, spec: TableSpec, lookup) -> tuple[str, str]:

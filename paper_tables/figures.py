@@ -323,9 +323,14 @@ def _log_ticks(ax: Any, axis: str, unit: str = "") -> None:
     span = hi / max(lo, 1e-300)
     # Decades only past a factor of 1,000: 1-2-5 labels over four or more decades run into each other. The
     # finer steps only where the labels fit: on the y axis, and on the wider x labels below a factor of 5.
-    fine = span < (5 if axis == "x" else 20)
-    subs = ((1.0,) if span >= 1e3 else (1.0, 2.0, 5.0) if not fine else (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
-            if span >= 4 else (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0))
+    if span >= 1e3:
+        subs: tuple[float, ...] = (1.0,)
+    elif span >= (5 if axis == "x" else 20):
+        subs = (1.0, 2.0, 5.0)
+    elif span >= 4:
+        subs = (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+    else:
+        subs = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)
     target.set_major_locator(LogLocator(base=10, subs=subs))
     target.set_major_formatter(FuncFormatter(fmt))
     target.set_minor_formatter(NullFormatter())

@@ -194,11 +194,10 @@ def sweep_labels(df: pd.DataFrame) -> str:
         return ", ".join(found) or "unknown"
 
     rows = sorted({f"{t}/{r}" for t, r in zip(df["table"], df["row"])})
-    precision = df.assign(precision=[f"{p} (matmul {m})" if m and str(m) != "nan" else p
-                                     for p, m in zip(df["precision"], df["matmul_precision"])])
+    df = df.assign(precision=[f"{p} (matmul {m})" if m and str(m) != "nan" else p
+                              for p, m in zip(df["precision"], df["matmul_precision"])])
     return (f"Row: {', '.join(rows)} · Scale: {values('scale')} · Backend: {values('backend')} · "
-            f"Profile: {values('profile')} · Seeds: {values('seed')} · "
-            f"Precision: {', '.join(sorted({str(v) for v in precision['precision'] if v})) or 'unknown'} · "
+            f"Profile: {values('profile')} · Seeds: {values('seed')} · Precision: {values('precision')} · "
             f"Device: {values('machine')}")
 
 
