@@ -91,7 +91,8 @@ def test_torchrun_entry_point(tmp_path, ddp_cfg, single_run):
     cfg_file = tmp_path / "cfg.json"
     cfg_file.write_text(json.dumps(config_to_dict(ddp_cfg)))
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # torchrun keeps its workers' logs and error files under the temporary folder: here, the test's own.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          "-m", "backends.torch.train_ddp", "--config", str(cfg_file), "--run-dir", str(run_dir), "--no-progress"],

@@ -51,10 +51,12 @@ _AOT_SCRIPT = textwrap.dedent(
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
                                 options={"num_warps": 4})
         assert kernel.asm["cubin"], fn
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
-            fh.write(kernel.asm["ptx"])
-        report = subprocess.run([ptxas, "-v", "-arch=sm_90a", fh.name, "-o", os.devnull],
-                                capture_output=True, text=True, check=True).stderr
+        with tempfile.TemporaryDirectory() as scratch:  # ptxas reads a file; nothing is left behind
+            ptx = os.path.join(scratch, "kernel.ptx")
+            with open(ptx, "w") as fh:
+                fh.write(kernel.asm["ptx"])
+            report = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", os.devnull],
+                                    capture_output=True, text=True, check=True).stderr
         spills = [int(n) for n in re.findall(r"(\\d+) bytes spill", report)]
         assert spills and not any(spills), (fn, consts, report)
         print(fn.__name__, consts, re.search(r"Used (\\d+) registers", report).group(1), "registers")
