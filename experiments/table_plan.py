@@ -10,11 +10,12 @@ from __future__ import annotations
 import copy
 import fnmatch
 import functools
+from collections.abc import Sequence
 
 from omegaconf import OmegaConf
 
 from experiments import app, preflight
-from pcaf_core.config import ConfigError
+from pcaf_core.config import ConfigError, RunConfig
 from pcaf_core.run_identity import identity_digest
 
 EXPERIMENT_DIR = app.CONF_DIR / "experiment"
@@ -75,6 +76,19 @@ def compose_row(table: str, row: str, scale: str, backend: str, overrides: list[
         for resolved in runs:
             resolved.row_identities = list(digests)
     return runs
+
+
+def row_config(experiment: str, scale: str = "cpu", backend: str = "torch", overrides: Sequence[str] = ()
+               ) -> RunConfig:
+    """The validated spec config of paper row ``experiment`` (``"<table>/<row>"``, what ``experiment=`` takes)
+    at ``scale`` on ``backend``, with ``overrides`` (``"key=value"`` strings), composed as ``experiments.run``
+    composes it; for a row trained over several seeds, its first seed entry's. A one-line ConfigError for an
+    unknown row, scale, key or value. For using the models in one's own code (docs/LIBRARY.md)."""
+    table, _, row = experiment.partition("/")
+    if not row:
+        raise ConfigError(f"experiment={experiment!r}: expected <table>/<row>, e.g. wt2-nt-1024/pcaf_context; "
+                          f"the tables are {available_tables()}")
+    return compose_row(table, row, scale, backend, list(overrides))[0].run
 
 
 @functools.cache

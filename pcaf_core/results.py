@@ -58,6 +58,9 @@ SCALES = ("paper", "gpu", "cpu", "smoke")
 """The scales a row runs at: the files of ``experiments/conf/scale/`` (a test checks that they agree)."""
 PAPER_BUDGET_SCALES = ("paper", "gpu")
 """Scales that train the paper's own models, batches and steps (``gpu`` changes only the dataset)."""
+CUSTOM_SCALE = "custom"
+"""The scale of a run trained from Python without a record (``pcaf_core.loop.run_training`` called with a config of
+the caller's own, e.g. by a backend's ``train``): none of :data:`SCALES`, whose configs the Hydra app composes."""
 
 CURVE_COLUMNS = (
     "step",
@@ -100,7 +103,8 @@ class RunMetrics:
 
     Identity
         ``table``: suite table name (e.g. ``"wt2-nt-1024"``); ``row``: row id within the table
-        (the experiment file is ``experiment=<table>/<row>``); ``scale``: one of :data:`SCALES`;
+        (the experiment file is ``experiment=<table>/<row>``); ``scale``: one of :data:`SCALES`, or
+        :data:`CUSTOM_SCALE` (table ``adhoc``) for a run trained from Python without a record;
         ``backend``: ``"torch"`` or ``"jax"``; ``profile``: compat profile name (``"reference_jax"``,
         ``"reference_torch"``, ``"corrected"``); ``seed``: model-init seed.
 

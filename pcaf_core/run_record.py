@@ -65,7 +65,8 @@ def identity(run_dir: Path, template: RunMetrics | None) -> RunMetrics:
             git_commit=old.git_commit, overrides=list(old.overrides), versions=dict(old.versions),
         )
     except (FileNotFoundError, results.SchemaError):
-        return RunMetrics(table="adhoc", row=Path(run_dir).name or "run")
+        # No labels were given: a config of the caller's own, not a suite row at one of its scales.
+        return RunMetrics(table="adhoc", row=Path(run_dir).name or "run", scale=results.CUSTOM_SCALE)
 
 
 def _full_notes(cfg: RunConfig, full: EvalResult, total_windows: int | None) -> tuple[str, list[str]]:

@@ -2,9 +2,10 @@
 config and labels, its vocabulary, and prompts in its tokens.
 
 A run directory (written by ``python -m experiments.run``) holds ``config.yaml``, ``metrics.json`` and
-``checkpoints/step_<N>/model.safetensors`` (canonical weights, any backend). :func:`locate_run` accepts
-the run directory, one of its checkpoint directories or a weights file inside it, and fails with one
-line that says what to pass instead.
+``checkpoints/step_<N>/model.safetensors`` (canonical weights, any backend). One written by a backend's
+``train(cfg, run_dir)`` called from Python has no ``config.yaml``; its config is the one each checkpoint
+records (``loop_state.json``). :func:`locate_run` accepts the run directory, one of its checkpoint
+directories or a weights file inside it, and fails with one line that says what to pass instead.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from typing import Any
 import numpy as np
 import safetensors
 
-from pcaf_core.checkpoints import latest_checkpoint, step_of
+from pcaf_core.checkpoints import CHECKPOINT_DIR, LOOP_STATE_FILE, latest_checkpoint, read_loop_state, step_of
 from pcaf_core.config import DataConfig, RunConfig
-from pcaf_core.config_io import read_config
+from pcaf_core.config_io import config_from_dict, read_config
 from pcaf_core.params import param_shapes
 from pcaf_core.results import CONFIG_FILE, SchemaError, read_metrics
 from pcaf_core.weights import load_canonical
@@ -56,12 +57,28 @@ class TrainedRun:
 
 
 def _run_dir_of(path: Path) -> Path:
-    """The run directory holding ``path`` (itself, or an ancestor with a config.yaml)."""
-    for candidate in (path, *path.parents):
-        if (candidate / CONFIG_FILE).is_file():
-            return candidate
-    raise RunNotFoundError(f"{path} is not inside a run directory (no {CONFIG_FILE} found above it): pass "
-                           "run_dir=<a directory written by python -m experiments.run>")
+    """The run directory holding ``path``: itself or its nearest ancestor with a config.yaml, else with a
+    ``checkpoints/`` folder (a run trained by a backend's ``train`` from Python writes no config.yaml)."""
+    candidates = (path, *path.parents)
+    for marker, is_there in ((CONFIG_FILE, Path.is_file), (CHECKPOINT_DIR, Path.is_dir)):
+        for candidate in candidates:
+            if is_there(candidate / marker):
+                return candidate
+    raise RunNotFoundError(f"{path} is not inside a run directory (no {CONFIG_FILE} or {CHECKPOINT_DIR}/ found "
+                           "above it): pass run_dir=<a directory written by python -m experiments.run or by a "
+                           "backend's train()>")
+
+
+def _run_config(run_dir: Path, weights: Path) -> RunConfig:
+    """The run's ``config.yaml``, else the config the checkpoint holding ``weights`` recorded."""
+    if (run_dir / CONFIG_FILE).is_file():
+        return read_config(run_dir / CONFIG_FILE)
+    if (weights.parent / LOOP_STATE_FILE).is_file():
+        recorded = read_loop_state(weights.parent).config
+        if recorded:
+            return config_from_dict(recorded)
+    raise RunNotFoundError(f"run {run_dir} has no {CONFIG_FILE}, and {weights.parent} records no config (no "
+                           f"{LOOP_STATE_FILE}): pass a run directory or one of its checkpoints/step_<N> directories")
 
 
 def locate_run(path: str | Path, checkpoint: str | Path | None = None) -> TrainedRun:
@@ -88,7 +105,7 @@ def locate_run(path: str | Path, checkpoint: str | Path | None = None) -> Traine
         labels = {"table": m.table, "row": m.row, "scale": m.scale, "backend": m.backend, "status": m.status}
     except (FileNotFoundError, SchemaError):
         pass
-    return TrainedRun(run_dir, read_config(run_dir / CONFIG_FILE), weights, step_of(weights.parent), labels)
+    return TrainedRun(run_dir, _run_config(run_dir, weights), weights, step_of(weights.parent), labels)
 
 
 def weights_vocab_size(weights: Path) -> int:

@@ -197,7 +197,7 @@ def test_metrics_json_content(tmp_path):
     assert rec.tokens_per_sec > 0 and rec.extra["timed_steps"] == 30 - loop.THROUGHPUT_WARMUP_STEPS
     assert "global_batch*T" in rec.throughput_definition and "excluded" in rec.throughput_definition
     assert rec.wall_time_s >= rec.train_time_s > 0
-    assert rec.table == "adhoc" and rec.row == tmp_path.name
+    assert (rec.table, rec.row, rec.scale) == ("adhoc", tmp_path.name, "custom")  # no row, no suite scale
 
 
 def test_full_protocol_ar_and_cap_is_labelled(tmp_path):

@@ -224,7 +224,7 @@ def test_progress_without_a_terminal_is_one_line_per_evaluation(tmp_path, monkey
     lines = [x for x in err.splitlines() if " step " in x and "eval PPL" in x]
     evals = [r for r in read_curve(tmp_path / "run") if r.get("eval_ppl_reference") is not None]
     assert len(lines) == len(evals) > 1
-    assert lines[-1].startswith(f"[adhoc/run scale=paper backend=numpy-bigram seed={cfg.train.seed}] "
+    assert lines[-1].startswith(f"[adhoc/run scale=custom backend=numpy-bigram seed={cfg.train.seed}] "
                                 f"step {cfg.train.steps}/{cfg.train.steps} · train loss ")
     assert "ETA 0s" in lines[-1] and "elapsed " in lines[0]
     run_training(cfg, BigramBackend(), tmp_path / "quiet", corpus=markov_corpus(), progress=False)
