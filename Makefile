@@ -25,7 +25,8 @@ export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=4294967295:glibc.malloc.tri
 -include mk/*.mk
 
 help:
-	@echo "make setup   - create $(VENV) and install the project with dev extras (EXTRAS=cluster adds the cluster launchers)"
+	@echo "make setup   - create $(VENV) and install the project with dev extras (EXTRAS=cluster adds the cluster launchers;"
+	@echo "               EXTRAS=gpu or tpu the JAX backend's CUDA or TPU plugin; comma-separated)"
 	@echo "make test    - run the whole test suite (sets up first, with the cluster extra its launcher tests use)"
 	@echo "make test-fast - the fast tier: no slow and no gpu tests (the edit-test loop)"
 	@echo "make test-hermetic - the fast tier with XLA_FLAGS=...device_count=4, then with OMP_NUM_THREADS=1"
