@@ -15,10 +15,13 @@ canvases are picked by file type). Each ``plot_*`` returns a :class:`~matplotlib
 from __future__ import annotations
 
 import math
+import numbers
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
@@ -440,19 +443,21 @@ def plot_speed_quality(spec: TableSpec, agg: pd.DataFrame, pubs: dict[str, pd.Da
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
-def plot_sweep(df: pd.DataFrame, x: str, y: str = "best_ppl", title: str = "", ylabel: str = "") -> Figure:
-    """``y`` (mean ± std over runs; its axis labelled ``ylabel``, default ``y``) vs the swept value ``x``.
+def plot_sweep(df: pd.DataFrame, x: str, y: str = "best_ppl", title: str = "", ylabel: str = "",
+               series: Sequence[str] = ()) -> Figure:
+    """``y`` (mean ± std over runs; its axis labelled ``ylabel``, default ``y``) vs the swept value ``x``, one line
+    per combination of the columns ``series`` (the other settings the runs differ in; a legend names each).
 
     ``df`` holds one line per completed run with columns ``x`` and ``y`` (e.g. from
     :func:`paper_tables.sweep.load_sweep`); rows where ``y`` is absent are ignored. Numeric sweep values
     are placed on a numeric axis (log base 2 when they span a factor of 8 or more), others as categories.
     """
-    if x not in df.columns or y not in df.columns:
-        raise KeyError(f"plot_sweep needs columns {x!r} and {y!r}; the frame has {list(df.columns)}")
-    data = df[[x, y]].copy()
+    if x not in df.columns or y not in df.columns or not set(series) <= set(df.columns):
+        raise KeyError(f"plot_sweep needs columns {x!r}, {y!r} and {list(series)}; the frame has {list(df.columns)}")
+    data = df[[x, y, *series]].copy()
     data[y] = pd.to_numeric(data[y], errors="coerce")
     data = data.dropna(subset=[y])
     data = data[data[x].map(lambda v: v is not None)]
@@ -461,15 +466,25 @@ def plot_sweep(df: pd.DataFrame, x: str, y: str = "best_ppl", title: str = "", y
     if data.empty:
         _empty_note(ax, f"no completed run with {y}")
     else:
-        keys = data[x].map(lambda v: v if _is_number(v) else str(v))
-        grouped = data.assign(_x=keys).groupby("_x", sort=True)[y]
-        stats = grouped.agg(["mean", "std", "count"])
-        xs = list(stats.index)
+        data = data.assign(_x=data[x].map(lambda v: v if _is_number(v) else str(v)),
+                           _series=[", ".join(f"{k}={v}" for k, v in zip(series, vals))
+                                    for vals in zip(*(data[k] for k in series))] if series else "")
+        xs = sorted(set(data["_x"]), key=lambda v: (0, v) if _is_number(v) else (1, str(v)))
         numeric = all(_is_number(v) for v in xs)
-        pos = xs if numeric else list(range(len(xs)))
-        ax.errorbar(pos, stats["mean"], yerr=stats["std"].fillna(0.0), marker="o", capsize=3)
-        for p, (m, n) in zip(pos, zip(stats["mean"], stats["count"])):
-            ax.annotate(f"n={int(n)}", (p, m), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        where = {v: (v if numeric else i) for i, v in enumerate(xs)}
+        # The lines in the order of their settings' values (numbers as numbers: 64 before 32768).
+        order = {name: tuple((0, v) if _is_number(v) else (1, str(v)) for v in (part[k].iloc[0] for k in series))
+                 for name, part in data.groupby("_series")}
+        for line, name in enumerate(sorted(order, key=order.get)):
+            part = data[data["_series"] == name]
+            stats = part.groupby("_x", sort=True)[y].agg(["mean", "std", "count"])
+            pos = [where[v] for v in stats.index]
+            ax.errorbar(pos, stats["mean"], yerr=stats["std"].fillna(0.0), marker="o", capsize=3,
+                        label=name or None)
+            for p, (m, n) in zip(pos, zip(stats["mean"], stats["count"])):  # stacked where lines meet
+                ax.annotate(f"n={int(n)}", (p, m), fontsize=6, xytext=(3, 3 + 7 * line), textcoords="offset points")
+        if series:
+            ax.legend(fontsize=7)
         ax.margins(x=0.08)  # room for the last point's run count
         if numeric:
             positive = [v for v in xs if v > 0]
@@ -477,7 +492,7 @@ def plot_sweep(df: pd.DataFrame, x: str, y: str = "best_ppl", title: str = "", y
                 ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [f"{v:g}" for v in xs])
         else:
-            ax.set_xticks(pos, [str(v) for v in xs])
+            ax.set_xticks(list(range(len(xs))), [str(v) for v in xs])
     ax.set_xlabel(x)
     ax.set_ylabel(ylabel or y)
     ax.set_title(title or f"{y} vs {x}", fontsize=10 if "\n" not in title else 7)

@@ -5,6 +5,11 @@ e.g. ``memory.top_k``) is read from, in order: the resolved ``config.yaml`` (or
 ``.hydra/config.yaml``) in the run directory or one of its parents up to the sweep root; the
 record's ``overrides``; ``.hydra/overrides.yaml`` in the same places; the record's ``extra``.
 Runs whose value cannot be found are listed, never guessed.
+
+A line of the table pools only runs that differ in their seed alone. Where runs also differ in another setting (a
+grid sweep of two keys, a sweep over rows or profiles), read from the same config files, the table has one line per
+combination of the settings that tell the runs apart (:func:`other_settings`), and the plot one line per
+combination.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import yaml
 
 from paper_tables.collect import load_runs, machine_of, shown_root
 from paper_tables.figures import plot_sweep, save_figure
+from pcaf_core.config_io import LOCATION_FIELDS, RUN_SECTIONS
+from pcaf_core.run_identity import NON_RESULT_FIELDS
 
 CONFIG_NAMES = ("config.yaml", os.path.join(".hydra", "config.yaml"))
 OVERRIDES_NAME = os.path.join(".hydra", "overrides.yaml")
@@ -32,6 +39,16 @@ METRIC_LABELS = {
     "full_ppl": "full-split validation PPL", "tokens_per_sec": "training tokens / s",
     "peak_mem_mb": "peak memory (MB)", "params": "parameters"}
 """The plot's axis label of each :data:`SWEEP_METRICS` field."""
+
+SEED_KEYS = ("train.seed",)
+"""Settings whose runs repeat one setting: a table line pools them into its mean ± std."""
+SETTING_SECTIONS = (*RUN_SECTIONS, "backend")
+LEADING_SETTINGS = ("table", "row", "scale.name", "backend.name", "profile.name", "model.variant")
+"""Settings that name a group of runs before any other (:func:`other_settings`): a sweep over profiles reads
+``profile.name``, not the dozen switches that come with it."""
+IGNORED_SETTINGS = (*NON_RESULT_FIELDS, *(".".join(f) for f in LOCATION_FIELDS))
+"""Settings that do not change a run's numbers (how it was compiled, checkpointed or batched for evaluation, where
+its files live): runs differing in them alone are repeats."""
 
 _MISSING = object()
 
@@ -102,23 +119,74 @@ def swept_value(run_dir: str | os.PathLike[str], root: str | os.PathLike[str], p
     return None, ""
 
 
+def _flatten(node: Any, prefix: str, out: dict[str, Any]) -> None:
+    for key, value in node.items():
+        if isinstance(value, dict):
+            _flatten(value, f"{prefix}{key}.", out)
+        else:
+            out[f"{prefix}{key}"] = _hashable(value)
+
+
+def run_settings(run_dir: str | os.PathLike[str], root: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The dotted settings of a run (``memory.top_k``, ``profile.name``, ``table``, ``row``, ``scale.name``, ...)
+    from the first config file found where :func:`swept_value` looks: the run's sections, its backend, its table,
+    row and scale; None where no config file is found."""
+    for d in _search_dirs(Path(run_dir), Path(root)):
+        for name in CONFIG_NAMES:
+            config = _load_yaml(d / name) if (d / name).exists() else None
+            if isinstance(config, dict):
+                out: dict[str, Any] = {}
+                for section in SETTING_SECTIONS:
+                    if isinstance(config.get(section), dict):
+                        _flatten(config[section], f"{section}.", out)
+                for key in ("table", "row"):
+                    if key in config:
+                        out[key] = config[key]
+                if isinstance(config.get("scale"), dict) and "name" in config["scale"]:
+                    out["scale.name"] = config["scale"]["name"]
+                return out
+    return None
+
+
+def other_settings(settings: Sequence[dict[str, Any] | None], param: str) -> list[str]:
+    """The settings besides ``param`` and the seed (:data:`SEED_KEYS`) that tell runs apart, from their
+    :func:`run_settings` (runs without a config file are not compared). Each is named only where it splits runs
+    that the ones before it keep together, :data:`LEADING_SETTINGS` first, then the others in name order: a grid
+    of two keys gives the other key, a sweep over profiles ``profile.name`` alone."""
+    known = [s for s in settings if s is not None]
+    if len(known) < 2:
+        return []
+    shared = set.intersection(*(set(s) for s in known)) - {param, *SEED_KEYS, *IGNORED_SETTINGS}
+    differing = [k for k in shared if len({str(s[k]) for s in known}) > 1]
+    ordered = [k for k in LEADING_SETTINGS if k in differing] + sorted(k for k in differing
+                                                                        if k not in LEADING_SETTINGS)
+    chosen: list[str] = []
+    for key in ordered:
+        groups: dict[tuple, set[str]] = {}
+        for s in known:
+            groups.setdefault(tuple(str(s[k]) for k in chosen), set()).add(str(s[key]))
+        if any(len(values) > 1 for values in groups.values()):
+            chosen.append(key)
+    return chosen
+
+
 def load_sweep(root: str | os.PathLike[str], param: str) -> pd.DataFrame:
     """One line per run record under ``root``: column ``param`` (the swept value, ``None`` when not
     found), ``value_source``, ``status``, ``error``, ``seed``, ``table``, ``row``, ``scale``, ``backend``,
     ``profile``, ``precision``, ``matmul_precision``, ``machine`` (``paper_tables.collect.machine_of`` of the
-    recorded device), ``run_dir`` and the :data:`SWEEP_METRICS`."""
+    recorded device), ``run_dir``, the :data:`SWEEP_METRICS` and ``settings`` (:func:`run_settings`)."""
     runs = load_runs(root)
     lines = []
     for _, run in runs.iterrows():
         value, source = swept_value(run["run_dir"], root, param, run["overrides"], run["extra"])
-        line = {param: value, "value_source": source}
+        line = {param: value, "value_source": source, "settings": run_settings(run["run_dir"], root)}
         for key in ("status", "error", "seed", "table", "row", "scale", "backend", "profile", "precision",
                     "matmul_precision", "run_dir", "shared_machine", *SWEEP_METRICS):
             line[key] = run[key]
         line["machine"] = machine_of(run["device"]) if run["device"] else None
         lines.append(line)
     columns = [param, "value_source", "status", "error", "seed", "table", "row", "scale", "backend", "profile",
-               "precision", "matmul_precision", "machine", "run_dir", "shared_machine", *SWEEP_METRICS]
+               "precision", "matmul_precision", "machine", "run_dir", "shared_machine", *SWEEP_METRICS, "settings"]
     return pd.DataFrame(lines, columns=columns, dtype=object)
 
 
@@ -128,16 +196,25 @@ def _sort_key(value: Any) -> tuple[int, Any]:
     return (1, str(value))
 
 
-def aggregate_sweep(df: pd.DataFrame, param: str) -> pd.DataFrame:
-    """Per swept value (sorted): completed/failed/running counts and mean/std of the metrics over
-    completed runs. Runs without a swept value are left out (see :func:`unresolved_runs`)."""
+def with_settings(df: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
+    """``df`` (:func:`load_sweep`) with a column per setting of ``keys`` (None where a run's config is unknown)."""
+    return df.assign(**{k: pd.Series([_hashable(s.get(k)) if isinstance(s, dict) else None for s in df["settings"]],
+                                     index=df.index, dtype=object) for k in keys})
+
+
+def aggregate_sweep(df: pd.DataFrame, param: str, by: Sequence[str] = ()) -> pd.DataFrame:
+    """Per swept value (sorted), and per combination of the settings ``by`` (columns of ``df``, e.g. from
+    :func:`with_settings` of :func:`other_settings`) before it: completed/failed/running counts and mean/std of
+    the metrics over completed runs. Runs without a swept value are left out (see :func:`unresolved_runs`)."""
     known = df[df[param].map(lambda v: v is not None)] if len(df) else df
+    keys = [*by, param]
+    cells = {tuple(_hashable(line[k]) for k in keys) for _, line in known.iterrows()}
     lines = []
-    for value in sorted({_hashable(v) for v in known[param]}, key=_sort_key):
-        sub = known[known[param].map(_hashable) == value]
+    for cell in sorted(cells, key=lambda c: tuple(_sort_key(v) for v in c)):
+        sub = known[[all(_hashable(line[k]) == v for k, v in zip(keys, cell)) for _, line in known.iterrows()]]
         done = sub[sub["status"] == "completed"]
         failed = sub[sub["status"].isin(["failed", "damaged"])]  # a damaged record is not a result
-        line: dict[str, Any] = {param: value, "n_runs": len(done), "n_failed": len(failed),
+        line: dict[str, Any] = {param: cell[-1], **dict(zip(by, cell)), "n_runs": len(done), "n_failed": len(failed),
                                 "n_running": int((sub["status"] == "running").sum())}
         line["error"] = " ".join(str(failed["error"].iloc[0]).split())[:200] if len(failed) else ""
         # Jobs run at once (a local launcher with JOBS > 1) time each other: their tokens/s is labelled so.
@@ -202,15 +279,22 @@ def sweep_labels(df: pd.DataFrame) -> str:
 
 
 def render_sweep_markdown(agg: pd.DataFrame, param: str, y: str, root: str, unresolved: list[str],
-                          labels: str = "") -> str:
-    """Markdown table of the sweep: one line per swept value; ``labels`` (:func:`sweep_labels`) heads it."""
+                          labels: str = "", by: Sequence[str] = ()) -> str:
+    """Markdown table of the sweep: one line per swept value, and per combination of the settings ``by`` (the
+    columns after it) where runs differ in more than the swept value and their seed; ``labels``
+    (:func:`sweep_labels`) heads it."""
     out = [f"# Sweep over `{param}`", ""] + ([f"- {labels}"] if labels else []) + [
         f"- Runs read under `{root}`; metric plotted: `{y}` (mean ± sample std "
-        "over completed runs; PPL from the reference protocol unless the column says full).", ""]
-    header = [param, "Best PPL", "Final PPL", "Acc. @ best", "Full-split PPL", "Tok/s", "Status"]
+        "over completed runs that differ in their seed alone; PPL from the reference protocol unless the column "
+        "says full)."]
+    if by:
+        out.append(f"- The runs also differ in {', '.join(f'`{k}`' for k in by)}: one line per combination, and "
+                   "one line of the plot per combination.")
+    out.append("")
+    header = [param, *by, "Best PPL", "Final PPL", "Acc. @ best", "Full-split PPL", "Tok/s", "Status"]
     out += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for _, line in agg.iterrows():
-        cells = [str(line[param]), _cell(line["best_ppl"], line["best_ppl_std"]),
+        cells = [str(line[param]), *(str(line[k]) for k in by), _cell(line["best_ppl"], line["best_ppl_std"]),
                  _cell(line["final_ppl"], line["final_ppl_std"]),
                  _cell(line["acc_at_best"], line["acc_at_best_std"], 4), _cell(line["full_ppl"], line["full_ppl_std"]),
                  _cell(line["tokens_per_sec"], line["tokens_per_sec_std"], 0)
@@ -251,7 +335,9 @@ def render_sweep(runs: str | os.PathLike[str], params: str | Sequence[str], out:
     written: list[Path] = []
     for key in keys:
         df = load_sweep(runs, key)
-        agg = aggregate_sweep(df, key)
+        by = other_settings(list(df["settings"]), key)
+        df = with_settings(df, by)
+        agg = aggregate_sweep(df, key, by)
         label = name if name and len(keys) == 1 else key
         stem = out_dir / f"sweep_{label.replace('/', '_')}"
         csv_path = stem.with_name(stem.name + ".csv")
@@ -260,9 +346,9 @@ def render_sweep(runs: str | os.PathLike[str], params: str | Sequence[str], out:
         lines = labels.replace(" · Profile", "\nProfile").replace(" · Device", "\nDevice")
         title = f"{METRIC_LABELS[y]} vs {key}\n{lines}"
         png, pdf = save_figure(plot_sweep(df[df["status"] == "completed"], x=key, y=y, title=title,
-                                          ylabel=METRIC_LABELS[y]), stem)
+                                          ylabel=METRIC_LABELS[y], series=by), stem)
         md = stem.with_name(stem.name + ".md")
-        md.write_text(render_sweep_markdown(agg, key, y, shown_root(runs), unresolved_runs(df, key), labels),
+        md.write_text(render_sweep_markdown(agg, key, y, shown_root(runs), unresolved_runs(df, key), labels, by),
                       encoding="utf-8")
         written += [csv_path, png, pdf, md]
     return written
