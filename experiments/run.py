@@ -17,6 +17,7 @@ recorded as failed and the others go on; the sweep's summary marks it, and the c
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -47,6 +48,13 @@ def _run_dir(cfg: DictConfig, resolved: app.ResolvedRun | None, row: str, seed: 
     return None
 
 
+def continue_sweep_command(argv: list[str], sweep_dir: Path) -> str:
+    """The sweep command ``argv`` (``experiments.run``'s arguments) run again in ``sweep_dir``: the same jobs in the
+    same order get the same run directories, so the finished ones are reused and a stopped one resumes."""
+    kept = [a for a in argv if not a.lstrip("+~").startswith("hydra.sweep.dir=")]
+    return shlex.join(["python", "-m", "experiments.run", *kept, f"hydra.sweep.dir={app.hydra_value(str(sweep_dir))}"])
+
+
 def _interrupted(run_dir: Path, exc: BaseException) -> None:
     code = 130 if isinstance(exc, KeyboardInterrupt) else 128 + getattr(exc, "signum", 15)
     resolved_cmd = ""
@@ -55,6 +63,15 @@ def _interrupted(run_dir: Path, exc: BaseException) -> None:
     except (FileNotFoundError, app.SchemaError):
         pass
     app.say(f"interrupted: {run_dir} stopped" + (f"; resume it with: {resolved_cmd}" if resolved_cmd else ""))
+    hc = HydraConfig.get()
+    # A sweep run in this process (Hydra's basic launcher) stops here, its later jobs not started: the same command
+    # would start a new sweep directory, so say how to continue this one. Launcher jobs run in processes of their own
+    # and resume through the launcher (docs/EXPERIMENTS.md, "On a cluster").
+    if hc.mode == RunMode.MULTIRUN and hc.launcher.get("_target_", "").endswith("BasicLauncher"):
+        sweep_dir = Path(hc.sweep.dir).resolve()
+        app.say(f"the sweep in {sweep_dir} stopped at job {hc.job.num}; continue it there (finished jobs reused, this "
+                f"one resumed, the rest run): {continue_sweep_command(sys.argv[1:], sweep_dir)} "
+                f"(make sweep: the same command with SWEEP_DIR={shlex.quote(str(sweep_dir))})")
     sys.exit(code)
 
 

@@ -12,6 +12,8 @@ OUTPUTS ?= outputs
 OVERRIDES ?=
 SWEEP_ROW ?= wt2-nt-1024/pcaf_context
 SWEEP ?= memory.top_k=4,8,16,32
+# SWEEP_DIR=<a sweep's directory>: run the sweep in it again, its finished jobs reused and its stopped ones resumed.
+SWEEP_DIR ?=
 # LAUNCHER=local|slurm: every run as a submitit job (its own process here, or a Slurm job), with the cluster extra
 # installed on demand; JOBS=N: at most N local jobs at once; NO_WAIT=1: submit and return (the same command again
 # collects and renders); STEP_COST=<csv of experiments.step_cost --csv>: Slurm job times from measured steps.
@@ -53,7 +55,8 @@ step-cost: $(VENV)/.installed data
 sweep: $(VENV)/.installed $(LAUNCHER_STAMP) data
 	$(PY) -m experiments.run -m experiment=$(call q,$(SWEEP_ROW)) scale=$(call q,$(SCALE)) backend=$(call q,$(BACKEND)) \
 	  $(call q,output_root=$(call hydra_str,$(OUTPUTS))) $(if $(strip $(LAUNCHER)),hydra/launcher=$(call q,$(LAUNCHER))) \
-	  $(if $(strip $(JOBS)),hydra.sweeper.max_batch_size=$(call q,$(JOBS))) $(SWEEP) $(OVERRIDES)
+	  $(if $(strip $(JOBS)),hydra.sweeper.max_batch_size=$(call q,$(JOBS))) $(SWEEP) $(OVERRIDES) \
+	  $(if $(strip $(SWEEP_DIR)),$(call q,hydra.sweep.dir=$(call hydra_str,$(SWEEP_DIR))))
 
 # Re-render every table and figure from the run records already under $(OUTPUTS) (each row from its own runs,
 # chosen by identity; sweep jobs are listed, not rendered as rows) into $(FIGURES_OUT). OVERRIDES: the ones the

@@ -157,6 +157,38 @@ def test_sweeps_started_together_get_their_own_directories_and_a_failing_job_doe
     assert summary.read_text().count("1 failed: ValueError: the corpus vocabulary has 2000 ids") == 2
 
 
+@pytest.mark.slow
+def test_a_stopped_sweep_says_how_to_continue_it_in_its_directory_and_that_command_does(tmp_path):
+    """Item 2 for sweeps: the same ``-m`` command would start a new sweep directory and train every job again. A
+    sweep stopped by SIGTERM in its first job prints the command that runs it again in its own directory; that
+    command resumes the stopped job from its last checkpoint, runs the job that never started, and the summary
+    covers both."""
+    sweep = ["experiments.run", "-m", "experiment=wt2-nt-1024/pcaf_context", "scale=smoke", "train.steps=8",
+             "train.checkpoint_every=2", "eval.protocol=reference", "memory.top_k=4,16", f"output_root={tmp_path}"]
+    log = tmp_path / "sweep.log"
+    proc = _start([sys.executable, str(FAULTY), *sweep], log, **_held(tmp_path, "sweep", 3))
+    _wait_for(lambda: (tmp_path / "sweep.held").exists(), "the sweep's first job to reach step 3", proc, log)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM, log.read_text()[-2000:]
+    (sweep_dir,) = (tmp_path / "multirun").iterdir()
+    said = re.search(rf"the sweep in {re.escape(str(sweep_dir))} stopped at job 0; continue it there \(finished "
+                     r"jobs reused, this one resumed, the rest run\): (.+) \(make sweep: the same command with "
+                     rf"SWEEP_DIR={re.escape(str(sweep_dir))}\)$", log.read_text(), re.M)
+    assert said, log.read_text()[-2000:]
+    command = shlex.split(said.group(1))
+    assert command[:3] == ["python", "-m", "experiments.run"] and command[-1] == f"hydra.sweep.dir={sweep_dir}"
+    again = subprocess.run([sys.executable, *command[1:]], cwd=REPO, capture_output=True, text=True, env=_env(),
+                           timeout=300)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert f"resuming {sweep_dir / '000-pcaf_context-seed1234'} from step 2" in again.stdout + again.stderr
+    assert list((tmp_path / "multirun").iterdir()) == [sweep_dir]
+    records = [read_metrics(p.parent) for p in sorted(sweep_dir.glob("*/metrics.json"))]
+    assert [(r.status, r.steps_done, r.extra["segments"]) for r in records] == [("completed", 8, 2),
+                                                                                 ("completed", 8, 1)]
+    summary = (sweep_dir / "sweep_memory.top_k.md").read_text()
+    assert "| 4 |" in summary and "| 16 |" in summary and summary.count("ok (n=1)") == 2
+
+
 # --------------------------------------------------------------------------- item 3
 
 
