@@ -81,6 +81,7 @@ from pcaf_core.resume import (
     RESTART_DAMAGED,
     accept_config,
     divergence_message,
+    finished_record,
     keep_damaged_record,
     previous_divergence,
     refuse_if_all_damaged,
@@ -357,6 +358,9 @@ class TrainingLoop:
                 shutil.rmtree(partial, ignore_errors=True)
         self.backend.barrier()
         ckpt, incidents = self._choose_checkpoint()
+        finished = finished_record(self.run_dir, ckpt, cfg.train.steps, incidents)
+        if finished is not None:
+            return finished
         damaged = keep_damaged_record(self.run_dir, ckpt) if self.is_main else []
         if ckpt is not None:
             self._restore(ckpt)

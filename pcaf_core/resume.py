@@ -119,6 +119,23 @@ def refuse_other_backend(ckpt: Path, backend: str, run_dir: Path) -> None:
             f"{run_dir} with backend={written_by}. Nothing in {run_dir} was changed.")
 
 
+def finished_record(run_dir: Path, ckpt: Path | None, steps: int, incidents: list[dict[str, Any]]) -> RunMetrics | None:
+    """The run's record, as it is, when the run is finished: its newest checkpoint ``ckpt`` is at the last step
+    ``steps``, nothing was set aside on the way (``incidents``), and ``metrics.json`` says completed and passes its
+    check. Running it again would only evaluate again and rewrite a finished record, and an interruption during
+    that evaluation would mark it failed. None otherwise (a damaged record is rebuilt from the checkpoint)."""
+    if ckpt is None or incidents or step_of(ckpt) != steps:
+        return None
+    try:
+        record = results.read_metrics(run_dir)
+    except (FileNotFoundError, results.SchemaError):
+        return None
+    if record.status != "completed" or check_run(run_dir).state == DAMAGED:
+        return None
+    log.info("%s is finished (step %d of %d): its record is kept as it is", run_dir, steps, steps)
+    return record
+
+
 def keep_damaged_record(run_dir: Path, ckpt: Path | None) -> list[dict[str, Any]]:
     """Move a ``metrics.json`` or ``curve.csv`` of ``run_dir`` that fails its check aside (kept as
     ``<name>.damaged-<UTC time>``) before the run rewrites it; say so on stderr and return the incident to

@@ -59,14 +59,25 @@ def test_resume_after_failure_is_bit_exact(tmp_path):
                                   np.load(tmp_path / "ref/checkpoints/step_14/W.npy"))
 
 
-def test_resume_of_a_completed_run_reruns_nothing_but_the_record(tmp_path):
+def test_resume_of_a_completed_run_reruns_nothing_and_keeps_its_record(tmp_path):
+    """A finished run run again (experiments.run run_dir=..., a sweep run again in its directory, a backend's
+    train() called twice) returns its record as it is: no step, no evaluation (the full pass of a paper-scale row
+    takes minutes, and an interruption there would have marked the finished run failed), not a byte rewritten."""
     corpus = markov_corpus()
-    cfg = small_cfg(steps=6)
+    cfg = small_cfg(steps=6, eval={"protocol": "both"})
     first = run_training(cfg, BigramBackend(), tmp_path, corpus=corpus, progress=False)
+    files = {name: (tmp_path / name).read_bytes() for name in ("metrics.json", "curve.csv")}
     again = BigramBackend()
     second = run_training(cfg, again, tmp_path, corpus=corpus, progress=False)
-    assert not [c for c in again.calls if c[0] == "train"]
-    assert quality(second) == quality(first)
+    assert again.calls == []
+    assert second == first and second.extra["segments"] == 1
+    assert {name: (tmp_path / name).read_bytes() for name in files} == files
+    # A finished run whose record fails its check is rebuilt from its last checkpoint, evaluated again.
+    (tmp_path / "metrics.json").write_bytes(files["metrics.json"].replace(b'"best_ppl": ', b'"best_ppl": 1'))
+    rebuilt = BigramBackend()
+    third = run_training(cfg, rebuilt, tmp_path, corpus=corpus, progress=False)
+    assert [c for c in rebuilt.calls if c[0] == "train"] == [] and ("eval", 6) in rebuilt.calls
+    assert quality(third) == quality(first) and third.extra["segments"] == 2
 
 
 def test_resume_with_a_different_config_names_the_fields(tmp_path):
