@@ -40,8 +40,9 @@ METRIC_LABELS = {
     "peak_mem_mb": "peak memory (MB)", "params": "parameters"}
 """The plot's axis label of each :data:`SWEEP_METRICS` field."""
 
-SEED_KEYS = ("train.seed",)
-"""Settings whose runs repeat one setting: a table line pools them into its mean ± std."""
+SEED_KEYS = ("train.seed", "train.train_sample_seed", "eval.eval_sample_seed")
+"""The seeds (of the weights and dropout, of the training windows, of the evaluation windows): runs that differ in
+them alone repeat one setting, and a table line pools them into its mean ± std."""
 SETTING_SECTIONS = (*RUN_SECTIONS, "backend")
 LEADING_SETTINGS = ("table", "row", "scale.name", "backend.name", "profile.name", "model.variant")
 """Settings that name a group of runs before any other (:func:`other_settings`): a sweep over profiles reads

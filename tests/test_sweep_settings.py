@@ -32,7 +32,8 @@ def _config(top_k: int, buckets: int, seed: int, profile: str = "reference_torch
             compile_: str = "auto") -> dict:
     return {"table": "wt2-nt-1024", "row": "pcaf_context", "scale": {"name": "smoke"},
             "memory": {"top_k": top_k, "num_buckets": buckets}, "profile": {"name": profile, "gelu": gelu},
-            "train": {"seed": seed, "compile": compile_}, "data": {"data_dir": f"/data/{seed}"},
+            "train": {"seed": seed, "train_sample_seed": 10000 + seed, "compile": compile_},
+            "eval": {"eval_sample_seed": 20000 + seed}, "data": {"data_dir": f"/data/{seed}"},
             "backend": {"name": "torch"}, "output_root": "outputs", "run_dir": f"run-{top_k}-{buckets}-{seed}"}
 
 
@@ -83,10 +84,10 @@ def test_only_settings_that_split_runs_are_named(tmp_path):
     settings = []
     for config in profiles:
         flat = {"table": config["table"], "row": config["row"], "scale.name": "smoke"}
-        for section in ("memory", "profile", "train", "data", "backend"):
+        for section in ("memory", "profile", "train", "eval", "data", "backend"):
             flat.update({f"{section}.{k}": v for k, v in config[section].items()})
         settings.append(flat)
-    # The profile's switches come with its name; the seed, the compile setting and the data folder split nothing.
+    # The profile's switches come with its name; the seeds, the compile setting and the data folder split nothing.
     assert other_settings(settings, "memory.top_k") == ["profile.name"]
     assert other_settings([settings[1], settings[2]], "memory.top_k") == []
     # A run without a config file is not compared; one run alone has nothing to differ from.
