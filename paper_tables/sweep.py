@@ -208,11 +208,11 @@ def aggregate_sweep(df: pd.DataFrame, param: str, by: Sequence[str] = ()) -> pd.
     :func:`with_settings` of :func:`other_settings`) before it: completed/failed/running counts and mean/std of
     the metrics over completed runs. Runs without a swept value are left out (see :func:`unresolved_runs`)."""
     known = df[df[param].map(lambda v: v is not None)] if len(df) else df
-    keys = [*by, param]
-    cells = {tuple(_hashable(line[k]) for k in keys) for _, line in known.iterrows()}
+    cell_of = pd.Series([tuple(_hashable(line[k]) for k in (*by, param)) for _, line in known.iterrows()],
+                        index=known.index, dtype=object)
     lines = []
-    for cell in sorted(cells, key=lambda c: tuple(_sort_key(v) for v in c)):
-        sub = known[[all(_hashable(line[k]) == v for k, v in zip(keys, cell)) for _, line in known.iterrows()]]
+    for cell in sorted(set(cell_of), key=lambda c: tuple(_sort_key(v) for v in c)):
+        sub = known[[c == cell for c in cell_of]]  # not ==: pandas reads a tuple as a sequence
         done = sub[sub["status"] == "completed"]
         failed = sub[sub["status"].isin(["failed", "damaged"])]  # a damaged record is not a result
         line: dict[str, Any] = {param: cell[-1], **dict(zip(by, cell)), "n_runs": len(done), "n_failed": len(failed),
