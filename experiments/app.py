@@ -88,6 +88,11 @@ def _overridden_keys(task_overrides: list[str]) -> set[str]:
     return {o.lstrip("+~").split("=", 1)[0] for o in task_overrides if "=" in o}
 
 
+def _chose_corpus(user_keys: set[str]) -> bool:
+    """Whether the command line chose the corpus: ``data=NAME`` (the config group) or ``data.name=NAME``."""
+    return bool({"data", "data.name"} & user_keys)
+
+
 def resolve_auto_precision(cfg: DictConfig) -> str:
     """Replace ``train.precision=auto`` by what the run's backend trains fastest in on this machine (its
     ``auto_precision``), so the saved config and the record say ``fp32`` or ``bf16``; returns why ('' when
@@ -112,7 +117,15 @@ def apply_scale(cfg: DictConfig, task_overrides: list[str] | None = None) -> lis
         raise ConfigError(f"scale={scale.name} is defined only for the tables {', '.join(scale.only_tables)}, "
                           f"not {cfg.table}: run {cfg.table} at scale=paper (or cpu/smoke)")
     before = _section_values(cfg)
-    overrides: dict[str, Any] = dict(OmegaConf.to_container(scale.common, resolve=False) or {})
+    corpus: dict[str, Any] = dict(OmegaConf.to_container(scale.corpus, resolve=True) or {})
+    corpus_note = corpus.pop("note", None)
+    if _chose_corpus(user_keys):
+        # The scale's corpus stands in for a table's own; a corpus the user named is trained as named, in its
+        # own layout.
+        corpus = {}
+    if set(corpus) & user_keys or not corpus:
+        corpus_note = None  # it describes the block as written, which is not what this run trains on
+    overrides: dict[str, Any] = {**corpus, **(OmegaConf.to_container(scale.common, resolve=False) or {})}
     table_over = scale.tables.get(cfg.table) if cfg.table in scale.tables else None
     if table_over is not None:
         overrides.update(OmegaConf.to_container(table_over, resolve=False))
@@ -135,6 +148,8 @@ def apply_scale(cfg: DictConfig, task_overrides: list[str] | None = None) -> lis
         if before.get(k) != after[k]
     ]
     deviations = [f"{d[:-1]}; auto: {why})" if why and d.startswith("train.precision:") else d for d in deviations]
+    if corpus_note:
+        deviations.append(f"{corpus_note} (scale={scale.name})")
     notes = OmegaConf.to_container(scale.notes, resolve=True) or {}
     for note_key in ("*", cfg.table):
         note = notes.get(note_key)

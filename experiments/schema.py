@@ -31,14 +31,17 @@ class BackendConfig:
 class ScaleConfig:
     """How a row's paper settings are shrunk. Applied by :mod:`experiments.app` after composition.
 
-    ``common``: dotted-key overrides for every row; ``tables``: per-table dotted-key overrides
-    (applied after ``common``); ``notes``: per-table free-text deviations written into every output;
-    ``only_tables``: the tables the scale is defined for (empty: every table; any other table is refused).
-    Every changed value is recorded as a deviation from the paper's settings.
+    ``corpus``: the corpus the scale trains every table on in place of the table's own, as dotted ``data.*``
+    keys plus a ``note`` saying so; a corpus chosen on the command line (``data=NAME`` or ``data.name=NAME``)
+    replaces the whole block, note included. ``common``: dotted-key overrides for every row; ``tables``: per-table
+    dotted-key overrides (applied after ``common``); ``notes``: per-table free-text deviations written into every
+    output; ``only_tables``: the tables the scale is defined for (empty: every table; any other table is
+    refused). Every changed value is recorded as a deviation from the paper's settings.
     """
 
     name: str = "paper"
     only_tables: list[str] = field(default_factory=list)
+    corpus: dict[str, Any] = field(default_factory=dict)
     common: dict[str, Any] = field(default_factory=dict)
     tables: dict[str, Any] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)

@@ -259,6 +259,29 @@ def test_command_line_overrides_win_over_the_scale():
     assert not any(d.startswith("train.steps:") for d in r.deviations)
 
 
+@pytest.mark.parametrize("scale", ["smoke", "cpu"])
+@pytest.mark.parametrize("choice", ["data=pg19_mini", "data.name=pg19_mini"])
+def test_a_corpus_named_on_the_command_line_replaces_the_scales_stand_in(scale, choice):
+    """The reduced scales train every table on WikiText-2 in place of its own corpus. A corpus the user names,
+    as the config group or as data.name, is trained as named, in its own layout (pg19's is raw, not the
+    scale's tokens), and the scale's note about its stand-in is not written: it would be false."""
+    table, row = "wt103-nt-baselines", table_rows("wt103-nt-baselines")[0]
+    default = compose_row(table, row, scale, "torch", [])[0]
+    assert (default.run.data.name, default.run.data.layout) == ("wikitext2", "tokens")
+    note = [d for d in default.deviations if d.startswith(f"{scale} scale: WikiText-2")]
+    assert len(note) == 1
+    named = compose_row(table, row, scale, "torch", [choice])[0]
+    assert (named.run.data.name, named.run.data.layout) == ("pg19_mini", "raw")
+    assert f"{choice} (command line)" in named.deviations
+    assert note[0] not in named.deviations
+    # The scale's other data settings still apply: the vocabulary it shrinks to for its model widths.
+    assert named.run.data.max_vocab == default.run.data.max_vocab
+    # Changing one key of the stand-in keeps the rest of it, and drops the note that no longer describes it.
+    raw = compose_row(table, row, scale, "torch", ["data.layout=raw"])[0]
+    assert (raw.run.data.name, raw.run.data.layout) == ("wikitext2", "raw")
+    assert note[0] not in raw.deviations
+
+
 # What a row measures: a scale may shrink widths, budgets and data, but two rows that differ in one of these
 # at paper scale must still differ in it, in the same direction, at every reduced scale.
 MEASURED_KEYS = ("model.variant", "train.mode", "train.seq_len", "memory.route", "memory.top_k",
