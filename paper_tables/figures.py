@@ -453,7 +453,8 @@ def plot_sweep(df: pd.DataFrame, x: str, y: str = "best_ppl", title: str = "", y
 
     ``df`` holds one line per completed run with columns ``x`` and ``y`` (e.g. from
     :func:`paper_tables.sweep.load_sweep`); rows where ``y`` is absent are ignored. Numeric sweep values
-    are placed on a numeric axis (log base 2 when they span a factor of 8 or more), others as categories.
+    are placed on a numeric axis (log base 2 when they span a factor of 8 or more) and joined by lines, others as
+    categories, as points.
     """
     if x not in df.columns or y not in df.columns or not set(series) <= set(df.columns):
         raise KeyError(f"plot_sweep needs columns {x!r}, {y!r} and {list(series)}; the frame has {list(df.columns)}")
@@ -479,8 +480,9 @@ def plot_sweep(df: pd.DataFrame, x: str, y: str = "best_ppl", title: str = "", y
             part = data[data["_series"] == name]
             stats = part.groupby("_x", sort=True)[y].agg(["mean", "std", "count"])
             pos = [where[v] for v in stats.index]
+            # Categories (profiles, corpora) have no order between them: points, not a line through them.
             ax.errorbar(pos, stats["mean"], yerr=stats["std"].fillna(0.0), marker="o", capsize=3,
-                        label=name or None)
+                        linestyle="-" if numeric else "none", label=name or None)
             for p, (m, n) in zip(pos, zip(stats["mean"], stats["count"])):  # stacked where lines meet
                 ax.annotate(f"n={int(n)}", (p, m), fontsize=6, xytext=(3, 3 + 7 * line), textcoords="offset points")
         if series:

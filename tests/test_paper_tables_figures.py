@@ -296,6 +296,12 @@ def test_plot_sweep_handles_categorical_values_and_bad_columns(tmp_path):
     df = pd.DataFrame({"memory.route": ["context", "semantic", "context"], "best_ppl": [90.0, 95.0, 92.0]})
     fig = plot_sweep(df, x="memory.route", ylabel="best validation PPL (reference protocol)")
     assert fig.axes[0].get_ylabel() == "best validation PPL (reference protocol)"
+    # Categories are points: no line through them suggests an order between routes.
+    (bars,) = fig.axes[0].containers
+    line = bars.lines[0]  # the means (the others are the error bars' caps)
+    assert line.get_linestyle() == "None" and list(line.get_xdata()) == [0, 1]
+    numeric = plot_sweep(pd.DataFrame({"memory.top_k": [4, 8], "best_ppl": [90.0, 95.0]}), x="memory.top_k")
+    assert numeric.axes[0].containers[0].lines[0].get_linestyle() == "-"
     png, pdf = save_figure(fig, tmp_path / "route")
     _assert_png_pdf(png, pdf)
     with pytest.raises(KeyError, match="plot_sweep needs columns"):
