@@ -26,8 +26,8 @@ import yaml
 
 from paper_tables.collect import load_runs, machine_of, shown_root
 from paper_tables.figures import plot_sweep, save_figure
-from pcaf_core.config_io import LOCATION_FIELDS, RUN_SECTIONS
-from pcaf_core.run_identity import NON_RESULT_FIELDS
+from pcaf_core.config_io import RUN_SECTIONS
+from pcaf_core.run_identity import FOLDER_CORPORA, LOCATION_FIELDS, NON_RESULT_FIELDS
 
 CONFIG_NAMES = ("config.yaml", os.path.join(".hydra", "config.yaml"))
 OVERRIDES_NAME = os.path.join(".hydra", "overrides.yaml")
@@ -47,7 +47,7 @@ SETTING_SECTIONS = (*RUN_SECTIONS, "backend")
 LEADING_SETTINGS = ("table", "row", "scale.name", "backend.name", "profile.name", "model.variant")
 """Settings that name a group of runs before any other (:func:`other_settings`): a sweep over profiles reads
 ``profile.name``, not the dozen switches that come with it."""
-IGNORED_SETTINGS = (*NON_RESULT_FIELDS, *(".".join(f) for f in LOCATION_FIELDS))
+IGNORED_SETTINGS = (*NON_RESULT_FIELDS, *LOCATION_FIELDS)
 """Settings that do not change a run's numbers (how it was compiled, checkpointed or batched for evaluation, where
 its files live): runs differing in them alone are repeats."""
 
@@ -157,7 +157,10 @@ def other_settings(settings: Sequence[dict[str, Any] | None], param: str) -> lis
     known = [s for s in settings if s is not None]
     if len(known) < 2:
         return []
-    shared = set.intersection(*(set(s) for s in known)) - {param, *SEED_KEYS, *IGNORED_SETTINGS}
+    ignored = set(IGNORED_SETTINGS)
+    if any(s.get("data.name") in FOLDER_CORPORA for s in known):
+        ignored.discard("data.data_dir")  # there the folder is the corpus (run_identity.location_fields)
+    shared = set.intersection(*(set(s) for s in known)) - {param, *SEED_KEYS, *ignored}
     differing = [k for k in shared if len({str(s[k]) for s in known}) > 1]
     ordered = [k for k in LEADING_SETTINGS if k in differing] + sorted(k for k in differing
                                                                         if k not in LEADING_SETTINGS)

@@ -59,7 +59,7 @@ PROFILE_MATMUL_PRECISION: dict[str, str] = {
 ``pcaf_core.profiles`` (which builds its profiles from this module's dataclasses), so that a config checks it
 without importing that module."""
 EVAL_PROTOCOLS = ("reference", "full", "both")
-DATASETS = ("wikitext2", "wikitext103", "pg19", "pg19_mini")
+DATASETS = ("wikitext2", "wikitext103", "pg19", "pg19_mini", "text")  # text: your own (pcaf_core.data.own_corpus)
 DATA_LAYOUTS = ("tokens", "raw", "hf")
 
 
@@ -227,6 +227,8 @@ class ProfileConfig:
 class DataConfig:
     """Corpus, tokenizer and token budgets (docs/REFERENCE_CODE.md §5.1; docs/DATA.md).
 
+    ``name``: a published corpus, or ``text``: a corpus of your own, the folder ``data_dir``
+    (:mod:`pcaf_core.data.own_corpus`).
     ``layout``: ``tokens`` (WikiText ``wiki.*.tokens``), ``raw`` (WikiText ``wiki.*.raw``; PG-19's
     one file per book, which ``tokens`` also names for PG-19), ``hf`` (Hugging Face datasets).
     ``tokenizer``: ``regex`` (the reference ``\\w+|[^\\w\\s]``), ``whitespace`` or ``auto``
@@ -240,7 +242,7 @@ class DataConfig:
     layout: str = "tokens"
     tokenizer: str = "auto"
     rows: str = "auto"
-    data_dir: str | None = None  # None: $PCAF_DATA_DIR, the project's data/, then ../shared/data
+    data_dir: str | None = None  # None: $PCAF_DATA_DIR, the project's data/, then ../shared/data; text: the corpus
     cache_dir: str | None = None  # None: $PCAF_CACHE_DIR, then <repo>/data_cache
     max_vocab: int = 20000
     min_freq: int = 2
@@ -259,6 +261,10 @@ class DataConfig:
             _require(self.rows != "lines", s, "rows", self.rows, "PG-19 rows are whole books: use 'nonempty' or 'auto'")
             _require(self.layout != "hf" or self.name != "pg19_mini", s, "layout", self.layout,
                      "pg19_mini exists only locally: use 'raw'")
+        if self.name == "text":
+            _require(bool(self.data_dir), s, "data_dir", self.data_dir,
+                     "data.name=text reads a corpus of your own: set data.data_dir=<the folder holding its splits>")
+            _require(self.layout != "hf", s, "layout", self.layout, "a text corpus is read from its folder: use 'raw'")
         _require(self.max_vocab >= 4, s, "max_vocab", self.max_vocab, "must exceed the 3 specials")
         _require(self.min_freq >= 1, s, "min_freq", self.min_freq, "must be >= 1")
         _require(self.max_train_tokens >= 0, s, "max_train_tokens", self.max_train_tokens, "must be >= 0")

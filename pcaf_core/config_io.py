@@ -23,7 +23,7 @@ from pcaf_core.config import (
     RunConfig,
     TrainConfig,
 )
-from pcaf_core.run_identity import BATCHING_FIELDS
+from pcaf_core.run_identity import BATCHING_FIELDS, location_fields
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -35,9 +35,6 @@ SECTIONS: dict[str, type] = {
 }
 RUN_SECTIONS = tuple(SECTIONS)
 
-# Fields that say where files live, not what is computed: a run may be resumed after its data or cache
-# directory moved, so they are left out of the config hash.
-LOCATION_FIELDS = (("data", "data_dir"), ("data", "cache_dir"))
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
@@ -57,10 +54,11 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
 
 
 def hashable_config(cfg: RunConfig) -> dict[str, Any]:
-    """:func:`config_to_dict` without the location fields and the batching fields
+    """:func:`config_to_dict` without where the corpus and its cache live (a run may resume after its data
+    moved; :func:`pcaf_core.run_identity.location_fields`) and the batching fields
     (:data:`pcaf_core.run_identity.BATCHING_FIELDS`)."""
     data = config_to_dict(cfg)
-    for section, name in (*LOCATION_FIELDS, *(f.split(".") for f in BATCHING_FIELDS)):
+    for section, name in (f.split(".") for f in (*location_fields(cfg.data.name), *BATCHING_FIELDS)):
         data[section].pop(name, None)
     return data
 

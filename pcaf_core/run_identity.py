@@ -46,7 +46,19 @@ IDENTITY_LABELS = ("table", "row")
 """Top-level labels compared (with ``scale.name``)."""
 
 LOCATION_FIELDS = ("data.data_dir", "data.cache_dir")
-"""Where the corpus and its cache live: never compared (a run may resume after its data moved)."""
+"""Where the corpus and its cache live: never compared (a run may resume after its data moved), but for
+:data:`FOLDER_CORPORA`."""
+
+FOLDER_CORPORA = ("text",)
+"""``data.name`` values whose ``data.data_dir`` is the corpus itself (a corpus of your own,
+``pcaf_core.data.own_corpus``): another folder is another corpus, so there ``data.data_dir`` is compared."""
+
+
+def location_fields(data_name: object) -> tuple[str, ...]:
+    """The :data:`LOCATION_FIELDS` left out of the views of a run whose ``data.name`` is ``data_name``."""
+    if data_name in FOLDER_CORPORA:
+        return tuple(f for f in LOCATION_FIELDS if f != "data.data_dir")
+    return LOCATION_FIELDS
 
 BATCHING_FIELDS = ("eval.full_batch_size",)
 """Fields that set only how a pass's windows are batched (:func:`pcaf_core.evaluation.full_batch_size`): left out
@@ -78,7 +90,7 @@ def _view(cfg: Mapping[str, Any]) -> dict[str, Any]:
         view[label] = cfg.get(label)
     scale = cfg.get("scale")
     view["scale"] = scale.get("name") if isinstance(scale, Mapping) else scale
-    _drop(view, LOCATION_FIELDS)
+    _drop(view, location_fields((view.get("data") or {}).get("name")))
     return view
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import safetensors
 
+from pcaf_core import run_identity
 from pcaf_core.checkpoints import CHECKPOINT_DIR, LOOP_STATE_FILE, latest_checkpoint, read_loop_state, step_of
 from pcaf_core.config import DataConfig, RunConfig
 from pcaf_core.config_io import config_from_dict, read_config
@@ -128,7 +129,7 @@ def load_params(run: TrainedRun) -> dict[str, np.ndarray]:
     return load_canonical(run.weights, param_shapes(cfg.model, cfg.memory, cfg.profile))
 
 
-LOCATION_FIELDS = ("data_dir", "cache_dir")
+LOCATION_FIELDS = tuple(f.partition(".")[2] for f in run_identity.LOCATION_FIELDS)
 
 
 def run_data_config(run: TrainedRun, locations: dict[str, str | None] | None = None) -> DataConfig:

@@ -44,7 +44,7 @@ import numpy as np
 
 from pcaf_core.fsutil import atomic_write_bytes, file_lock, fsync_path
 
-from . import encode
+from . import encode, own_corpus
 from .corpora import (
     SPLITS,
     Source,
@@ -88,9 +88,15 @@ class CorpusSettings:
     rows: str
     max_vocab: int
     min_freq: int
+    # The corpus folder, for a corpus of your own (data.name=text), where the folder is what names the corpus;
+    # '' (and left out of as_dict and the key) for the published corpora, whose caches do not move with them.
+    folder: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if not d["folder"]:
+            del d["folder"]
+        return d
 
     @property
     def key(self) -> str:
@@ -105,8 +111,8 @@ class CorpusSettings:
 def resolve_settings(cfg: DataConfig) -> CorpusSettings:
     """Resolve ``auto`` fields of a :class:`~pcaf_core.config.DataConfig`.
 
-    * PG-19 corpora have one text release (a file per book): layouts ``tokens`` and ``raw``
-      both name it, recorded as ``raw``.
+    * PG-19 corpora have one text release (a file per book), and so does a corpus of your own
+      (``data.name=text``): layouts ``tokens`` and ``raw`` both name it, recorded as ``raw``.
     * ``tokenizer=auto``: ``whitespace`` for the pre-tokenized WikiText ``tokens`` release (its
       text is already tokens; the regex would split ``<unk>`` and ``@-@``), else ``regex``
       (the reference).
@@ -116,7 +122,7 @@ def resolve_settings(cfg: DataConfig) -> CorpusSettings:
     """
     spec = get_spec(cfg.name)
     layout = cfg.layout
-    if spec.family == "pg19" and layout == "tokens":
+    if spec.family in ("pg19", "text") and layout == "tokens":
         layout = "raw"
     if layout not in spec.layouts():
         raise DataError(f"{spec.title} has no layout {layout!r}: set data.layout to one of {list(spec.layouts())}")
@@ -130,8 +136,9 @@ def resolve_settings(cfg: DataConfig) -> CorpusSettings:
     get_tokenizer(tokenizer)  # validates the name
     if spec.family == "pg19" and rows != "nonempty":
         raise DataError("PG-19 rows are whole books: data.rows must be 'nonempty' or 'auto'")
+    folder = str(own_corpus.corpus_folder(cfg.data_dir)) if spec.family == "text" else ""
     return CorpusSettings(name=cfg.name, layout=layout, tokenizer=tokenizer, rows=rows,
-                          max_vocab=int(cfg.max_vocab), min_freq=int(cfg.min_freq))
+                          max_vocab=int(cfg.max_vocab), min_freq=int(cfg.min_freq), folder=folder)
 
 
 @dataclass(frozen=True)

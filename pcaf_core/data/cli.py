@@ -20,10 +20,12 @@ import dataclasses
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from pcaf_core.config import ConfigError, DataConfig
 
+from . import own_corpus
 from .cache import TokenizedCorpus, load_corpus, resolve_settings
 from .corpora import cache_root, get_spec, locate_source
 from .errors import DataError, DataNotFoundError
@@ -33,7 +35,8 @@ from .verify import verify_source
 _ROWS_TEXT = {"lines": "every line (blank ones too) + <eos>", "nonempty": "each non-empty row + <eos>"}
 _LAYOUT_TEXT = {("wikitext", "tokens"): "the pre-tokenized wiki.*.tokens release",
                 ("wikitext", "raw"): "the raw wiki.*.raw release", ("wikitext", "hf"): "Hugging Face datasets",
-                ("pg19", "raw"): "one text file per book", ("pg19", "hf"): "Hugging Face datasets"}
+                ("pg19", "raw"): "one text file per book", ("pg19", "hf"): "Hugging Face datasets",
+                ("text", "raw"): "your own text: a line or a file per row"}
 
 
 def parse_overrides(items: list[str]) -> DataConfig:
@@ -68,13 +71,15 @@ def parse_overrides(items: list[str]) -> DataConfig:
 def count_conventions(cfg: DataConfig) -> list[dict[str, Any]]:
     """Train-split document and token counts (one ``<eos>`` per row) under every convention.
 
-    WikiText: tokenizer {whitespace, regex} x rows {lines, nonempty}; PG-19: rows are books.
+    WikiText, and a ``text`` corpus with a file per split: tokenizer {whitespace, regex} x rows {lines,
+    nonempty}; PG-19 and a ``text`` corpus with a folder per split: rows are files.
     """
     settings = resolve_settings(cfg)
     source = locate_source(settings.name, settings.layout, cfg.data_dir)
     root = cache_root(cfg.cache_dir)
     spec = get_spec(settings.name)
-    wikitext = spec.family == "wikitext"
+    wikitext = spec.family == "wikitext" or (
+        spec.family == "text" and own_corpus.corpus_form(Path(source.location)) == "files")
     out = []
     for tok_name in ("whitespace", "regex"):
         tok = get_tokenizer(tok_name)

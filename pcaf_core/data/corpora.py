@@ -9,6 +9,7 @@ corpus         layout     on disk
 wikitext2/103  ``tokens`` ``wikitext-2/wiki.{train,valid,test}.tokens`` (pre-tokenized release)
 wikitext2/103  ``raw``    ``wikitext-2-raw/wiki.{train,valid,test}.raw`` (the paper's release)
 pg19, pg19_mini ``raw``   ``pg19-mini/{train,validation,test}/*.txt`` + ``metadata.csv``
+text           ``raw``    ``data.data_dir``: ``{train,valid,test}.txt`` or ``{train,valid,test}/*.txt`` (your own)
 any but mini   ``hf``     Hugging Face ``datasets`` (optional dependency, needs the hub)
 =============  =========  ==========================================================
 
@@ -16,7 +17,8 @@ Each corpus may be present as an unpacked folder or as an archive (``.tar.xz``, 
 ``.tar``, ``.zip``) in a data directory. Archives are checked against their published sha256
 (where one is known) and unpacked once into ``<cache root>/sources/``.
 
-Rows (documents): a WikiText row is a line of its file; a PG-19 row is a whole book.
+Rows (documents): a WikiText row is a line of its file; a PG-19 row is a whole book; a ``text`` row is a line
+of a split's file or a whole file of a split's folder (:mod:`pcaf_core.data.own_corpus`).
 ``rows="nonempty"`` keeps rows with ``row.strip() != ""`` (the reference); ``rows="lines"``
 keeps every WikiText line, blank ones included (the convention of the WikiText release and
 of the classic word-language-model code, which appends ``<eos>`` to every line).
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import own_corpus
 from .errors import DataError, DataNotFoundError
 from .files import (
     ARCHIVE_SUFFIXES,
@@ -61,7 +64,7 @@ class CorpusSpec:
 
     name: str
     title: str
-    family: str  # "wikitext" (rows are lines) or "pg19" (rows are books)
+    family: str  # "wikitext" (rows are lines), "pg19" (rows are books) or "text" (your own: lines or files)
     dir_names: dict[str, tuple[str, ...]]  # layout -> folder names that hold the files
     archives: dict[str, tuple[str, ...]]  # layout -> archive file names
     hf: tuple[str, str | None] | None  # (dataset path, config name) for layout "hf"
@@ -123,6 +126,9 @@ CORPORA: dict[str, CorpusSpec] = {
                     "hf": "install the optional dependency (`pip install -e '.[hub]'`) and make the Hugging "
                           "Face hub reachable"},
     ),
+    own_corpus.NAME: CorpusSpec(
+        name=own_corpus.NAME, title="text corpus", family="text", dir_names={"raw": ()}, archives={"raw": ()},
+        hf=None, how_to_get={"raw": own_corpus.HOW_TO_GET}),
 }
 
 
@@ -235,8 +241,10 @@ class Source:
         return self._root
 
     def split_files(self, split: str, root: Path) -> list[Path]:
-        """The files of ``split`` (WikiText: one file; PG-19: books sorted by file name)."""
+        """The files of ``split`` (WikiText: one file; PG-19: books sorted by file name; text: either)."""
         base = self.materialize(root)
+        if self.spec.family == "text":
+            return own_corpus.split_files(base, split)
         if self.spec.family == "wikitext":
             ext = "tokens" if self.layout == "tokens" else "raw"
             p = base / f"wiki.{_WIKI_FILE_SPLIT[split]}.{ext}"
@@ -263,9 +271,14 @@ class Source:
         if self.origin == "hf":
             yield from self._iter_hf(split, rows)
             return
+        whole_files = self.spec.family == "pg19" or (
+            self.spec.family == "text" and own_corpus.corpus_form(self.materialize(root)) == "folders")
+        if whole_files and rows != "nonempty":
+            raise DataError(f"{self.location}: each .txt file of a split folder is one document, so data.rows "
+                            f"must be 'nonempty' (or 'auto'); 'lines' is for a file per split")
         for path in self.split_files(split, root):
             text = read_text(path)
-            if self.spec.family == "pg19":
+            if whole_files:
                 if text.strip():
                     yield text
                 continue
@@ -429,6 +442,10 @@ def locate_source(name: str, layout: str, data_dir: str | os.PathLike | None = N
     spec = get_spec(name)
     if layout not in spec.layouts():
         raise DataError(f"{spec.title} has no layout {layout!r}: use one of {list(spec.layouts())}")
+    if spec.family == "text":
+        folder = own_corpus.corpus_folder(data_dir)  # the folder is the corpus: nothing else is searched
+        own_corpus.corpus_form(folder)  # all three splits present, in one form
+        return Source(spec, layout, "directory", str(folder))
     if layout == "hf":
         assert spec.hf is not None
         _import_datasets()  # fail before anything is built
