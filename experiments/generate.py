@@ -53,13 +53,14 @@ def parse_args(argv: list[str]) -> tuple[GenerateArgs, dict[str, str]]:
     return args, data
 
 
-def _generate(args: GenerateArgs, run: Any, ids: Any) -> tuple[Any, float, float]:
-    """New tokens ``[batch, n]`` (NumPy), decode tokens/s and prefill seconds, on the chosen backend."""
+def _generate(args: GenerateArgs, run: Any, ids: Any, words: int) -> tuple[Any, float, float]:
+    """New tokens ``[batch, n]`` (NumPy), decode tokens/s and prefill seconds, on the chosen backend; only the
+    ``words`` ids of the run's vocabulary are generated."""
     import numpy as np
 
     prompt = np.repeat(ids[None], args.batch, axis=0)
     opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed)
+                top_p=args.top_p, seed=args.seed, vocab_limit=words)
     if args.backend == "torch":
         import torch
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             print(f"warning: prompt words not in the vocabulary, read as <unk>: {', '.join(map(repr, unknown[:10]))}"
                   + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""), file=sys.stderr)
-        new, tok_s, prefill_s = _generate(args, run, ids)
+        new, tok_s, prefill_s = _generate(args, run, ids, len(vocab))
     except (RunNotFoundError, VocabularyMismatchError, WeightsError, NotStreamableError, StreamLimitError,
             DataError, ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -47,6 +47,7 @@ class TrainedRun:
     weights: Path
     step: int | None
     labels: dict[str, Any]
+    vocab_sha256: str | None = None  # of the vocabulary it trained on, where its record says (metrics.json)
 
     def describe(self) -> str:
         """One label for every line a tool prints about this run."""
@@ -101,12 +102,15 @@ def locate_run(path: str | Path, checkpoint: str | Path | None = None) -> Traine
         raise RunNotFoundError(f"no weights file {weights}: pass a run directory, a checkpoints/step_<N> directory "
                                f"or a {WEIGHTS_FILE}")
     labels: dict[str, Any] = {}
+    vocab_sha256 = None
     try:
         m = read_metrics(run_dir)
         labels = {"table": m.table, "row": m.row, "scale": m.scale, "backend": m.backend, "status": m.status}
+        vocab_sha256 = ((m.extra or {}).get("data") or {}).get("vocab_sha256")
     except (FileNotFoundError, SchemaError):
         pass
-    return TrainedRun(run_dir, _run_config(run_dir, weights), weights, step_of(weights.parent), labels)
+    return TrainedRun(run_dir, _run_config(run_dir, weights), weights, step_of(weights.parent), labels,
+                      vocab_sha256)
 
 
 def weights_vocab_size(weights: Path) -> int:
@@ -147,7 +151,8 @@ def run_data_config(run: TrainedRun, locations: dict[str, str | None] | None = N
 def load_vocabulary(run: TrainedRun, data: DataConfig | None = None) -> tuple[Any, str]:
     """The run's vocabulary (from its corpus cache, built on first use) and its tokenizer name.
 
-    Raises :class:`VocabularyMismatchError` when the vocabulary has more ids than the weights' embedding.
+    Raises :class:`VocabularyMismatchError` when the vocabulary has more ids than the weights' embedding, or is
+    not the one the run's record says it trained on (another corpus in ``data.data_dir``, say).
     """
     from pcaf_core.data import load_corpus, resolve_settings
 
@@ -158,6 +163,10 @@ def load_vocabulary(run: TrainedRun, data: DataConfig | None = None) -> tuple[An
         raise VocabularyMismatchError(
             f"the vocabulary of data={data.name} (max_vocab={data.max_vocab}) has {len(corpus.vocab)} ids, the "
             f"checkpoint's embedding {V}: it was trained on another vocabulary")
+    if run.vocab_sha256 and corpus.vocab.sha256 != run.vocab_sha256:
+        raise VocabularyMismatchError(
+            f"the vocabulary of {corpus.record()['source']} (sha256 {corpus.vocab.sha256[:12]}) is not the one run "
+            f"{run.run_dir} trained on ({run.vocab_sha256[:12]}): point data.data_dir at the corpus it trained on")
     return corpus.vocab, resolve_settings(data).tokenizer
 
 

@@ -119,6 +119,38 @@ def test_jax_generate_equals_torch_greedy_and_the_command_runs_on_jax(smoke_run,
     assert "continuation 1: " in out and "tokens/s (backend=jax, dtype=fp32, batch=2, 5 new tokens" in out
 
 
+def test_only_the_vocabularys_ids_are_generated_on_either_backend():
+    """A run's vocabulary may hold fewer words than the model's V (a small corpus of your own at
+    data.max_vocab=20000): the ids past it name no word, so generation never draws them, greedy or sampled, and
+    greedy otherwise picks what it would have picked."""
+    import jax
+
+    from backends.jax import build_model as build_jax
+    from backends.jax import to_variables
+    from backends.jax.generate import generate as jax_generate
+    from backends.torch import to_canonical
+
+    net = _tiny_pcaf()
+    prompt = torch.tensor([[3, 4, 3, 5], [7, 7, 8, 7]])
+    free = generate(net, prompt, 24, temperature=1.0, seed=1).new_tokens
+    assert int(free.max()) >= 10  # without the limit, ids past it are drawn
+    for temperature in (0.0, 1.0):
+        limited = generate(net, prompt, 24, temperature=temperature, seed=1, vocab_limit=10).new_tokens
+        assert int(limited.max()) < 10
+    with torch.no_grad():
+        greedy = generate(net, prompt, 6, temperature=0.0, window=10, vocab_limit=10).new_tokens
+        full = net(torch.cat([prompt, greedy], dim=1), mode="ar").log_probs[:, 3:-1, :10]
+    assert torch.equal(torch.argmax(full, dim=-1), greedy)
+    with jax.enable_x64(True):
+        module = build_jax(net.model_config, net.memory_config, net.profile, dtype=jax.numpy.float64)
+        variables = to_variables(to_canonical(net), jax.numpy.float64)
+        got = jax_generate(module, prompt.numpy(), 24, temperature=1.0, seed=1, variables=variables,
+                           vocab_limit=10)
+    assert int(np.max(got.new_tokens)) < 10
+    with pytest.raises(ValueError, match=r"vocab_limit=31 must lie in \[1, 30\]"):
+        generate(net, prompt, 2, vocab_limit=31)
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     lp = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     g = torch.Generator().manual_seed(0)

@@ -16,6 +16,7 @@ from pcaf_core.data import EOS_ID, DataError, build_vocab, load_corpus
 from pcaf_core.data.documents import document_bounds
 from pcaf_core.data.tokenizer import regex_tokenize
 from pcaf_core.run_identity import identity_digest
+from pcaf_core.trained_run import TrainedRun, VocabularyMismatchError, load_vocabulary, run_data_config
 
 SPLITS = {"train": "train", "validation": "valid", "test": "test"}
 
@@ -136,3 +137,20 @@ def test_what_is_wrong_with_a_text_corpus_is_said_in_one_line(tmp_path):
     (empty / "test").mkdir()
     with pytest.raises(DataError, match="holds no .txt files: put the test split's documents there"):
         load_corpus(text_cfg(empty, tmp_path / "cache"))
+
+
+def test_a_trained_run_reads_only_the_vocabulary_it_trained_on(tmp_path):
+    """Generation and the stream evaluation may point data.data_dir elsewhere (the corpus moved); a folder
+    whose vocabulary is not the one the run's record names is refused in one line, not decoded as nonsense."""
+    a = write_lines(tmp_path / "a", LINES)
+    b = write_lines(tmp_path / "b", {**LINES, "train": LINES["train"] + ["zebra zebra ."]})
+    trained = load_corpus(text_cfg(a, tmp_path / "cache"))
+    cfg = row_config("wt2-nt-1024/pcaf_context", "smoke", "torch",
+                     ["data=text", f"data.data_dir={a}", f"data.cache_dir={tmp_path / 'cache'}", "data.min_freq=1"])
+    run = TrainedRun(tmp_path / "run", cfg, tmp_path / "run" / "model.safetensors", 5, {},
+                     vocab_sha256=trained.vocab.sha256)
+    moved = write_lines(tmp_path / "moved", LINES)  # the same corpus in another folder: the same vocabulary
+    vocab, tokenizer = load_vocabulary(run, run_data_config(run, {"data_dir": str(moved)}))
+    assert vocab.sha256 == trained.vocab.sha256 and tokenizer == "regex"
+    with pytest.raises(VocabularyMismatchError, match="is not the one run .* trained on .*point data.data_dir"):
+        load_vocabulary(run, run_data_config(run, {"data_dir": str(b)}))

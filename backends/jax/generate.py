@@ -85,13 +85,15 @@ def generate(
     window: int | None = None,
     mode: str | None = None,
     dtype: Any = jnp.float32,
+    vocab_limit: int | None = None,
 ) -> Generation:
     """Continue ``prompt`` (``[n]`` or ``[B, n]`` ids) by ``max_new_tokens`` tokens.
 
     ``model_or_checkpoint``: a module (then ``variables`` too), a located
     :class:`~pcaf_core.trained_run.TrainedRun`, or a run directory / checkpoint directory / weights file.
     ``window``/``mode`` default to the run's ``train.seq_len``/``train.mode`` (a bare module:
-    ``max_seq_len``, ``ar``). ``seed`` seeds ``jax.random``.
+    ``max_seq_len``, ``ar``). ``seed`` seeds ``jax.random``. ``vocab_limit``: only ids below it are generated
+    (as :func:`backends.torch.generate.generate`); None: every id.
     """
     if isinstance(model_or_checkpoint, (str, Path, TrainedRun)):
         module, variables, run = load_model(model_or_checkpoint, dtype=dtype)
@@ -112,6 +114,9 @@ def generate(
         raise ValueError(f"prompt must be [n] or [B, n] token ids with n >= 1, got shape {x.shape}")
     if x.min() < 0 or x.max() >= V:
         raise ValueError(f"prompt token ids must lie in [0, {V}), got [{x.min()}, {x.max()}]")
+    if vocab_limit is not None and not 0 < vocab_limit <= V:
+        raise ValueError(f"vocab_limit={vocab_limit} must lie in [1, {V}]")
+    words = V if vocab_limit is None else vocab_limit
     B, n = x.shape
     stream = JaxStream(module, variables, window=window, mode=mode or "ar")
     # One extra step after the last sample keeps the decode loop uniform.
@@ -126,6 +131,8 @@ def generate(
         def body(carry, _):
             st, lp, key = carry
             key, sub = jax.random.split(key)
+            if words < V:
+                lp = jnp.where(jnp.arange(V) < words, lp, -jnp.inf)
             tok = sample_next(lp, sub, temperature, top_k, top_p)
             st, out = step(v, st, tok, pt)
             return (st, out.log_probs, key), tok

@@ -88,6 +88,7 @@ def generate(
     mode: str | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    vocab_limit: int | None = None,
 ) -> Generation:
     """Continue ``prompt`` (``[n]`` or ``[B, n]`` token ids) by ``max_new_tokens`` tokens.
 
@@ -96,6 +97,8 @@ def generate(
     ``window``/``mode``: the recency convention
     of the stream (:class:`~backends.torch.streaming.TorchStream`); default the run's ``train.seq_len`` and
     ``train.mode``, or ``model_config.max_seq_len`` and ``ar`` for a bare model. ``seed`` seeds the sampler.
+    ``vocab_limit``: only ids below it are generated (a run's vocabulary may hold fewer words than the model's V,
+    and the ids past it name none); None: every id.
     """
     if isinstance(model_or_checkpoint, (str, Path, TrainedRun)):
         net, run = load_model(model_or_checkpoint, dtype=dtype, device=device)
@@ -113,6 +116,9 @@ def generate(
         raise ValueError(f"prompt must be [n] or [B, n] token ids with n >= 1, got shape {tuple(x.shape)}")
     if int(x.min()) < 0 or int(x.max()) >= V:
         raise ValueError(f"prompt token ids must lie in [0, {V}), got [{int(x.min())}, {int(x.max())}]")
+    if vocab_limit is not None and not 0 < vocab_limit <= V:
+        raise ValueError(f"vocab_limit={vocab_limit} must lie in [1, {V}]")
+    unused = None if vocab_limit is None or vocab_limit == V else torch.arange(V, device=param.device) >= vocab_limit
     stream = TorchStream(net, window=window, mode=mode or "ar")
     gen = torch.Generator(device=param.device).manual_seed(seed)
     B, n = x.shape
@@ -122,7 +128,8 @@ def generate(
     new = torch.empty((B, max_new_tokens), dtype=torch.int64, device=param.device)
     start = time.perf_counter()
     for i in range(max_new_tokens):
-        new[:, i] = sample_next(out.log_probs, temperature, top_k, top_p, gen)
+        log_probs = out.log_probs if unused is None else out.log_probs.masked_fill(unused, -torch.inf)
+        new[:, i] = sample_next(log_probs, temperature, top_k, top_p, gen)
         if i + 1 < max_new_tokens:
             state, out = stream.step(state, new[:, i])
     decode_seconds = time.perf_counter() - start
