@@ -32,6 +32,8 @@ help:
 	@echo "make test-hermetic - the fast tier with XLA_FLAGS=...device_count=4, then with OMP_NUM_THREADS=1"
 	@echo "               (times of all three: docs/results/README.md, \"Test suite\")"
 	@echo "make test-gpu - the gpu tier on a CUDA machine (GPU_PY=python3 where there is no $(VENV))"
+	@echo "make test-slurm - the cluster path against real Slurm: a one-node cluster started here (root; installs"
+	@echo "               Debian's Slurm, munge and MariaDB with make slurm-deps); make test runs it where they are"
 	@echo "make lint    - ruff check"
 	@echo "make data    - verify the corpora and build the token caches (WikiText-2 vendored; pg19-mini when found)"
 	@echo "make data-summary - splits, documents, tokens, vocabulary, OOV rate, cache location"
@@ -94,6 +96,23 @@ GPU_TEST_FILES = $(shell grep -l 'pytest.mark.gpu' tests/test_*.py)
 test-gpu:
 	@start=$$SECONDS; $(GPU_PY) -m pytest -v -p no:cacheprovider -m gpu $(GPU_TEST_FILES) $(PYTEST_ARGS); code=$$?; \
 	  echo "make test-gpu: $$((SECONDS - start)) s wall"; exit $$code
+
+# The slurm tier: tests/test_slurm.py submits tables and sweeps with sbatch to a one-node Slurm it starts on this
+# machine (tests/local_slurm.py: munge, MariaDB, slurmdbd, slurmctld, slurmd, as root). make test runs it too
+# wherever the daemons are installed, and skips it elsewhere; .ci/run installs them first (make slurm-deps).
+SLURM_PACKAGES = $(shell $(PY) -c 'from tests.local_slurm import PACKAGES; print(*PACKAGES)')
+.PHONY: slurm-deps test-slurm
+slurm-deps: $(VENV)/.installed
+	@if $(PY) -c 'import sys; from tests.local_slurm import missing_binaries; sys.exit(bool(missing_binaries()))'; \
+	then :; elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	  echo "make slurm-deps: installs Debian's $(SLURM_PACKAGES) with apt-get as root; elsewhere install them" \
+	       "yourself"; exit 2; \
+	else apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	  $(SLURM_PACKAGES) >/dev/null && echo "installed $(SLURM_PACKAGES)"; fi
+
+test-slurm: $(VENV)/.installed $(VENV)/.installed-cluster slurm-deps
+	@start=$$SECONDS; $(PY) -m pytest -v -p no:cacheprovider -m slurm tests/test_slurm.py $(PYTEST_ARGS); code=$$?; \
+	  echo "make test-slurm: $$((SECONDS - start)) s wall"; exit $$code
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check pcaf_core backends benchmarks experiments paper_tables tests

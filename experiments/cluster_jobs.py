@@ -22,6 +22,8 @@ import argparse
 import dataclasses
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -33,13 +35,15 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
 from experiments import app, cluster
 from experiments.table_runs import Outcome, completed_run, interrupted_line, report, run_planned, run_tag
+from pcaf_core.config import ConfigError
 from pcaf_core.fsutil import atomic_write_text, file_lock
 from pcaf_core.loop import RunInterrupted
 from pcaf_core.run_identity import identity_digest
 
 LEDGER = "jobs.json"
-POLL_S = {"local": 1.0, "slurm": 30.0}
-"""Seconds between a waiting command's looks at its jobs (on Slurm a look may ask ``sacct``: not too often)."""
+POLL_S = {"local": 1.0, "slurm": float(os.environ.get("PCAF_SLURM_POLL_S", 30.0))}
+"""Seconds between a waiting command's looks at its jobs (on Slurm a look may ask ``sacct``: not too often;
+``PCAF_SLURM_POLL_S`` sets it, e.g. for a cluster of one's own)."""
 
 
 class RowJob(submitit.helpers.Checkpointable):
@@ -122,17 +126,36 @@ def _local_alive(job_id: str) -> bool:
         return True
 
 
+def _slurm_queued(job_id: str) -> bool:
+    """Whether Slurm's queue still holds the job (pending, running, requeued or completing).
+
+    submitit reads a job's state from sacct, whose newest line for a job Slurm has just requeued (preempted, or
+    signalled before its time limit) can be the ended instance's, FAILED, until the next instance starts; and it
+    takes the first ended state it reads as final. The queue says whether the job goes on."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False  # no squeue to ask: submitit's state stands
+    if out.returncode != 0:
+        # A job Slurm no longer knows (ended long ago) is an error too; any other error is a question unanswered.
+        return "Invalid job id" not in out.stderr
+    return bool(out.stdout.strip())
+
+
 def _earlier_job(folder: Path, entry: dict[str, Any]) -> submitit.Job | None:
     """The job an earlier command submitted, when it is still queued or running; else None."""
     if entry["cluster"] == "slurm":
         job = submitit.SlurmJob(folder=folder / "%j", job_id=entry["job_id"])
-        return None if job.done(force_check=True) else job
+        return None if job.done(force_check=True) and not _slurm_queued(job.job_id) else job
     return submitit.LocalJob(folder=folder / "%j", job_id=entry["job_id"]) if _local_alive(entry["job_id"]) else None
 
 
 def _finished(job: submitit.Job, earlier: bool) -> bool:
     if earlier and isinstance(job, submitit.LocalJob):
         return not _local_alive(job.job_id)
+    if isinstance(job, submitit.SlurmJob):
+        return job.done() and not _slurm_queued(job.job_id)
     return job.done()
 
 
@@ -145,9 +168,13 @@ def _outcome(job: submitit.Job) -> dict[str, Any]:
     try:
         return job.result()
     except Exception as exc:  # noqa: BLE001 - the job died (killed, out of memory) or raised: reported, not lost
+        # submitit's text of a job that left no result names its result file, then the cluster's state of the job
+        # (Slurm's from sacct: CANCELLED, TIMEOUT, OUT_OF_MEMORY, NODE_FAIL, ...), which is what says why.
+        state = re.search(r"has not produced any output \(state: ([^)]*)\)", str(exc))
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        why = f"no result; job state {state.group(1)}" if state else first[:300]
         return {"status": "lost", "run_dir": None,
-                "line": f"job {job.job_id} ended without finishing its run ({first[:300]}); its log: "
+                "line": f"job {job.job_id} ended without finishing its run ({why}); its log: "
                         f"{job.paths.stdout} and {job.paths.stderr}; run the same command again to resume the run "
                         "from its last checkpoint"}
 
@@ -189,7 +216,13 @@ def run_jobs(plan: list, args: argparse.Namespace, root: Path, settings: dict[st
         tag, resolved = runs[i]
         resources = cluster.row_resources(resolved, kind, settings, costs, args.time_min)
         executor = make_executor(kind, folder, settings, resources, job_name(resolved))
-        job = executor.submit(RowJob(), resolved, str(root), args.fresh, args.restart_damaged)
+        try:
+            job = executor.submit(RowJob(), resolved, str(root), args.fresh, args.restart_damaged)
+        except submitit.core.utils.FailedJobError as exc:  # sbatch said no: no cluster, a bad partition, ...
+            said = [line.strip() for line in str(exc).splitlines() if line.strip()] or ["(nothing)"]
+            going = (f"; the {len(active)} job(s) submitted before it go on (jobs: {folder}), and the same command, "
+                     "run again, waits for them" if active else "")
+            raise ConfigError(f"sbatch refused the job of {tag}: {said[-1]}{going}") from None
         _record_job(folder, identity_digest(app.config_dict(resolved)),
                     {"cluster": kind, "job_id": job.job_id, "table": resolved.table, "row": resolved.row,
                      "seed": resolved.run.train.seed, "submitted": datetime.now(UTC).isoformat(timespec="seconds")})

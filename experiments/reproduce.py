@@ -135,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from experiments.cluster_jobs import run_jobs
 
-        outcomes = run_jobs(plan, args, root, settings)
+        try:
+            outcomes = run_jobs(plan, args, root, settings)
+        except ConfigError as exc:  # the cluster refused a job
+            print(f"config error: {exc}", file=sys.stderr)
+            return preflight.CONFIG_ERROR_EXIT
     if isinstance(outcomes, int):  # interrupted, or jobs still running (--no-wait)
         return outcomes
     print(f"{label} runs finished in {time.time() - started:.0f} s")

@@ -1,6 +1,6 @@
 """Sweeps and tables as submitit jobs (docs/EXPERIMENTS.md, "On a cluster"), with the real executor: submitit's
-local executor runs every job as its own process here, so the cluster path is tested for real; Slurm is not on
-this machine, so its jobs are checked through the sbatch script submitit would submit.
+local executor runs every job as its own process here, so the cluster path is tested for real; the sbatch script
+of a Slurm job is checked here, and tests/test_slurm.py submits such jobs to a one-node Slurm.
 
 Faults inside job processes come from ``tests/fixtures/site/sitecustomize.py`` (on ``PYTHONPATH``, inherited by
 every process a job starts): a one-time hold at a training step, or modules made unimportable. Commands that only
@@ -82,9 +82,36 @@ def test_a_launcher_without_the_cluster_extra_is_refused_in_one_line_naming_it(t
         assert line.startswith("config error: ") and "needs the cluster extra" in line, line
         assert "pip install -e '.[cluster]' (or make setup EXTRAS=cluster)" in line
     assert not out.exists()
-    # With the extra, Slurm's absence is the next thing said, as one line.
-    res = _run(commands[0])
+    # With the extra, Slurm's absence is the next thing said, as one line (PATH: this environment's tools alone,
+    # whether or not the machine has Slurm's clients).
+    res = _run(commands[0], PATH=os.path.dirname(sys.executable))
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "sbatch, which is not on PATH" in res.stderr
+
+
+def test_a_job_sbatch_refuses_stops_the_table_in_one_line_after_the_jobs_already_submitted(tmp_path, monkeypatch):
+    """sbatch on PATH but refusing (no cluster reachable, a bad partition or account): the table command says so in
+    one line naming the run and sbatch's reason, exit 2, rather than with submitit's traceback; jobs it submitted
+    before that one go on, and the line says so."""
+    from experiments.reproduce import main as reproduce
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    # The first submission is accepted (job 4242), the next refused as Slurm refuses an unknown partition.
+    (tools / "sbatch").write_text(
+        f"#!/bin/sh\nif [ -e {tmp_path}/once ]; then echo 'sbatch: error: Batch job submission failed: Invalid "
+        f"partition name specified' >&2; exit 1; fi\ntouch {tmp_path}/once; echo 'Submitted batch job 4242'\n")
+    (tools / "srun").write_text("#!/bin/sh\nexit 1\n")
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    res = run_main(reproduce, ["--table", "wt2-nt-1024", "--scale", "smoke", "--rows", "pcaf_context,local_conv",
+                               "--launcher", "slurm", "--output-root", str(tmp_path / "out"), "--no-render"])
+    assert res.returncode == 2, res.stdout + res.stderr
+    line = res.stderr.splitlines()[-1]
+    assert line.startswith("config error: sbatch refused the job of [2/2] wt2-nt-1024/local_conv seed=1234"), line
+    assert "profile=reference_torch: sbatch: error: Batch job submission failed: Invalid partition name" in line
+    assert "the 1 job(s) submitted before it go on (jobs: " in line and "run again, waits for them" in line
+    assert "submitted job 4242" in res.stdout
 
 
 # --------------------------------------------------------------------------- Slurm's sbatch script
