@@ -33,7 +33,7 @@ help:
 	@echo "               (times of all three: docs/results/README.md, \"Test suite\")"
 	@echo "make test-gpu - the gpu tier on a CUDA machine (GPU_PY=python3 where there is no $(VENV))"
 	@echo "make test-slurm - the cluster path against real Slurm: a one-node cluster started here (root; installs"
-	@echo "               Debian's Slurm, munge and MariaDB with make slurm-deps); make test runs it where they are"
+	@echo "               Debian's Slurm, munge and MariaDB with make slurm-deps); CI runs it after make test"
 	@echo "make lint    - ruff check"
 	@echo "make data    - verify the corpora and build the token caches (WikiText-2 vendored; pg19-mini when found)"
 	@echo "make data-summary - splits, documents, tokens, vocabulary, OOV rate, cache location"
@@ -67,7 +67,8 @@ $(VENV)/.installed-%: $(VENV)/.installed
 setup: $(VENV)/.installed $(foreach e,$(subst $(comma), ,$(EXTRAS)),$(VENV)/.installed-$(e))
 
 # Two tiers (pytest markers, tests/conftest.py): `make test-fast` leaves out the `slow` and `gpu` tests (the
-# edit-test loop), `make test` runs everything. One pytest worker per core (pytest-xdist), each test file on one
+# edit-test loop), `make test` runs everything but the `slurm` tier (make test-slurm, which needs root and daemons;
+# CI runs both). One pytest worker per core (pytest-xdist), each test file on one
 # worker so its module fixtures are built once, handed out longest file first (tests/conftest.py, which also gives
 # each worker one intra-op thread). Both print their wall time last; the measured times are in
 # docs/results/README.md ("Test suite").
@@ -75,7 +76,7 @@ PYTEST_WORKERS ?= auto
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 .PHONY: test-fast test-hermetic
 test: $(VENV)/.installed $(VENV)/.installed-cluster
-	@start=$$SECONDS; $(PYTEST) --durations=25 $(PYTEST_ARGS); code=$$?; \
+	@start=$$SECONDS; $(PYTEST) -m "not slurm" --durations=25 $(PYTEST_ARGS); code=$$?; \
 	  echo "make test: $$((SECONDS - start)) s wall"; exit $$code
 
 test-fast: $(VENV)/.installed $(VENV)/.installed-cluster
@@ -98,8 +99,9 @@ test-gpu:
 	  echo "make test-gpu: $$((SECONDS - start)) s wall"; exit $$code
 
 # The slurm tier: tests/test_slurm.py submits tables and sweeps with sbatch to a one-node Slurm it starts on this
-# machine (tests/local_slurm.py: munge, MariaDB, slurmdbd, slurmctld, slurmd, as root). make test runs it too
-# wherever the daemons are installed, and skips it elsewhere; .ci/run installs them first (make slurm-deps).
+# machine (tests/local_slurm.py: munge, MariaDB, slurmdbd, slurmctld, slurmd, as root). Its own target, not part of
+# make test: about 70 s spent mostly waiting on Slurm, which would hold one of make test's two workers; .ci/run runs
+# it after make test.
 SLURM_PACKAGES = $(shell $(PY) -c 'from tests.local_slurm import PACKAGES; print(*PACKAGES)')
 .PHONY: slurm-deps test-slurm
 slurm-deps: $(VENV)/.installed

@@ -5,8 +5,8 @@ signals a job before its time limit, requeued by Slurm itself.
 
 tests/test_cluster.py runs the same commands through submitit's local executor, which needs no daemons; here the
 submission, the job states, the cancellation and the requeue are Slurm's. The daemons need root and Debian's
-packages: ``make test-slurm`` installs them (``make slurm-deps``) and runs this file; CI runs it in ``make test``.
-"""
+packages: ``make test-slurm`` installs them (``make slurm-deps``) and runs this file; CI runs it after ``make test``,
+which leaves it out (it spends about 70 s waiting on Slurm)."""
 
 from __future__ import annotations
 
