@@ -174,8 +174,6 @@ def _kill_strays(conf: str) -> None:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
-        try:
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
             if mark in (entry / "environ").read_bytes().split(b"\0"):
                 os.kill(int(entry.name), 9)
-        except OSError:  # gone meanwhile, or not ours to read
-            pass
