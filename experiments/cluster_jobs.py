@@ -41,9 +41,25 @@ from pcaf_core.loop import RunInterrupted
 from pcaf_core.run_identity import identity_digest
 
 LEDGER = "jobs.json"
-POLL_S = {"local": 1.0, "slurm": float(os.environ.get("PCAF_SLURM_POLL_S", 30.0))}
+POLL_S = {"local": 1.0, "slurm": 30.0}
 """Seconds between a waiting command's looks at its jobs (on Slurm a look may ask ``sacct``: not too often;
-``PCAF_SLURM_POLL_S`` sets it, e.g. for a cluster of one's own)."""
+``PCAF_SLURM_POLL_S`` sets it, e.g. for a cluster of one's own: :func:`poll_seconds`)."""
+
+
+def poll_seconds(kind: str) -> float:
+    """:data:`POLL_S` of the launcher ``kind``, or ``PCAF_SLURM_POLL_S`` for Slurm (a one-line ConfigError when it
+    is not a number of seconds above 0)."""
+    raw = os.environ.get("PCAF_SLURM_POLL_S", "") if kind == "slurm" else ""
+    if not raw:
+        return POLL_S[kind]
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ConfigError(f"PCAF_SLURM_POLL_S={raw!r} is not a number of seconds above 0: unset it (30 s) or set "
+                          "e.g. PCAF_SLURM_POLL_S=10")
+    return seconds
 
 
 class RowJob(submitit.helpers.Checkpointable):
@@ -188,6 +204,7 @@ def run_jobs(plan: list, args: argparse.Namespace, root: Path, settings: dict[st
     returns without waiting (``--no-wait``) and jobs remain, 130 when Ctrl-C stopped the waiting (the jobs go
     on)."""
     kind = args.launcher
+    poll_s = poll_seconds(kind)
     folder = root / "jobs" / args.table / args.scale / args.backend
     folder.mkdir(parents=True, exist_ok=True)
     costs = cluster.read_step_costs(args.step_cost) if args.step_cost else None
@@ -247,7 +264,7 @@ def run_jobs(plan: list, args: argparse.Namespace, root: Path, settings: dict[st
                 if queue:
                     submit(queue.pop(0))
             if active:
-                time.sleep(POLL_S[kind])
+                time.sleep(poll_s)
     except KeyboardInterrupt:
         print(f"interrupted while waiting for {len(active)} job(s) (jobs: {folder}; Slurm jobs go on, local ones got "
               "the Ctrl-C too); run the same command again to wait for them or resume their runs", file=sys.stderr,

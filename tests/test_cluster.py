@@ -112,6 +112,13 @@ def test_a_job_sbatch_refuses_stops_the_table_in_one_line_after_the_jobs_already
     assert "profile=reference_torch: sbatch: error: Batch job submission failed: Invalid partition name" in line
     assert "the 1 job(s) submitted before it go on (jobs: " in line and "run again, waits for them" in line
     assert "submitted job 4242" in res.stdout
+    # The command's poll interval on Slurm, when set, must be seconds: said before anything is submitted.
+    monkeypatch.setenv("PCAF_SLURM_POLL_S", "soon")
+    res = run_main(reproduce, ["--table", "wt2-nt-1024", "--scale", "smoke", "--rows", "pcaf_context",
+                               "--launcher", "slurm", "--output-root", str(tmp_path / "out2"), "--no-render"])
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        "config error: PCAF_SLURM_POLL_S='soon' is not a number of seconds above 0: unset it (30 s) or set e.g. "
+        "PCAF_SLURM_POLL_S=10"]
 
 
 # --------------------------------------------------------------------------- Slurm's sbatch script
