@@ -145,9 +145,10 @@ def _local_alive(job_id: str) -> bool:
 def _slurm_queued(job_id: str) -> bool:
     """Whether Slurm's queue still holds the job (pending, running, requeued or completing).
 
-    submitit reads a job's state from sacct, whose newest line for a job Slurm has just requeued (preempted, or
-    signalled before its time limit) can be the ended instance's, FAILED, until the next instance starts; and it
-    takes the first ended state it reads as final. The queue says whether the job goes on."""
+    submitit takes the first ended state it reads from sacct as final, and sacct says CANCELLED while the job's
+    process still runs: a job process ignores SIGTERM (submitit waits for USR2), so a cancelled job stays COMPLETING
+    in the queue until Slurm's KillWait ends it, holding its run's lock. The queue says when the job has let go;
+    it also holds a job Slurm requeued, pending, until the next instance starts."""
     try:
         out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
                              timeout=60)
