@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,11 +43,18 @@ def _slurm_env(slurm: dict[str, str], **extra: str) -> dict[str, str]:
     return _env(SLURM_CONF=slurm["SLURM_CONF"], PCAF_SLURM_POLL_S="2", **extra)
 
 
-def _states(slurm: dict[str, str], job_ids: list[str]) -> dict[str, str]:
-    """Each job's state as Slurm's accounting records it (the allocation's line, not its steps')."""
-    out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)], env=slurm,
-                         capture_output=True, text=True, timeout=30, check=True).stdout
-    return dict(line.split("|", 1) for line in out.splitlines() if line)
+def _states(slurm: dict[str, str], job_ids: list[str], want: dict[str, str] | None = None) -> dict[str, str]:
+    """Each job's state as Slurm's accounting records it (the allocation's line, not its steps'). With ``want``,
+    read again for up to 30 s until the records are those: slurmctld hands them to slurmdbd asynchronously, so an
+    array task that has ended may not be in sacct yet."""
+    end = time.monotonic() + 30
+    while True:
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)], env=slurm,
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        states = dict(line.split("|", 1) for line in out.splitlines() if line)
+        if want is None or states == want or time.monotonic() > end:
+            return states
+        time.sleep(0.5)
 
 
 def _submitted(log: str) -> list[str]:
@@ -61,7 +69,7 @@ def test_a_tables_rows_run_as_slurm_jobs_and_the_same_command_collects_them(slur
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     jobs = _submitted(first.stdout)
     assert len(jobs) == 2, first.stdout[-3000:]
-    assert _states(slurm, jobs) == {j: "COMPLETED" for j in jobs}
+    assert _states(slurm, jobs, want := {j: "COMPLETED" for j in jobs}) == want
     runs = sorted((out / "wt2-nt-1024" / "smoke" / "torch").glob("*/*/metrics.json"))
     assert [read_metrics(p.parent).status for p in runs] == ["completed", "completed"]
     # The jobs' records name the submitted jobs, and each job ran in a process Slurm started, not the command's.
@@ -84,7 +92,7 @@ def test_a_sweeps_values_run_as_slurm_jobs_and_end_in_one_summary(slurm, tmp_pat
     assert [r["memory.top_k"] for r in rows] == ["4", "16"] and all(r["best_ppl"] for r in rows)
     # One array job, a task per swept value (the plugin submits a sweep's batch as a Slurm job array).
     (array,) = [p.name for p in (sweep_dir / ".submitit").iterdir() if p.name.isdigit()]
-    assert _states(slurm, [array]) == {f"{array}_0": "COMPLETED", f"{array}_1": "COMPLETED"}
+    assert _states(slurm, [array], want := {f"{array}_0": "COMPLETED", f"{array}_1": "COMPLETED"}) == want
     assert res.stdout.count(f"sweep output: {sweep_dir}/sweep_memory.top_k.md") == 1
 
 
@@ -129,7 +137,7 @@ def test_a_cancelled_job_is_resubmitted_and_a_signalled_one_requeued_by_slurm_bo
     assert list(runs.iterdir()) == [run_dir]
     log = job_log.read_text()
     assert "Requeued job" in log and f"resuming {run_dir} from step 4" in log
-    assert _states(slurm, [second]) == {second: "COMPLETED"}
+    assert _states(slurm, [second], want := {second: "COMPLETED"}) == want
     # Slurm's accounting has both instances of the job: the one requeued, then the one that finished.
     instances = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-o", "State", "-j", second], env=slurm,
                                capture_output=True, text=True, timeout=30, check=True).stdout.split()
