@@ -27,7 +27,7 @@ import yaml
 from paper_tables.collect import load_runs, machine_of, shown_root
 from paper_tables.figures import plot_sweep, save_figure
 from pcaf_core.config_io import RUN_SECTIONS
-from pcaf_core.run_identity import FOLDER_CORPORA, LOCATION_FIELDS, NON_RESULT_FIELDS
+from pcaf_core.run_identity import NON_RESULT_FIELDS, location_fields
 
 CONFIG_NAMES = ("config.yaml", os.path.join(".hydra", "config.yaml"))
 OVERRIDES_NAME = os.path.join(".hydra", "overrides.yaml")
@@ -47,9 +47,6 @@ SETTING_SECTIONS = (*RUN_SECTIONS, "backend")
 LEADING_SETTINGS = ("table", "row", "scale.name", "backend.name", "profile.name", "model.variant")
 """Settings that name a group of runs before any other (:func:`other_settings`): a sweep over profiles reads
 ``profile.name``, not the dozen switches that come with it."""
-IGNORED_SETTINGS = (*NON_RESULT_FIELDS, *LOCATION_FIELDS)
-"""Settings that do not change a run's numbers (how it was compiled, checkpointed or batched for evaluation, where
-its files live): runs differing in them alone are repeats."""
 
 _MISSING = object()
 
@@ -157,9 +154,9 @@ def other_settings(settings: Sequence[dict[str, Any] | None], param: str) -> lis
     known = [s for s in settings if s is not None]
     if len(known) < 2:
         return []
-    ignored = set(IGNORED_SETTINGS)
-    if any(s.get("data.name") in FOLDER_CORPORA for s in known):
-        ignored.discard("data.data_dir")  # there the folder is the corpus (run_identity.location_fields)
+    # How a run was compiled, checkpointed or batched for evaluation, and where its files live, do not change its
+    # numbers: runs differing in them alone are repeats. Unless the folder is the corpus (location_fields).
+    ignored = set(NON_RESULT_FIELDS) | set.intersection(*(set(location_fields(s.get("data.name"))) for s in known))
     shared = set.intersection(*(set(s) for s in known)) - {param, *SEED_KEYS, *ignored}
     differing = [k for k in shared if len({str(s[k]) for s in known}) > 1]
     ordered = [k for k in LEADING_SETTINGS if k in differing] + sorted(k for k in differing

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from experiments.table_plan import row_config
+from paper_tables.sweep import other_settings
 from pcaf_core.config import ConfigError, DataConfig
 from pcaf_core.config_io import config_hash, config_to_dict
 from pcaf_core.data import EOS_ID, DataError, build_vocab, load_corpus
@@ -106,6 +107,11 @@ def test_the_folder_names_the_corpus_its_cache_and_its_runs(tmp_path):
     # ... whereas a published corpus found in another folder is the same corpus (its files are checked).
     (wa, dwa), (wb, dwb) = run("wikitext2", str(a)), run("wikitext2", str(b))
     assert identity_digest(dwa) == identity_digest(dwb) and config_hash(wa) == config_hash(wb)
+    # A sweep's table gives each folder of a text corpus a line of its own, and pools a published corpus's copies.
+    def settings(name: str, data_dir: str) -> dict:
+        return {"data.name": name, "data.data_dir": data_dir, "memory.top_k": 4}
+    assert other_settings([settings("text", str(a)), settings("text", str(b))], "memory.top_k") == ["data.data_dir"]
+    assert other_settings([settings("wikitext2", str(a)), settings("wikitext2", str(b))], "memory.top_k") == []
 
 
 def test_a_text_corpus_named_on_the_command_line_is_trained_at_every_scale(tmp_path):

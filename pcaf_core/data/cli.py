@@ -20,12 +20,10 @@ import dataclasses
 import json
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 from pcaf_core.config import ConfigError, DataConfig
 
-from . import own_corpus
 from .cache import TokenizedCorpus, load_corpus, resolve_settings
 from .corpora import cache_root, get_spec, locate_source
 from .errors import DataError, DataNotFoundError
@@ -77,9 +75,7 @@ def count_conventions(cfg: DataConfig) -> list[dict[str, Any]]:
     settings = resolve_settings(cfg)
     source = locate_source(settings.name, settings.layout, cfg.data_dir)
     root = cache_root(cfg.cache_dir)
-    spec = get_spec(settings.name)
-    wikitext = spec.family == "wikitext" or (
-        spec.family == "text" and own_corpus.corpus_form(Path(source.location)) == "files")
+    wikitext = not source.rows_are_files(root)  # rows are lines: both row conventions apply
     out = []
     for tok_name in ("whitespace", "regex"):
         tok = get_tokenizer(tok_name)

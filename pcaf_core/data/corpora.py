@@ -262,6 +262,12 @@ class Source:
                             f"{self.spec.how_to_get[self.layout]}")
         return books
 
+    def rows_are_files(self, root: Path) -> bool:
+        """Whether a row is a whole file (PG-19's books, a ``text`` corpus with a folder per split), not a line."""
+        if self.spec.family == "text":
+            return own_corpus.corpus_form(self.materialize(root)) == "folders"
+        return self.spec.family == "pg19"
+
     def iter_documents(self, split: str, rows: str, root: Path) -> Iterator[str]:
         """Yield the rows of ``split`` that become documents (each is followed by ``<eos>``)."""
         if rows not in ROWS:
@@ -271,8 +277,7 @@ class Source:
         if self.origin == "hf":
             yield from self._iter_hf(split, rows)
             return
-        whole_files = self.spec.family == "pg19" or (
-            self.spec.family == "text" and own_corpus.corpus_form(self.materialize(root)) == "folders")
+        whole_files = self.rows_are_files(root)
         if whole_files and rows != "nonempty":
             raise DataError(f"{self.location}: each .txt file of a split folder is one document, so data.rows "
                             f"must be 'nonempty' (or 'auto'); 'lines' is for a file per split")
