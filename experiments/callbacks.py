@@ -42,9 +42,12 @@ def failed_jobs(sweep_dir: Path) -> list[tuple[Path, str]]:
 
 class SweepSummary(Callback):
     """After ``-m`` runs, render the sweep's table and plot into the sweep directory (failed jobs are marked
-    there), list the failed jobs and exit 1 when there are any."""
+    there), list the failed jobs (and, through the suite's submitit launchers, those that ended without a result:
+    :func:`experiments.sweep_jobs.lost_jobs`) and exit 1 when there are any."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from experiments.sweep_jobs import continue_sweep_command, lost_jobs
+
         sweep_dir = Path(config.hydra.sweep.dir)
         params = [k for k in swept_keys(list(config.hydra.overrides.task)) if k != "experiment"]
         if params:
@@ -53,10 +56,19 @@ class SweepSummary(Callback):
             outputs = render_sweep(sweep_dir, params, sweep_dir)
             for path in outputs:
                 print(f"sweep output: {path}")
-        failed = failed_jobs(sweep_dir)
+        lost = lost_jobs(sweep_dir)
+        failed = []
+        for run_dir, reason in failed_jobs(sweep_dir):
+            number = int(run_dir.name.split("-", 1)[0]) if run_dir.name[:3].isdigit() else None
+            # A lost job's record says "running"; the line says why it stopped.
+            failed.append((run_dir.name, lost.pop(number, None) or " ".join(reason.split())[:300]))
+        failed += [(f"#{number} (it left no run record)", line) for number, line in sorted(lost.items())]
         if failed:
-            n = len(list(sweep_dir.glob("*/metrics.json")))
-            for run_dir, reason in failed:
-                print(f"failed job {run_dir.name}: {' '.join(reason.split())[:300]}", file=sys.stderr)
+            n = len(list(sweep_dir.glob("*/metrics.json"))) + sum(name.startswith("#") for name, _ in failed)
+            for name, reason in failed:
+                print(f"failed job {name}: {reason}", file=sys.stderr)
             print(f"{len(failed)} of {n} jobs of the sweep in {sweep_dir} failed (the others ran)", file=sys.stderr)
+            if lost_jobs(sweep_dir):
+                print(f"continue the sweep there (finished jobs reused, stopped ones resumed from their last "
+                      f"checkpoint): {continue_sweep_command(sys.argv[1:], sweep_dir.resolve())}", file=sys.stderr)
             sys.exit(1)

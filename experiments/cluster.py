@@ -1,8 +1,9 @@
 """What a job asks a cluster for, and the checks a command passes before it submits anything.
 
-Sweeps go to a cluster through Hydra's submitit launcher plugin (``hydra/launcher=local|slurm``: the suite's
-settings in ``experiments/conf/hydra/launcher/``, on top of the plugin's ``submitit_local`` /
-``submitit_slurm``); tables through submitit's Python API, one job per run (:mod:`experiments.cluster_jobs`).
+Sweeps go to a cluster through the suite's Hydra launchers (``hydra/launcher=local|slurm``: Hydra's submitit
+launchers with the suite's reports, :mod:`experiments.sweep_jobs`; their settings in
+``experiments/conf/hydra/launcher/``, on top of the plugin's ``submitit_local`` / ``submitit_slurm``); tables
+through submitit's Python API, one job per run (:mod:`experiments.cluster_jobs`).
 Both read the launcher settings from the same files, and this module turns them, with a run's config, into
 the job's resources (:func:`row_resources`):
 

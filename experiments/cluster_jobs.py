@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -31,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import submitit
-from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
 from experiments import app, cluster
+from experiments.sweep_jobs import executor_parameters, job_result
 from experiments.table_runs import Outcome, completed_run, interrupted_line, report, run_planned, run_tag
 from pcaf_core.config import ConfigError
 from pcaf_core.fsutil import atomic_write_text, file_lock
@@ -88,14 +87,11 @@ class RowJob(submitit.helpers.Checkpointable):
 
 
 def job_parameters(kind: str, settings: dict[str, Any], resources: cluster.Resources, name: str) -> dict[str, Any]:
-    """The submitit executor parameters of one job: the launcher ``settings`` with the run's resources, named as
-    Hydra's submitit plugin names them (its shared keys as they are, the others prefixed by the executor). A
-    table's job is one task on one node."""
-    shared = {f.name for f in dataclasses.fields(BaseQueueConf)}
-    values = {**settings, "name": name, "gpus_per_node": resources.gpus, "timeout_min": resources.timeout_min,
-              "mem_gb": resources.mem_gb, "tasks_per_node": 1, "nodes": 1}
-    skip = {"_target_", "submitit_folder", "max_num_timeout"}
-    return {(k if k in shared else f"{kind}_{k}"): v for k, v in values.items() if k not in skip and v is not None}
+    """The submitit executor parameters of one job: the launcher ``settings`` with the run's resources
+    (:func:`experiments.sweep_jobs.executor_parameters`). A table's job is one task on one node."""
+    return executor_parameters(kind, {**settings, "name": name, "gpus_per_node": resources.gpus,
+                                      "timeout_min": resources.timeout_min, "mem_gb": resources.mem_gb,
+                                      "tasks_per_node": 1, "nodes": 1})
 
 
 def make_executor(kind: str, folder: Path, settings: dict[str, Any], resources: cluster.Resources,
@@ -177,23 +173,11 @@ def _finished(job: submitit.Job, earlier: bool) -> bool:
 
 
 def _outcome(job: submitit.Job) -> dict[str, Any]:
-    if isinstance(job, submitit.LocalJob):
-        # A local job's process writes its result before it ends, on this machine's file system: a job that ended
-        # without one never writes it. (submitit waits 15 s for it, for the lag of a cluster's shared file system,
-        # before saying that a killed job left no result.)
-        job._results_timeout_s = 0
-    try:
-        return job.result()
-    except Exception as exc:  # noqa: BLE001 - the job died (killed, out of memory) or raised: reported, not lost
-        # submitit's text of a job that left no result names its result file, then the cluster's state of the job
-        # (Slurm's from sacct: CANCELLED, TIMEOUT, OUT_OF_MEMORY, NODE_FAIL, ...), which is what says why.
-        state = re.search(r"has not produced any output \(state: ([^)]*)\)", str(exc))
-        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        why = f"no result; job state {state.group(1)}" if state else first[:300]
+    results, line = job_result(job)
+    if results is None:
         return {"status": "lost", "run_dir": None,
-                "line": f"job {job.job_id} ended without finishing its run ({why}); its log: "
-                        f"{job.paths.stdout} and {job.paths.stderr}; run the same command again to resume the run "
-                        "from its last checkpoint"}
+                "line": f"{line}; run the same command again to resume the run from its last checkpoint"}
+    return results[0]
 
 
 # --------------------------------------------------------------------------- the command

@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from experiments import app, runner
 from experiments.preflight import CONFIG_ERROR_EXIT, check_command_line
 from experiments.schema import register
+from experiments.sweep_jobs import continue_sweep_command
 from pcaf_core.checkpoints import RunRefused
 from pcaf_core.config import ConfigError
 from pcaf_core.loop import RunInterrupted
@@ -46,13 +47,6 @@ def _run_dir(cfg: DictConfig, resolved: app.ResolvedRun | None, row: str, seed: 
         path = Path(hc.sweep.dir) / f"{hc.job.num:03d}-{row}-seed{seed}"
         return path if path.is_absolute() else Path.cwd() / path
     return None
-
-
-def continue_sweep_command(argv: list[str], sweep_dir: Path) -> str:
-    """The sweep command ``argv`` (``experiments.run``'s arguments) run again in ``sweep_dir``: the same jobs in the
-    same order get the same run directories, so the finished ones are reused and a stopped one resumes."""
-    kept = [a for a in argv if not a.lstrip("+~").startswith("hydra.sweep.dir=")]
-    return shlex.join(["python", "-m", "experiments.run", *kept, f"hydra.sweep.dir={app.hydra_value(str(sweep_dir))}"])
 
 
 def _interrupted(run_dir: Path, exc: BaseException) -> None:

@@ -121,6 +121,28 @@ def test_a_job_sbatch_refuses_stops_the_table_in_one_line_after_the_jobs_already
         "PCAF_SLURM_POLL_S=10"]
 
 
+def test_a_sweep_whose_jobs_sbatch_refuses_stops_in_one_line_naming_them(tmp_path, monkeypatch):
+    """The same for a sweep through hydra/launcher=slurm: sbatch's reason and the jobs it refused in the command's
+    last line, exit 2, rather than submitit's traceback; nothing was submitted, and the line says so."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Invalid account or "
+                                  "account/partition combination specified' >&2\nexit 1\n")
+    (tools / "srun").write_text("#!/bin/sh\nexit 1\n")
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    sweep_dir = tmp_path / "sweep"
+    res = run_app(["-m", *SWEEP, "hydra/launcher=slurm", "hydra.launcher.account=nobody",
+                   f"hydra.sweep.dir={sweep_dir}"])
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.splitlines()[-1] == (
+        "config error: sbatch refused the sweep's jobs #0-#1: sbatch: error: Batch job submission failed: Invalid "
+        "account or account/partition combination specified; no job of the sweep was submitted")
+    assert not list(sweep_dir.glob("0*"))  # no run directory: no job ran
+
+
 # --------------------------------------------------------------------------- Slurm's sbatch script
 
 
@@ -220,27 +242,61 @@ def _sweep_table(out: Path) -> tuple[Path, list[dict[str, str]]]:
 
 
 @pytest.mark.slow
-def test_a_sweep_through_the_local_launcher_runs_each_job_in_its_own_process_and_summarises_as_the_basic_one(
+def test_a_local_launcher_sweep_runs_each_job_in_its_own_process_outlives_a_killed_job_and_summarises_as_the_basic(
         tmp_path):
+    """The sweep, 8 steps a run, through the basic launcher (in this process) and through hydra/launcher=local, one
+    job at a time (two batches). In the local sweep job #0 is SIGKILLed at step 3 (after its step-2 checkpoint):
+    the command says so in one line naming the job and its log, runs job #1, renders the summary with #0 stopped,
+    and exits 1 with the command that continues the sweep in its directory. That command reuses #1 and resumes #0
+    from step 2, and the sweep's summary then equals the basic launcher's."""
     import torch
 
+    args = [*SWEEP, "train.steps=8", "train.checkpoint_every=2", "eval.protocol=reference"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the local launcher's jobs (_env)
     try:
-        basic = run_app(["-m", *SWEEP, f"output_root={tmp_path / 'basic'}"])
+        basic = run_app(["-m", *args, f"output_root={tmp_path / 'basic'}"])
     finally:
         torch.set_num_threads(threads)
     assert basic.returncode == 0, basic.stderr[-3000:]
-    # One job at a time: two batches of the sweep.
-    local = subprocess.Popen([sys.executable, "-m", "experiments.run", "-m", *SWEEP,
-                              f"output_root={tmp_path / 'local'}", "hydra/launcher=local",
-                              "hydra.sweeper.max_batch_size=1"], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=_env())
-    stdout, stderr = local.communicate(timeout=300)
-    assert local.returncode == 0, stderr[-3000:]
+
+    sweep_dir = tmp_path / "local"
+    out, err = tmp_path / "first.out", tmp_path / "first.err"
+    first = subprocess.Popen([sys.executable, "-m", "experiments.run", "-m", *args, "hydra/launcher=local",
+                              "hydra.sweeper.max_batch_size=1", f"hydra.sweep.dir={sweep_dir}"], cwd=REPO,
+                             stdout=out.open("w"), stderr=err.open("w"), text=True,
+                             env=_env(PCAF_SITE_HOLD_AT_STEP="3", PCAF_SITE_HOLD_MARKER=str(tmp_path / "3.held")))
+    _wait_for(lambda: (tmp_path / "3.held").exists(), "job #0 to reach step 3", first, err)
+    (run_dir,) = sweep_dir.glob("000-*")
+    os.kill(_holder_pid(run_dir), signal.SIGKILL)
+    assert first.wait(120) == 1, err.read_text()[-3000:]
+    lines = err.read_text().splitlines()
+    assert "Traceback" not in err.read_text(), err.read_text()[-3000:]
+    said = next(line for line in lines if line.startswith("sweep job #0 "))
+    assert re.fullmatch(r"sweep job #0 \(experiment=\S+ scale=smoke memory.top_k=4 .*\): job \d+ ended without "
+                        r"finishing its run \(.+\); its log: \S+_log.out and \S+_log.err", said), said
+    assert f"failed job {run_dir.name}: {said.split(': ', 1)[1]}" in lines
+    assert f"1 of 2 jobs of the sweep in {sweep_dir} failed (the others ran)" in lines
+    # The summary callback ran once, in the launching process; the jobs' logs do not have it.
+    assert out.read_text().count(f"sweep output: {sweep_dir}/sweep_memory.top_k.md") == 1
+    assert not any("sweep output" in p.read_text() for p in (sweep_dir / ".submitit").glob("*/*_log.out"))
+    with (sweep_dir / "sweep_memory.top_k.csv").open() as fh:
+        rows = {r["memory.top_k"]: r for r in csv.DictReader(fh)}
+    # The killed run's record says "running", as any run stopped before its end (resumable), and the table says so.
+    assert rows["16"]["n_runs"] == "1" and rows["16"]["best_ppl"] and (rows["4"]["n_runs"], rows["4"]["n_running"]) == (
+        "0", "1")
+
+    assert lines[-1].startswith("continue the sweep there (finished jobs reused, stopped ones resumed")
+    again = _run([sys.executable, *lines[-1].split("): ", 1)[1].split()[1:]])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert read_metrics(run_dir).status == "completed" and [r["step"] for r in read_curve(run_dir)] == [1, 2, 4, 6, 8]
+    job_logs = "".join(p.read_text() for p in (sweep_dir / ".submitit").glob("*/*_log.*"))
+    finished = next(sweep_dir.glob("001-*"))
+    assert f"resuming {run_dir} from step 2" in job_logs and f"{finished} is finished (step 8 of 8)" in job_logs
 
     basic_dir, basic_rows = _sweep_table(tmp_path / "basic")
-    local_dir, local_rows = _sweep_table(tmp_path / "local")
+    with (sweep_dir / "sweep_memory.top_k.csv").open() as fh:
+        local_rows = list(csv.DictReader(fh))
     # The basic sweep ends in one table and one plot (the command test_experiments_e2e would run again).
     assert len(list(basic_dir.glob("*/metrics.json"))) == 2  # failing jobs: tests/test_interrupt_and_rerun.py
     assert (basic_dir / "sweep_memory.top_k.png").stat().st_size > 0
@@ -248,19 +304,16 @@ def test_a_sweep_through_the_local_launcher_runs_each_job_in_its_own_process_and
     same = ["memory.top_k", "n_runs", "n_failed", "best_ppl", "final_ppl", "acc_at_best", "full_ppl", "params"]
     assert [[r[k] for k in same] for r in local_rows] == [[r[k] for k in same] for r in basic_rows]
     assert [r["memory.top_k"] for r in local_rows] == ["4", "16"] and {r["n_runs"] for r in local_rows} == {"1"}
-    assert (local_dir / "sweep_memory.top_k.png").stat().st_size > 0
+    assert (sweep_dir / "sweep_memory.top_k.png").stat().st_size > 0
 
-    # Each job ran in a process of its own, started by submitit, not in the launching command's process.
-    envs = [json.loads(p.read_text()) for p in sorted(local_dir.glob("*/environment.json"))]
+    # Each job ran in a process of its own, started by submitit, not in a launching command's process (#0's
+    # environment is its first job's, which the resumed run keeps).
+    envs = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/environment.json"))]
     pids = {env["pid"] for env in envs}
-    assert len(envs) == 2 and len(pids) == 2 and local.pid not in pids
+    assert len(envs) == 2 and len(pids) == 2 and first.pid not in pids
     assert all(env["argv"][0].endswith(os.path.join("submitit", "core", "_submit.py")) for env in envs)
-    assert len({p.name for p in (local_dir / ".submitit").iterdir()} - {"%j"}) == 2
-    # The summary callback ran once, in the launching process; the jobs' logs do not have it.
-    assert stdout.count(f"sweep output: {local_dir}/sweep_memory.top_k.md") == 1
-    assert not any("sweep output" in p.read_text() for p in (local_dir / ".submitit").glob("*/*_log.out"))
-    assert {p.name for p in basic_dir.glob("0*")} == {p.name for p in local_dir.glob("0*")}
-
+    assert len({p.name for p in (sweep_dir / ".submitit").iterdir()} - {"%j"}) == 4  # two jobs a command
+    assert {p.name for p in basic_dir.glob("0*")} == {p.name for p in sweep_dir.glob("0*")}
 
 # --------------------------------------------------------------------------- a table's jobs: killed, preempted
 

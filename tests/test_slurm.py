@@ -10,6 +10,7 @@ which leaves it out (it spends about 70 s waiting on Slurm)."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import pytest
 
 from pcaf_core.results import read_curve, read_metrics
 from tests import local_slurm
-from tests.test_cluster import REPO, SWEEP, TABLE_ARGS, _env, _sweep_table, _wait_for
+from tests.test_cluster import REPO, SWEEP, TABLE_ARGS, _env, _wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -83,16 +84,40 @@ def test_a_tables_rows_run_as_slurm_jobs_and_the_same_command_collects_them(slur
     assert again.stdout.count("reusing completed run") == 2
 
 
-def test_a_sweeps_values_run_as_slurm_jobs_and_end_in_one_summary(slurm, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "experiments.run", "-m", *SWEEP, f"output_root={tmp_path}",
-                          "hydra/launcher=slurm", *ON_THE_NODE, "train.steps=8", "eval.protocol=reference"],
-                         cwd=REPO, capture_output=True, text=True, env=_slurm_env(slurm), timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    sweep_dir, rows = _sweep_table(tmp_path)
-    assert [r["memory.top_k"] for r in rows] == ["4", "16"] and all(r["best_ppl"] for r in rows)
+def test_a_sweeps_values_run_as_one_job_array_and_a_cancelled_one_is_said_and_resumed(slurm, tmp_path):
+    """The sweep's two values as one Slurm job array, a task at a time (array_parallelism=1). scancel ends task 0 at
+    step 3: the command says so in one line with sacct's state, runs task 1, renders the summary and exits 1 with the
+    command that continues the sweep; that command (a second array) keeps #1 and resumes #0 from step 2."""
+    sweep_dir = tmp_path / "sweep"
+    args = [*SWEEP, "hydra/launcher=slurm", *ON_THE_NODE, "hydra.launcher.array_parallelism=1", "train.steps=8",
+            "train.checkpoint_every=2", "eval.protocol=reference"]
+    log, held = tmp_path / "first.log", tmp_path / "3.held"
+    first = subprocess.Popen([sys.executable, "-m", "experiments.run", "-m", *args, f"hydra.sweep.dir={sweep_dir}"],
+                             cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
+                             env=_slurm_env(slurm, PCAF_SITE_HOLD_AT_STEP="3", PCAF_SITE_HOLD_MARKER=str(held)))
+    _wait_for(held.exists, "task 0 to reach step 3", first, log, timeout=300)
     # One array job, a task per swept value (the plugin submits a sweep's batch as a Slurm job array).
     (array,) = [p.name for p in (sweep_dir / ".submitit").iterdir() if p.name.isdigit()]
-    assert _states(slurm, [array], want := {f"{array}_0": "COMPLETED", f"{array}_1": "COMPLETED"}) == want
+    subprocess.run(["scancel", f"{array}_0"], env=slurm, check=True, timeout=30)
+    assert first.wait(300) == 1, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert re.search(rf"sweep job #0 \(\S+ scale=smoke memory.top_k=4 .*\): job {array}_0 ended without finishing its "
+                     r"run \(no result; job state CANCELLED.*\); its log: ", text), text[-3000:]
+    assert f"1 of 2 jobs of the sweep in {sweep_dir} failed (the others ran)" in text
+    states = _states(slurm, [array], {f"{array}_0": "CANCELLED by 0", f"{array}_1": "COMPLETED"})
+    assert states[f"{array}_0"].startswith("CANCELLED") and states[f"{array}_1"] == "COMPLETED", states
+
+    again = text.splitlines()[-1].split("): ", 1)[1]
+    res = subprocess.run([sys.executable, *again.split()[1:]], cwd=REPO, capture_output=True, text=True,
+                         env=_slurm_env(slurm), timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with (sweep_dir / "sweep_memory.top_k.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["memory.top_k"], r["n_runs"]) for r in rows] == [("4", "1"), ("16", "1")] and all(
+        r["best_ppl"] for r in rows)
+    (run_dir,) = sweep_dir.glob("000-*")
+    assert [r["step"] for r in read_curve(run_dir)] == [1, 2, 4, 6, 8]
     assert res.stdout.count(f"sweep output: {sweep_dir}/sweep_memory.top_k.md") == 1
 
 
