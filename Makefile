@@ -100,7 +100,7 @@ test-gpu:
 
 # The slurm tier: tests/test_slurm.py submits tables and sweeps with sbatch to a one-node Slurm it starts on this
 # machine (tests/local_slurm.py: munge, MariaDB, slurmdbd, slurmctld, slurmd, as root). Its own target, not part of
-# make test: about 70 s spent mostly waiting on Slurm, which would hold one of make test's two workers; .ci/run runs
+# make test: about 105 s spent mostly waiting on Slurm, which would hold one of make test's two workers; .ci/run runs
 # it after make test.
 SLURM_PACKAGES = $(shell $(PY) -c 'from tests.local_slurm import PACKAGES; print(*PACKAGES)')
 .PHONY: slurm-deps test-slurm

@@ -6,7 +6,7 @@ signals a job before its time limit, requeued by Slurm itself.
 tests/test_cluster.py runs the same commands through submitit's local executor, which needs no daemons; here the
 submission, the job states, the cancellation and the requeue are Slurm's. The daemons need root and Debian's
 packages: ``make test-slurm`` installs them (``make slurm-deps``) and runs this file; CI runs it after ``make test``,
-which leaves it out (it spends about 70 s waiting on Slurm)."""
+which leaves it out (it spends about 105 s waiting on Slurm)."""
 
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def test_a_tables_rows_run_as_slurm_jobs_and_the_same_command_collects_them(slur
 def test_a_sweeps_values_run_as_one_job_array_and_a_cancelled_one_is_said_and_resumed(slurm, tmp_path):
     """The sweep's two values as one Slurm job array, a task at a time (array_parallelism=1). scancel ends task 0 at
     step 3: the command says so in one line with sacct's state, runs task 1, renders the summary and exits 1 with the
-    command that continues the sweep; that command (a second array) keeps #1 and resumes #0 from step 2."""
+    command that continues the sweep; that command (a second array) keeps #1 and resumes #0 from step 2, and its
+    task 0, signalled at step 5 as before a time limit, is requeued by Slurm and resumes from step 4."""
     sweep_dir = tmp_path / "sweep"
     args = [*SWEEP, "hydra/launcher=slurm", *ON_THE_NODE, "hydra.launcher.array_parallelism=1", "train.steps=8",
             "train.checkpoint_every=2", "eval.protocol=reference"]
@@ -108,17 +109,26 @@ def test_a_sweeps_values_run_as_one_job_array_and_a_cancelled_one_is_said_and_re
     states = _states(slurm, [array], {f"{array}_0": "CANCELLED by 0", f"{array}_1": "COMPLETED"})
     assert states[f"{array}_0"].startswith("CANCELLED") and states[f"{array}_1"] == "COMPLETED", states
 
-    again = text.splitlines()[-1].split("): ", 1)[1]
-    res = subprocess.run([sys.executable, *again.split()[1:]], cwd=REPO, capture_output=True, text=True,
-                         env=_slurm_env(slurm), timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # The printed command, whose task 0 is signalled at step 5 as Slurm signals a job before its time limit:
+    # submitit requeues it, and the sweep waits for the requeued task rather than taking it for ended.
+    log, held = tmp_path / "again.log", tmp_path / "5.held"
+    again = subprocess.Popen([sys.executable, *text.splitlines()[-1].split("): ", 1)[1].split()[1:]], cwd=REPO,
+                             stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
+                             env=_slurm_env(slurm, PCAF_SITE_HOLD_AT_STEP="5", PCAF_SITE_HOLD_MARKER=str(held)))
+    _wait_for(held.exists, "the continued task 0 to reach step 5", again, log, timeout=300)
+    (second,) = [p.name for p in (sweep_dir / ".submitit").iterdir() if p.name.isdigit() and p.name != array]
+    subprocess.run(["scancel", "--signal=USR2", f"{second}_0"], env=slurm, check=True, timeout=30)
+    assert again.wait(300) == 0, log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text() and "ended without finishing" not in log.read_text()
     with (sweep_dir / "sweep_memory.top_k.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert [(r["memory.top_k"], r["n_runs"]) for r in rows] == [("4", "1"), ("16", "1")] and all(
         r["best_ppl"] for r in rows)
     (run_dir,) = sweep_dir.glob("000-*")
+    rec = read_metrics(run_dir)
+    assert rec.status == "completed" and rec.extra["segments"] == 3  # killed, continued, requeued
     assert [r["step"] for r in read_curve(run_dir)] == [1, 2, 4, 6, 8]
-    assert res.stdout.count(f"sweep output: {sweep_dir}/sweep_memory.top_k.md") == 1
+    assert log.read_text().count(f"sweep output: {sweep_dir}/sweep_memory.top_k.md") == 1
 
 
 def test_a_cancelled_job_is_resubmitted_and_a_signalled_one_requeued_by_slurm_both_resuming(slurm, tmp_path):
