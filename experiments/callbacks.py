@@ -60,7 +60,7 @@ class SweepSummary(Callback):
         failed = []
         for run_dir, reason in failed_jobs(sweep_dir):
             number = int(run_dir.name.split("-", 1)[0]) if run_dir.name[:3].isdigit() else None
-            # A lost job's record says "running"; the line says why it stopped.
+            # A lost job: the line said when it died (its record, when it has one, holds the same line).
             failed.append((run_dir.name, lost.pop(number, None) or " ".join(reason.split())[:300]))
         failed += [(f"#{number} (it left no run record)", line) for number, line in sorted(lost.items())]
         if failed:

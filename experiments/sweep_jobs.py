@@ -11,7 +11,8 @@ in lines:
   naming the jobs and ``sbatch``'s reason, exit 2; when earlier batches ran, the line says how to continue the
   sweep in its directory.
 - a job ending without a result: one line naming the job, the cluster's state of it and its log, as soon as the
-  command sees it; the sweep's other jobs and later batches go on. The summary
+  command sees it; its run's record, which the dead process left ``running``, is marked failed and resumable with
+  that line; the sweep's other jobs and later batches go on. The summary
   (:class:`experiments.callbacks.SweepSummary`) lists it with the failed jobs, says how to continue the sweep (its
   run resumes from its last checkpoint, the finished jobs are reused), and the command exits 1.
 
@@ -92,9 +93,29 @@ def _result(job, number: int, overrides: list[str], sweep_dir: Path):
         return results[0]
     print(f"sweep job #{number} ({' '.join(overrides)}): {line}", file=sys.stderr, flush=True)
     _LOST.setdefault(sweep_dir.resolve(), {})[number] = line
+    records = [d for d in sweep_dir.glob(f"{number:03d}-*") if (d / "metrics.json").is_file()]
+    if len(records) == 1:
+        _mark_stopped(records[0], line)
     # COMPLETED, with nothing returned: Hydra's sweeper raises a failed job's exception, which would stop the sweep
     # and skip its summary; the summary reads this job's failure from lost_jobs() instead.
     return JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=None)
+
+
+def _mark_stopped(run_dir: Path, line: str) -> None:
+    """The record of a run whose job died, left ``running`` by its process, marked failed and resumable with
+    ``line`` (as a SIGTERM leaves a run): the sweep's table then says why, and its command run again resumes it.
+    Under the run's lock, which a cancelled Slurm job's process may hold until Slurm has ended it."""
+    from pcaf_core.results import SchemaError, read_metrics
+    from pcaf_core.run_record import mark_failed, run_lock
+
+    with run_lock(run_dir, on_wait=app.say):
+        try:
+            if read_metrics(run_dir).status != "running":
+                return  # the job ended its record itself (failed, or completed before its result was lost)
+        except SchemaError:
+            return  # a damaged record stays as it is: the resume reports it
+        mark_failed(run_dir, None, f"{line}; the sweep's command, run again in its directory, resumes it",
+                    resumable=True)
 
 
 def launch(launcher, job_overrides, initial_job_idx: int) -> list:

@@ -246,7 +246,7 @@ def test_a_local_launcher_sweep_runs_each_job_in_its_own_process_outlives_a_kill
         tmp_path):
     """The sweep, 8 steps a run, through the basic launcher (in this process) and through hydra/launcher=local, one
     job at a time (two batches). In the local sweep job #0 is SIGKILLed at step 3 (after its step-2 checkpoint):
-    the command says so in one line naming the job and its log, runs job #1, renders the summary with #0 stopped,
+    the command says so in one line naming the job and its log, runs job #1, renders the summary with #0 failed,
     and exits 1 with the command that continues the sweep in its directory. That command reuses #1 and resumes #0
     from step 2, and the sweep's summary then equals the basic launcher's."""
     import torch
@@ -282,9 +282,11 @@ def test_a_local_launcher_sweep_runs_each_job_in_its_own_process_outlives_a_kill
     assert not any("sweep output" in p.read_text() for p in (sweep_dir / ".submitit").glob("*/*_log.out"))
     with (sweep_dir / "sweep_memory.top_k.csv").open() as fh:
         rows = {r["memory.top_k"]: r for r in csv.DictReader(fh)}
-    # The killed run's record says "running", as any run stopped before its end (resumable), and the table says so.
-    assert rows["16"]["n_runs"] == "1" and rows["16"]["best_ppl"] and (rows["4"]["n_runs"], rows["4"]["n_running"]) == (
+    # The killed run's record, left "running" by its process, is marked failed (resumable) with the line.
+    assert rows["16"]["n_runs"] == "1" and rows["16"]["best_ppl"] and (rows["4"]["n_runs"], rows["4"]["n_failed"]) == (
         "0", "1")
+    rec = read_metrics(run_dir)
+    assert rec.status == "failed" and rec.extra["resumable"] and rec.error.startswith(said.split(": ", 1)[1])
 
     assert lines[-1].startswith("continue the sweep there (finished jobs reused, stopped ones resumed")
     again = _run([sys.executable, *lines[-1].split("): ", 1)[1].split()[1:]])

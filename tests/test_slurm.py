@@ -108,6 +108,8 @@ def test_a_sweeps_values_run_as_one_job_array_and_a_cancelled_one_is_said_and_re
     assert f"1 of 2 jobs of the sweep in {sweep_dir} failed (the others ran)" in text
     states = _states(slurm, [array], {f"{array}_0": "CANCELLED by 0", f"{array}_1": "COMPLETED"})
     assert states[f"{array}_0"].startswith("CANCELLED") and states[f"{array}_1"] == "COMPLETED", states
+    (run_dir,) = sweep_dir.glob("000-*")  # marked failed, once the cancelled task's process had let go of it
+    assert read_metrics(run_dir).status == "failed" and "job state CANCELLED" in read_metrics(run_dir).error
 
     # The printed command, whose task 0 is signalled at step 5 as Slurm signals a job before its time limit:
     # submitit requeues it, and the sweep waits for the requeued task rather than taking it for ended.
@@ -124,7 +126,6 @@ def test_a_sweeps_values_run_as_one_job_array_and_a_cancelled_one_is_said_and_re
         rows = list(csv.DictReader(fh))
     assert [(r["memory.top_k"], r["n_runs"]) for r in rows] == [("4", "1"), ("16", "1")] and all(
         r["best_ppl"] for r in rows)
-    (run_dir,) = sweep_dir.glob("000-*")
     rec = read_metrics(run_dir)
     assert rec.status == "completed" and rec.extra["segments"] == 3  # killed, continued, requeued
     assert [r["step"] for r in read_curve(run_dir)] == [1, 2, 4, 6, 8]
