@@ -11,9 +11,10 @@ pickled call, ``<job id>_0_log.out`` / ``.err``, the result) and the sbatch scri
 was submitted for which run identity, so that the same command run again while the jobs are queued or running
 waits for them instead of submitting them twice (``--no-wait`` submits and returns; the command run again after
 the jobs ended collects the runs and renders the table). A job that ends without finishing its run (killed, out
-of memory, a node failure) is reported with its log; the same command run again submits the run again, and the
-job resumes it from its last checkpoint. A job preempted or signalled at its time limit is requeued by
-submitit (:class:`RowJob` is checkpointable) and continues the run it claimed.
+of memory, a node failure) is reported with its log and its run's record marked failed and resumable with that
+line; the same command run again submits the run again, and the job resumes it from its last checkpoint. A job
+preempted or signalled at its time limit is requeued by submitit (:class:`RowJob` is checkpointable) and continues
+the run it claimed.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from typing import Any
 import submitit
 
 from experiments import app, cluster
-from experiments.sweep_jobs import executor_parameters, job_result
-from experiments.table_runs import Outcome, completed_run, interrupted_line, report, run_planned, run_tag
+from experiments.submitit_common import executor_parameters, job_result, mark_lost_run
+from experiments.table_runs import Outcome, completed_run, existing_runs, interrupted_line, report, run_planned, run_tag
 from pcaf_core.config import ConfigError
 from pcaf_core.fsutil import atomic_write_text, file_lock
 from pcaf_core.loop import RunInterrupted
@@ -180,6 +181,16 @@ def _outcome(job: submitit.Job) -> dict[str, Any]:
     return results[0]
 
 
+def _mark_lost(resolved: app.ResolvedRun, root: Path, outcome: Outcome, since: float) -> None:
+    """The run a lost job was training, which its dead process left ``running``: the newest of its identity (the
+    one a job claims, resumed or new), marked failed and resumable with the outcome's line when the job wrote it
+    (:func:`experiments.submitit_common.mark_lost_run`). A job that died before it claimed a run changed none."""
+    found = existing_runs(resolved, root)
+    if found:
+        mark_lost_run(found[0], outcome.line, since)
+        outcome.run_dir = str(found[0])
+
+
 # --------------------------------------------------------------------------- the command
 
 
@@ -198,6 +209,7 @@ def run_jobs(plan: list, args: argparse.Namespace, root: Path, settings: dict[st
             for i, (row, resolved) in enumerate((row, r) for row, rs in plan for r in rs)]
     outcomes: dict[int, Outcome] = {}
     active: list[tuple[int, submitit.Job, bool]] = []  # (index, job, submitted by an earlier command)
+    submitted: dict[int, float] = {}  # index -> when its job was submitted (seconds since the epoch)
     queue: list[int] = []
     for i, (tag, resolved) in enumerate(runs):
         done = None if args.fresh else completed_run(resolved, root)
@@ -211,6 +223,7 @@ def run_jobs(plan: list, args: argparse.Namespace, root: Path, settings: dict[st
             print(f"{tag}: job {job.job_id} (submitted {entry['submitted']}) is still queued or running; "
                   f"its log: {job.paths.stdout}", flush=True)
             active.append((i, job, True))
+            submitted[i] = datetime.fromisoformat(entry["submitted"]).timestamp()
         else:
             queue.append(i)
 
@@ -230,6 +243,7 @@ def run_jobs(plan: list, args: argparse.Namespace, root: Path, settings: dict[st
                      "seed": resolved.run.train.seed, "submitted": datetime.now(UTC).isoformat(timespec="seconds")})
         print(f"{tag}: submitted job {job.job_id}: {resources.text()}; its log: {job.paths.stdout}", flush=True)
         active.append((i, job, False))
+        submitted[i] = time.time()
 
     limit = args.jobs or len(runs)
     while queue and len(active) < limit:
@@ -245,6 +259,8 @@ def run_jobs(plan: list, args: argparse.Namespace, root: Path, settings: dict[st
                 active.remove(item)
                 i, job, _ = item
                 outcomes[i] = Outcome(**_outcome(job))
+                if outcomes[i].status == "lost":
+                    _mark_lost(runs[i][1], root, outcomes[i], submitted[i])
                 report(runs[i][0], i + 1, len(runs), outcomes[i])
                 if queue:
                     submit(queue.pop(0))

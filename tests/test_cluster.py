@@ -342,7 +342,11 @@ def test_a_table_job_killed_is_resubmitted_by_the_same_command_and_a_preempted_o
     text = logs["first"].read_text()
     assert re.search(r"job \d+ ended without finishing its run \(.*\); its log: .*; run the same command again to "
                      r"resume the run from its last checkpoint", text), text[-3000:]
-    assert "1 failed of 1 runs" in text and read_metrics(run_dir).status == "running"
+    assert "1 failed of 1 runs" in text
+    # The record the killed process left "running" is marked failed, resumable, with the line said.
+    rec = read_metrics(run_dir)
+    assert rec.status == "failed" and rec.extra["resumable"] and rec.error in text
+    assert re.match(r"job \d+ ended without finishing its run \(no result; its process exited without one", rec.error)
 
     again = subprocess.Popen(cmd, cwd=REPO, stdout=logs["again"].open("w"), stderr=subprocess.STDOUT, text=True,
                              env=_env(PCAF_SITE_HOLD_AT_STEP="5", PCAF_SITE_HOLD_MARKER=str(tmp_path / "5.held")))

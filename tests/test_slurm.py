@@ -156,7 +156,8 @@ def test_a_cancelled_job_is_resubmitted_and_a_signalled_one_requeued_by_slurm_bo
                      r".*; run the same command again to resume the run from its last checkpoint", text), text[-3000:]
     assert _states(slurm, [job])[job].startswith("CANCELLED")
     (run_dir,) = runs.iterdir()
-    assert read_metrics(run_dir).status == "running"
+    rec = read_metrics(run_dir)  # marked once the cancelled job's process had let go of the run
+    assert rec.status == "failed" and rec.extra["resumable"] and f"job {job} ended without finishing" in rec.error
 
     held = tmp_path / "5.held"
     again = subprocess.Popen(cmd, cwd=REPO, stdout=logs["again"].open("w"), stderr=subprocess.STDOUT, text=True,
