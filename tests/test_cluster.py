@@ -143,6 +143,41 @@ def test_a_sweep_whose_jobs_sbatch_refuses_stops_in_one_line_naming_them(tmp_pat
     assert not list(sweep_dir.glob("0*"))  # no run directory: no job ran
 
 
+def test_a_later_batch_sbatch_refuses_says_how_to_continue_the_sweep(tmp_path, monkeypatch, capsys):
+    """When sbatch refuses a batch after earlier ones ran (hydra.sweeper.max_batch_size), the line gives the command
+    that continues the sweep in its directory. The executor is one that refuses, as sbatch does at a QOS limit."""
+    from types import SimpleNamespace
+
+    import submitit
+    from omegaconf import OmegaConf
+
+    from experiments import sweep_jobs
+
+    class Refusing:
+        def __init__(self, **kwargs):
+            pass
+
+        def update_parameters(self, **kwargs):
+            pass
+
+        def map_array(self, *args):
+            raise submitit.core.utils.FailedJobError("sbatch: error: QOSMaxSubmitJobPerUserLimit\n")
+
+    monkeypatch.setattr(submitit, "AutoExecutor", Refusing)
+    sweep_dir = tmp_path / "sweep"
+    launcher = SimpleNamespace(_EXECUTOR="slurm", params={"submitit_folder": str(sweep_dir / ".submitit" / "%j")},
+                               config=OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}}}))
+    monkeypatch.setattr(sys, "argv", ["run.py", "-m", "memory.top_k=4,8,16", "hydra/launcher=slurm",
+                                      "hydra.sweeper.max_batch_size=2"])
+    with pytest.raises(SystemExit) as stop:
+        sweep_jobs.launch(launcher, [["memory.top_k=16"]], initial_job_idx=2)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "config error: sbatch refused the sweep's job #2: sbatch: error: QOSMaxSubmitJobPerUserLimit; the sweep's 2 "
+        "earlier job(s) ran: continue the sweep in its directory with python -m experiments.run -m memory.top_k=4,8,16 "
+        f"hydra/launcher=slurm hydra.sweeper.max_batch_size=2 hydra.sweep.dir={sweep_dir}"]
+
+
 # --------------------------------------------------------------------------- Slurm's sbatch script
 
 
