@@ -81,7 +81,11 @@ def one_line(exc: BaseException, override: str = "") -> str:
             options = [line for line in lines[start:] if line and not line.startswith(("Config search", "provider="))]
         missing = re.search(r"Could not find '([^']+)'", text)
         if missing and "/" in missing.group(1):
-            group, option = missing.group(1).split("/", 1)
+            # The group is what Hydra lists the options of (hydra/launcher); without a list, the first segment
+            # (experiment options hold a slash themselves: experiment=<table>/<row>).
+            listed = re.search(r"Available options in '([^']+)'", text)
+            group = listed.group(1) if listed else missing.group(1).split("/", 1)[0]
+            option = missing.group(1).removeprefix(group + "/")
             head = f"{group}={option}: no such option in the config group {group}"
         else:
             head = _first_line(text).replace("In 'config': ", "")

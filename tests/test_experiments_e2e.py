@@ -81,6 +81,14 @@ def test_an_unknown_experiment_lists_what_it_could_have_named(experiment, listed
     assert listed in line and "_base" not in line
 
 
+def test_an_unknown_option_of_a_nested_group_names_the_group(tmp_path):
+    res = run_app(["-m", "experiment=wt2-nt-1024/pcaf_context", "scale=smoke", "hydra/launcher=locl",
+                   f"output_root={tmp_path}"])
+    assert res.returncode == 2 and res.stderr.splitlines()[0] == (
+        "config error: hydra/launcher=locl: no such option in the config group hydra/launcher; available: basic, "
+        "local, slurm, submitit_local, submitit_slurm")
+
+
 def test_table_driver_validates_every_row_before_training(tmp_path, capsys):
     from experiments.reproduce import main
 
