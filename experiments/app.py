@@ -191,11 +191,27 @@ def label_from_experiment(cfg: DictConfig, task_overrides: list[str] | None) -> 
             cfg.row = row
 
 
+DEVICES = {"torch": "auto, cpu, cuda or cuda:<index>", "jax": "auto, cpu, gpu (or cuda) or tpu"}
+"""The ``backend.device`` values each backend trains on, as a config error states them."""
+
+
+def check_device(backend: str, device: str) -> str:
+    """The ``backend.device`` a run of ``backend`` is recorded with: ``device`` as given, except JAX's ``gpu`` for
+    ``cuda`` (one name per device in a run's identity). A one-line :class:`ConfigError` when ``backend`` cannot
+    train on ``device``, before a run starts (the backend would fail only once the run exists)."""
+    ok = device in ("auto", "cpu") or (re.fullmatch(r"cuda(:\d+)?", device) if backend == "torch" else
+                                       device in ("gpu", "cuda", "tpu"))
+    if not ok:
+        raise ConfigError(f"backend.device={device!r} is invalid for backend={backend}: use {DEVICES[backend]}")
+    return "gpu" if backend == "jax" and device == "cuda" else device
+
+
 def resolve(cfg: DictConfig, task_overrides: list[str] | None = None) -> ResolvedRun:
     """Label, scale and validate a composed config (mutates ``cfg``)."""
     label_from_experiment(cfg, task_overrides)
     if cfg.backend.name not in ("torch", "jax"):
         raise ConfigError(f"backend.name={cfg.backend.name!r} is unknown: expected 'torch' or 'jax'")
+    cfg.backend.device = check_device(str(cfg.backend.name), str(cfg.backend.device))
     deviations = apply_scale(cfg, task_overrides)
     deviations += [f"note: {n}" for n in cfg.notes]
     deviations += command_line_deviations(task_overrides or [])

@@ -20,7 +20,9 @@ from pcaf_core.profiles import PROFILES
 
 @dataclass
 class BackendConfig:
-    """Which backend trains the run. ``device``: ``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
+    """Which backend trains the run. ``device``: ``auto`` (the accelerator when present), ``cpu``, or the
+    accelerator: ``cuda`` (torch: also ``cuda:<index>``; JAX: also ``gpu`` or ``tpu``), checked by
+    :func:`experiments.app.check_device`."""
 
     name: str = "torch"
     device: str = "auto"

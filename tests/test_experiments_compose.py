@@ -252,6 +252,17 @@ def test_command_line_overrides_are_recorded_as_deviations():
     assert "memory.top_k=4 (command line)" in r.deviations
 
 
+def test_a_jax_run_on_cuda_is_recorded_on_jaxs_gpu_and_a_device_neither_backend_has_is_refused():
+    """backend.device=cuda, the torch backend's name for the GPU, is JAX's gpu: one name in a run's identity."""
+    (jax_run,) = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "jax", ["backend.device=cuda"])
+    (same,) = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "jax", ["backend.device=gpu"])
+    assert jax_run.cfg.backend.device == "gpu" and app.config_dict(jax_run) == app.config_dict(same)
+    (torch_run,) = compose_row("wt2-nt-1024", "pcaf_context", "smoke", "torch", ["backend.device=cuda:1"])
+    assert torch_run.cfg.backend.device == "cuda:1"
+    with pytest.raises(ConfigError, match="backend.device='cuda:1' is invalid for backend=jax: use auto, cpu, gpu"):
+        compose_row("wt2-nt-1024", "pcaf_context", "smoke", "jax", ["backend.device=cuda:1"])
+
+
 def test_command_line_overrides_win_over_the_scale():
     r = compose_row("main-303m", "pcaf_context_wt103_t1024", "cpu", "torch", ["train.steps=77", "eval.every=3"])[0]
     assert (r.run.train.steps, r.run.eval.every) == (77, 3)

@@ -57,6 +57,8 @@ def test_make_reproduce_table_smoke_on_the_jax_backend(tmp_path):
     ("memory.top_k=0", "memory.top_k"),  # impossible value
     ("train.seq_len=1", "train.seq_len"),
     ("memory.topk=3", "memory.topk"),  # unknown key
+    ("backend.device=gpu", "backend.device='gpu' is invalid for backend=torch: use auto, cpu, cuda or cuda:<index>"),
+    ("backend.device=tpu", "backend.device='tpu' is invalid for backend=torch"),  # JAX's name, not torch's
     ("+memory.foo=3", "memory.foo"),  # a key Hydra adds but nothing reads
     ("train.lr=inf", "train.lr"),  # not finite
     ("memory.num_buckets=100000000000000000000", "memory.num_buckets"),  # overflows every integer type used

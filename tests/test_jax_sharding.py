@@ -185,3 +185,9 @@ def test_single_process_collectives_and_start_up():
     too_many = len(jax.devices("cpu")) + 1
     with pytest.raises(ValueError, match=f"xla_force_host_platform_device_count={too_many}"):
         sharding.select_devices("cpu", too_many)
+    # "cuda", as the torch backend and the suite's configs name the GPU, is JAX's gpu platform.
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        with pytest.raises(ValueError, match="no JAX gpu device is available"):
+            sharding.select_devices("cuda")
+    with pytest.raises(ValueError, match="device='cuda:0' is invalid for the JAX backend"):
+        sharding.select_devices("cuda:0")

@@ -32,6 +32,8 @@ logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 DATA_AXIS = "data"
 PLATFORMS = ("cpu", "gpu", "tpu")
+PLATFORM_ALIASES = {"cuda": "gpu"}
+"""Device names the suite's configs share with the torch backend (``backend.device=cuda``): JAX's platform."""
 
 
 # --------------------------------------------------------------------------- multi-host start-up
@@ -94,11 +96,13 @@ def initialize_distributed(
 def select_devices(platform: str | None = None, num_devices: int | None = 1) -> list[jax.Device]:
     """The devices of the data mesh, ordered by (process, id).
 
-    platform: ``None`` (JAX's default backend), ``"cpu"``, ``"gpu"`` or ``"tpu"``.
+    platform: ``None`` (JAX's default backend), ``"cpu"``, ``"gpu"`` (or ``"cuda"``, as torch names it) or
+    ``"tpu"``.
     num_devices: how many devices of this process to use (``None``: every device of every process).
     In a multi-process job the mesh must span every process, so only ``None`` (or the global count)
     is accepted there.
     """
+    platform = PLATFORM_ALIASES.get(platform, platform)
     if platform is not None and platform not in PLATFORMS:
         raise ValueError(f"device={platform!r} is invalid for the JAX backend: use one of {list(PLATFORMS)}, "
                          "'auto' or None")
