@@ -4,6 +4,7 @@ jobs failed (the command then exits 1)."""
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,5 +71,6 @@ class SweepSummary(Callback):
             print(f"{len(failed)} of {n} jobs of the sweep in {sweep_dir} failed (the others ran)", file=sys.stderr)
             if lost_jobs(sweep_dir):
                 print(f"continue the sweep there (finished jobs reused, stopped ones resumed from their last "
-                      f"checkpoint): {continue_sweep_command(sys.argv[1:], sweep_dir.resolve())}", file=sys.stderr)
+                      f"checkpoint): {continue_sweep_command(sys.argv[1:], sweep_dir.resolve())} (make sweep: the "
+                      f"same command with SWEEP_DIR={shlex.quote(str(sweep_dir.resolve()))})", file=sys.stderr)
             sys.exit(1)

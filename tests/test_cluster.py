@@ -14,6 +14,7 @@ import csv
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -324,7 +325,9 @@ def test_a_local_launcher_sweep_runs_each_job_in_its_own_process_outlives_a_kill
     assert rec.status == "failed" and rec.extra["resumable"] and rec.error.startswith(said.split(": ", 1)[1])
 
     assert lines[-1].startswith("continue the sweep there (finished jobs reused, stopped ones resumed")
-    again = _run([sys.executable, *lines[-1].split("): ", 1)[1].split()[1:]])
+    command, make_hint = lines[-1].split("): ", 1)[1].rsplit(" (make sweep: ", 1)
+    assert make_hint == f"the same command with SWEEP_DIR={sweep_dir})"
+    again = _run([sys.executable, *shlex.split(command)[1:]])
     assert again.returncode == 0, again.stderr[-3000:]
     assert read_metrics(run_dir).status == "completed" and [r["step"] for r in read_curve(run_dir)] == [1, 2, 4, 6, 8]
     job_logs = "".join(p.read_text() for p in (sweep_dir / ".submitit").glob("*/*_log.*"))

@@ -14,6 +14,7 @@ import csv
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -114,7 +115,8 @@ def test_a_sweeps_values_run_as_one_job_array_and_a_cancelled_one_is_said_and_re
     # The printed command, whose task 0 is signalled at step 5 as Slurm signals a job before its time limit:
     # submitit requeues it, and the sweep waits for the requeued task rather than taking it for ended.
     log, held = tmp_path / "again.log", tmp_path / "5.held"
-    again = subprocess.Popen([sys.executable, *text.splitlines()[-1].split("): ", 1)[1].split()[1:]], cwd=REPO,
+    command = text.splitlines()[-1].split("): ", 1)[1].rsplit(" (make sweep: ", 1)[0]
+    again = subprocess.Popen([sys.executable, *shlex.split(command)[1:]], cwd=REPO,
                              stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
                              env=_slurm_env(slurm, PCAF_SITE_HOLD_AT_STEP="5", PCAF_SITE_HOLD_MARKER=str(held)))
     _wait_for(held.exists, "the continued task 0 to reach step 5", again, log, timeout=300)
