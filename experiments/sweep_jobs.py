@@ -10,6 +10,7 @@ in lines:
 - ``sbatch`` refusing a batch (no cluster reachable, an unknown partition or account): one ``config error`` line
   naming the jobs and ``sbatch``'s reason, exit 2; when earlier batches ran, the line says how to continue the
   sweep in its directory.
+- Ctrl-C while waiting: one line naming the jobs and the command that continues the sweep, exit 130.
 - a job ending without a result: one line naming the job, the cluster's state of it and its log, as soon as the
   command sees it; its run's record, which the dead process left ``running``, is marked failed and resumable with
   that line (:func:`experiments.submitit_common.mark_lost_run`); the sweep's other jobs and later batches go on.
@@ -107,4 +108,14 @@ def launch(launcher, job_overrides, initial_job_idx: int) -> list:
                "; no job of the sweep was submitted")
         print(f"config error: sbatch refused the sweep's {which}: {said[-1]}{ran}", file=sys.stderr, flush=True)
         sys.exit(CONFIG_ERROR_EXIT)
-    return [_result(job, n, list(o), sweep_dir, since) for job, n, o in zip(jobs, numbers, job_overrides)]
+    try:
+        return [_result(job, n, list(o), sweep_dir, since) for job, n, o in zip(jobs, numbers, job_overrides)]
+    except KeyboardInterrupt:
+        # Ctrl-C while waiting: the jobs are not this process's to stop (Slurm's go on; local ones got a terminal's
+        # Ctrl-C too, and a run stopped so resumes). Without this, Hydra's run would end in a traceback.
+        ids = ", ".join(str(job.job_id) for job in jobs)
+        print(f"interrupted while waiting for the sweep's jobs {ids} (Slurm jobs go on; local ones got a terminal's "
+              f"Ctrl-C too); continue the sweep in its directory with "
+              f"{continue_sweep_command(sys.argv[1:], sweep_dir.resolve())} (a run a job still trains is waited for, "
+              "then kept)", file=sys.stderr, flush=True)
+        sys.exit(130)

@@ -144,9 +144,9 @@ def test_a_sweep_whose_jobs_sbatch_refuses_stops_in_one_line_naming_them(tmp_pat
     assert not list(sweep_dir.glob("0*"))  # no run directory: no job ran
 
 
-def test_a_later_batch_sbatch_refuses_says_how_to_continue_the_sweep(tmp_path, monkeypatch, capsys):
-    """When sbatch refuses a batch after earlier ones ran (hydra.sweeper.max_batch_size), the line gives the command
-    that continues the sweep in its directory. The executor is one that refuses, as sbatch does at a QOS limit."""
+def _launch_with(executor, tmp_path: Path, monkeypatch, job_overrides: list[list[str]], initial_job_idx: int):
+    """experiments.sweep_jobs.launch of a Slurm sweep (memory.top_k=4,8,16 in batches of 2) through ``executor``
+    in place of submitit's: the SystemExit it ends with."""
     from types import SimpleNamespace
 
     import submitit
@@ -154,29 +154,61 @@ def test_a_later_batch_sbatch_refuses_says_how_to_continue_the_sweep(tmp_path, m
 
     from experiments import sweep_jobs
 
-    class Refusing:
-        def __init__(self, **kwargs):
-            pass
-
-        def update_parameters(self, **kwargs):
-            pass
-
-        def map_array(self, *args):
-            raise submitit.core.utils.FailedJobError("sbatch: error: QOSMaxSubmitJobPerUserLimit\n")
-
-    monkeypatch.setattr(submitit, "AutoExecutor", Refusing)
+    monkeypatch.setattr(submitit, "AutoExecutor", executor)
     sweep_dir = tmp_path / "sweep"
     launcher = SimpleNamespace(_EXECUTOR="slurm", params={"submitit_folder": str(sweep_dir / ".submitit" / "%j")},
                                config=OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}}}))
     monkeypatch.setattr(sys, "argv", ["run.py", "-m", "memory.top_k=4,8,16", "hydra/launcher=slurm",
                                       "hydra.sweeper.max_batch_size=2"])
     with pytest.raises(SystemExit) as stop:
-        sweep_jobs.launch(launcher, [["memory.top_k=16"]], initial_job_idx=2)
-    assert stop.value.code == 2
+        sweep_jobs.launch(launcher, job_overrides, initial_job_idx=initial_job_idx)
+    return stop.value
+
+
+class _Executor:
+    def __init__(self, **kwargs):
+        pass
+
+    def update_parameters(self, **kwargs):
+        pass
+
+
+CONTINUE = ("python -m experiments.run -m memory.top_k=4,8,16 hydra/launcher=slurm hydra.sweeper.max_batch_size=2 "
+            "hydra.sweep.dir={}")
+
+
+def test_a_later_batch_sbatch_refuses_says_how_to_continue_the_sweep(tmp_path, monkeypatch, capsys):
+    """When sbatch refuses a batch after earlier ones ran (hydra.sweeper.max_batch_size), the line gives the command
+    that continues the sweep in its directory. The executor is one that refuses, as sbatch does at a QOS limit."""
+    import submitit
+
+    class Refusing(_Executor):
+        def map_array(self, *args):
+            raise submitit.core.utils.FailedJobError("sbatch: error: QOSMaxSubmitJobPerUserLimit\n")
+
+    assert _launch_with(Refusing, tmp_path, monkeypatch, [["memory.top_k=16"]], 2).code == 2
     assert capsys.readouterr().err.splitlines() == [
         "config error: sbatch refused the sweep's job #2: sbatch: error: QOSMaxSubmitJobPerUserLimit; the sweep's 2 "
-        "earlier job(s) ran: continue the sweep in its directory with python -m experiments.run -m memory.top_k=4,8,16 "
-        f"hydra/launcher=slurm hydra.sweeper.max_batch_size=2 hydra.sweep.dir={sweep_dir}"]
+        f"earlier job(s) ran: continue the sweep in its directory with {CONTINUE.format(tmp_path / 'sweep')}"]
+
+
+def test_ctrl_c_while_waiting_for_a_sweeps_jobs_says_how_to_continue_it(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the command waits for its jobs: one line naming them and the continuing command, exit 130,
+    rather than Hydra's traceback."""
+    from types import SimpleNamespace
+
+    class Waiting(_Executor):
+        def map_array(self, *args):
+            def results():
+                raise KeyboardInterrupt
+
+            return [SimpleNamespace(job_id=f"4242_{i}", results=results) for i in range(2)]
+
+    assert _launch_with(Waiting, tmp_path, monkeypatch, [["memory.top_k=4"], ["memory.top_k=8"]], 0).code == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "interrupted while waiting for the sweep's jobs 4242_0, 4242_1 (Slurm jobs go on; local ones got a "
+        "terminal's Ctrl-C too); continue the sweep in its directory with "
+        f"{CONTINUE.format(tmp_path / 'sweep')} (a run a job still trains is waited for, then kept)"]
 
 
 # --------------------------------------------------------------------------- Slurm's sbatch script
