@@ -375,8 +375,8 @@ def test_batch_not_divisible_by_the_mesh_is_refused():
     available = len(jax.devices("cpu"))  # XLA_FLAGS may emulate several
     with pytest.raises(ValueError, match=f"exceeds the {available} cpu device"):
         JaxBackend("cpu", num_devices=available + 1)
-    with pytest.raises(ValueError, match="device='cuda' is invalid"):
-        JaxBackend("cuda")
+    with pytest.raises(ValueError, match="device='cuda:0' is invalid"):
+        JaxBackend("cuda:0")  # torch's name of one GPU; JAX takes cuda (its gpu), not an index
 
 
 @pytest.mark.slow
