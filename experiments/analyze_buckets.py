@@ -126,9 +126,11 @@ def analyze(cfg: DictConfig) -> Path:
 
     atomic_write_text(path, json.dumps(record, indent=1))
     for r in rows:
+        # topk_score ranks a trained run's keys: not measured without run_dir (NaN in the record).
+        ranked = "n/a (run_dir=<a trained run> measures it)" if topk is None else f"{r['recall_topk_score']:.3f}"
         print(f"[buckets data={cfg.data} split={cfg.split} T={T} B={B} n={n} K={r['K']}] overflow {r['overflow']:.3f} "
               f"recall recent {r['recall_recent']:.3f} first {r['recall_first']:.3f} "
-              f"topk_score {r['recall_topk_score']:.3f} random-hash {r['recall_random_hash']:.3f} "
+              f"topk_score {ranked} random-hash {r['recall_random_hash']:.3f} "
               f"(bucket ceiling {r['recall_bucket']:.3f}, window ceiling {r['recall_window']:.3f})")
     if cfg.report:
         from experiments.bucket_report import render

@@ -32,6 +32,8 @@ def test_a_sweep_over_b_ends_in_one_report(tmp_path):
     assert "## Answer" in md and (report.parent / "buckets_recall_vs_k.png").stat().st_size > 0
     assert (report.parent / "buckets_vs_b.png").stat().st_size > 0
     assert "[buckets data=wikitext2 split=validation T=32 B=64 n=1 K=16] overflow" in res.stdout
+    # Without run_dir the topk_score policy is not measured, and the line says so rather than printing nan.
+    assert "topk_score n/a (run_dir=<a trained run> measures it)" in res.stdout and " nan " not in res.stdout
 
 
 @pytest.mark.slow  # trains the shared smoke run
