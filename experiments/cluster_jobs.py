@@ -89,7 +89,7 @@ class RowJob(submitit.helpers.Checkpointable):
 
 def job_parameters(kind: str, settings: dict[str, Any], resources: cluster.Resources, name: str) -> dict[str, Any]:
     """The submitit executor parameters of one job: the launcher ``settings`` with the run's resources
-    (:func:`experiments.sweep_jobs.executor_parameters`). A table's job is one task on one node."""
+    (:func:`experiments.submitit_common.executor_parameters`). A table's job is one task on one node."""
     return executor_parameters(kind, {**settings, "name": name, "gpus_per_node": resources.gpus,
                                       "timeout_min": resources.timeout_min, "mem_gb": resources.mem_gb,
                                       "tasks_per_node": 1, "nodes": 1})
@@ -186,8 +186,7 @@ def _mark_lost(resolved: app.ResolvedRun, root: Path, outcome: Outcome, since: f
     one a job claims, resumed or new), marked failed and resumable with the outcome's line when the job wrote it
     (:func:`experiments.submitit_common.mark_lost_run`). A job that died before it claimed a run changed none."""
     found = existing_runs(resolved, root)
-    if found:
-        mark_lost_run(found[0], outcome.line, since)
+    if found and mark_lost_run(found[0], outcome.line, since):
         outcome.run_dir = str(found[0])
 
 

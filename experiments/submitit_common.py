@@ -54,9 +54,10 @@ def job_result(job) -> tuple[list | None, str | None]:
                       f"{job.paths.stderr}")
 
 
-def mark_lost_run(run_dir: Path, error: str, since: float) -> None:
+def mark_lost_run(run_dir: Path, error: str, since: float) -> bool:
     """Mark the record of a run whose job died, which the dead process left ``running``, failed and resumable with
-    ``error`` (as a SIGTERM leaves a run): a table then says why, and the command run again resumes it.
+    ``error`` (as a SIGTERM leaves a run): a table then says why, and the command run again resumes it. Returns
+    whether it did.
 
     Only a record written at or after ``since`` (the job's submission, seconds since the epoch) is this job's: one
     older is an earlier process's, left as it is. Read and written under the run's lock, which a cancelled Slurm
@@ -69,7 +70,8 @@ def mark_lost_run(run_dir: Path, error: str, since: float) -> None:
             written = (run_dir / "metrics.json").stat().st_mtime
             # A minute's allowance: a cluster node's clock (or its file server's) may be behind this machine's.
             if read_metrics(run_dir).status != "running" or written < since - CLOCK_SKEW_S:
-                return  # ended by the job itself, or not this job's record
+                return False  # ended by the job itself, or not this job's record
         except (OSError, SchemaError):
-            return  # no record, or a damaged one: the resume reports it
+            return False  # no record, or a damaged one: the resume reports it
         mark_failed(run_dir, None, error, resumable=True)
+        return True
