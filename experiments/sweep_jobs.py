@@ -11,6 +11,8 @@ in lines:
   naming the jobs and ``sbatch``'s reason, exit 2; when earlier batches ran, the line says how to continue the
   sweep in its directory.
 - Ctrl-C while waiting: one line naming the jobs and the command that continues the sweep, exit 130.
+- a job whose task raised (outside a run, which records its own failure): one line with the error and the job's
+  log, and it counts as failed as below.
 - a job ending without a result: one line naming the job, the cluster's state of it and its log, as soon as the
   command sees it; its run's record, which the dead process left ``running``, is marked failed and resumable with
   that line (:func:`experiments.submitit_common.mark_lost_run`); the sweep's other jobs and later batches go on.
@@ -50,12 +52,18 @@ def lost_jobs(sweep_dir: Path) -> dict[int, str]:
 
 
 def _result(job, number: int, overrides: list[str], sweep_dir: Path, since: float):
-    """The job's ``JobReturn``; for a job that ended without one, its line said and kept for the summary."""
+    """The job's ``JobReturn``; for a job that ended without one, or whose task raised (Hydra returns the error in
+    a failed ``JobReturn``), its line said and kept for the summary."""
     from hydra.core.utils import JobReturn, JobStatus
 
     results, line = job_result(job)
-    if results is not None:
+    if results is not None and results[0].status != JobStatus.FAILED:
         return results[0]
+    if results is not None:
+        error = results[0]._return_value  # the exception the task raised (experiments.run records a run's own)
+        said = next((part.strip() for part in str(error).splitlines() if part.strip()), "")
+        line = (f"job {job.job_id} failed: {type(error).__name__}{': ' + said[:300] if said else ''}; its log: "
+                f"{job.paths.stdout} and {job.paths.stderr}")
     print(f"sweep job #{number} ({' '.join(overrides)}): {line}", file=sys.stderr, flush=True)
     _LOST.setdefault(sweep_dir.resolve(), {})[number] = line
     records = [d for d in sweep_dir.glob(f"{number:03d}-*") if (d / "metrics.json").is_file()]

@@ -144,9 +144,10 @@ def test_a_sweep_whose_jobs_sbatch_refuses_stops_in_one_line_naming_them(tmp_pat
     assert not list(sweep_dir.glob("0*"))  # no run directory: no job ran
 
 
-def _launch_with(executor, tmp_path: Path, monkeypatch, job_overrides: list[list[str]], initial_job_idx: int):
+def _launch_with(executor, tmp_path: Path, monkeypatch, job_overrides: list[list[str]], initial_job_idx: int,
+                 ends: bool = True):
     """experiments.sweep_jobs.launch of a Slurm sweep (memory.top_k=4,8,16 in batches of 2) through ``executor``
-    in place of submitit's: the SystemExit it ends with."""
+    in place of submitit's: the SystemExit it ends with (``ends``), else what it returns."""
     from types import SimpleNamespace
 
     import submitit
@@ -160,6 +161,8 @@ def _launch_with(executor, tmp_path: Path, monkeypatch, job_overrides: list[list
                                config=OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}}}))
     monkeypatch.setattr(sys, "argv", ["run.py", "-m", "memory.top_k=4,8,16", "hydra/launcher=slurm",
                                       "hydra.sweeper.max_batch_size=2"])
+    if not ends:
+        return sweep_jobs.launch(launcher, job_overrides, initial_job_idx=initial_job_idx)
     with pytest.raises(SystemExit) as stop:
         sweep_jobs.launch(launcher, job_overrides, initial_job_idx=initial_job_idx)
     return stop.value
@@ -209,6 +212,31 @@ def test_ctrl_c_while_waiting_for_a_sweeps_jobs_says_how_to_continue_it(tmp_path
         "interrupted while waiting for the sweep's jobs 4242_0, 4242_1 (Slurm jobs go on; local ones got a "
         "terminal's Ctrl-C too); continue the sweep in its directory with "
         f"{CONTINUE.format(tmp_path / 'sweep')} (a run a job still trains is waited for, then kept)"]
+
+
+def test_a_sweep_job_whose_task_raised_is_said_in_one_line_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+    """Hydra hands a task's exception back in a failed JobReturn, which its sweeper would raise, stopping the sweep
+    in a traceback: the launcher says it in one line with the job's log, and the summary counts the job failed."""
+    from types import SimpleNamespace
+
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from experiments import sweep_jobs
+
+    returns = [JobReturn(status=JobStatus.FAILED, _return_value=OSError("[Errno 28] No space left on device")),
+               JobReturn(status=JobStatus.COMPLETED, _return_value=None)]
+
+    class Ran(_Executor):
+        def map_array(self, *args):
+            return [SimpleNamespace(job_id=f"4242_{i}", results=lambda r=r: [r],
+                                    paths=SimpleNamespace(stdout=f"4242_{i}.out", stderr=f"4242_{i}.err"))
+                    for i, r in enumerate(returns)]
+
+    out = _launch_with(Ran, tmp_path, monkeypatch, [["memory.top_k=4"], ["memory.top_k=8"]], 0, ends=False)
+    assert [r.status for r in out] == [JobStatus.COMPLETED, JobStatus.COMPLETED]  # the sweep goes on
+    line = "job 4242_0 failed: OSError: [Errno 28] No space left on device; its log: 4242_0.out and 4242_0.err"
+    assert capsys.readouterr().err.splitlines() == [f"sweep job #0 (memory.top_k=4): {line}"]
+    assert sweep_jobs.lost_jobs(tmp_path / "sweep") == {0: line}
 
 
 # --------------------------------------------------------------------------- Slurm's sbatch script
