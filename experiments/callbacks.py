@@ -70,7 +70,7 @@ class SweepSummary(Callback):
                 print(f"failed job {name}: {reason}", file=sys.stderr)
             print(f"{len(failed)} of {n} jobs of the sweep in {sweep_dir} failed (the others ran)", file=sys.stderr)
             if lost_jobs(sweep_dir):
-                print(f"continue the sweep there (finished jobs reused, stopped ones resumed from their last "
+                print(f"continue the sweep there (finished runs kept, stopped ones resumed from their last "
                       f"checkpoint): {continue_sweep_command(sys.argv[1:], sweep_dir.resolve())} (make sweep: the "
                       f"same command with SWEEP_DIR={shlex.quote(str(sweep_dir.resolve()))})", file=sys.stderr)
             sys.exit(1)

@@ -19,7 +19,9 @@ in lines:
   The summary (:class:`experiments.callbacks.SweepSummary`) lists it with the failed jobs, says how to continue
   the sweep (its run resumes from its last checkpoint, the finished jobs are reused), and the command exits 1.
 
-The jobs themselves are the plugin's: each runs ``experiments.run``'s task in its own process.
+A job whose run is already complete with the job's config (a continued sweep) is not submitted: the command says
+so and keeps the run (:func:`finished_run`). The jobs themselves are the plugin's: each runs ``experiments.run``'s
+task in its own process.
 """
 
 from __future__ import annotations
@@ -74,6 +76,33 @@ def _result(job, number: int, overrides: list[str], sweep_dir: Path, since: floa
     return JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=None)
 
 
+def finished_run(launcher, sweep_dir: Path, number: int, overrides: list[str]) -> Path | None:
+    """The run directory of sweep job ``number`` when its run is complete with the job's own config: the run a job
+    would only report finished (a table reuses such a run the same way, :func:`experiments.table_runs.run_state`).
+    None when there is none, or when anything is in doubt (the job then runs and decides)."""
+    dirs = sorted(sweep_dir.glob(f"{number:03d}-*"))
+    if len(dirs) != 1:
+        return None
+    from omegaconf import open_dict, read_write
+
+    from experiments.table_runs import run_state
+    from pcaf_core.run_identity import read_run_config, same_identity
+
+    existing = read_run_config(dirs[0])
+    if existing is None:
+        return None
+    try:  # the job's config as its process composes it (Hydra's run_job drops the hydra node)
+        cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+        with read_write(cfg), open_dict(cfg):
+            del cfg["hydra"]
+        resolved = app.resolve(cfg, list(overrides))
+    except Exception:  # noqa: BLE001 - the job composes it again and says what is wrong
+        return None
+    if not same_identity(existing, app.config_dict(resolved)):
+        return None
+    return dirs[0] if run_state(dirs[0], resolved)[0] == "reuse" else None
+
+
 def launch(launcher, job_overrides, initial_job_idx: int) -> list:
     """Submit one batch of a sweep as one job array through ``launcher`` (a suite launcher: Hydra's submitit
     launcher with :attr:`params`, :attr:`config` and the plugin's job call) and wait for its jobs: their
@@ -82,7 +111,7 @@ def launch(launcher, job_overrides, initial_job_idx: int) -> list:
 
     import submitit
     from hydra.core.singleton import Singleton
-    from hydra.core.utils import filter_overrides
+    from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
     from experiments.preflight import CONFIG_ERROR_EXIT
 
@@ -98,26 +127,35 @@ def launch(launcher, job_overrides, initial_job_idx: int) -> list:
 
     log = logging.getLogger(__name__)
     log.info(f"Submitit '{kind}' sweep output dir : {sweep_dir}")
-    numbers = range(initial_job_idx, initial_job_idx + len(job_overrides))
-    for number, overrides in zip(numbers, job_overrides):
+    kept: dict[int, JobReturn] = {}
+    for number, overrides in enumerate(job_overrides, start=initial_job_idx):
         log.info(f"\t#{number} : {' '.join(filter_overrides(overrides))}")
+        done = finished_run(launcher, sweep_dir, number, list(overrides))
+        if done is not None:  # a continued sweep: no job (and no wait in a cluster's queue) for a finished run
+            print(f"sweep job #{number} ({' '.join(overrides)}): {done} is finished with this config: kept, no job "
+                  "submitted", file=sys.stderr, flush=True)
+            kept[number] = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=None)
+    todo = [(n, list(o)) for n, o in enumerate(job_overrides, start=initial_job_idx) if n not in kept]
+    if not todo:
+        return [kept[n] for n in sorted(kept)]
+    numbers = [n for n, _ in todo]
     # The plugin's job call (launcher.__call__) in every job: the job's overrides, where its directory goes, its
     # number, an id and Hydra's global state, as Hydra's own submitit launcher passes them.
-    calls = [(list(o), "hydra.sweep.dir", n, f"job_id_for_{n}", Singleton.get_state())
-             for n, o in zip(numbers, job_overrides)]
+    calls = [(o, "hydra.sweep.dir", n, f"job_id_for_{n}", Singleton.get_state()) for n, o in todo]
     since = time.time()
     try:
         jobs = executor.map_array(launcher, *zip(*calls))
     except submitit.core.utils.FailedJobError as exc:  # sbatch said no: no cluster, a bad partition, ...
         said = [line.strip() for line in str(exc).splitlines() if line.strip()] or ["(nothing)"]
-        which = f"job #{numbers[0]}" if len(numbers) == 1 else f"jobs #{numbers[0]}-#{numbers[-1]}"
-        ran = (f"; the sweep's {initial_job_idx} earlier job(s) ran: continue the sweep in its directory with "
-               f"{continue_sweep_command(sys.argv[1:], sweep_dir.resolve())}" if initial_job_idx else
-               "; no job of the sweep was submitted")
-        print(f"config error: sbatch refused the sweep's {which}: {said[-1]}{ran}", file=sys.stderr, flush=True)
+        which = ("job " if len(numbers) == 1 else "jobs ") + ", ".join(f"#{n}" for n in numbers)
+        before = (f"; the sweep's {initial_job_idx} earlier job(s) ran: continue the sweep in its directory with "
+                  f"{continue_sweep_command(sys.argv[1:], sweep_dir.resolve())}" if initial_job_idx else
+                  "; no job of the sweep was submitted")
+        print(f"config error: sbatch refused the sweep's {which}: {said[-1]}{before}", file=sys.stderr, flush=True)
         sys.exit(CONFIG_ERROR_EXIT)
     try:
-        return [_result(job, n, list(o), sweep_dir, since) for job, n, o in zip(jobs, numbers, job_overrides)]
+        ran = {n: _result(job, n, o, sweep_dir, since) for job, (n, o) in zip(jobs, todo)}
+        return [kept[n] if n in kept else ran[n] for n in range(initial_job_idx, initial_job_idx + len(job_overrides))]
     except KeyboardInterrupt:
         # Ctrl-C while waiting: the jobs are not this process's to stop (Slurm's go on; local ones got a terminal's
         # Ctrl-C too, and a run stopped so resumes). Without this, Hydra's run would end in a traceback.

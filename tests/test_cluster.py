@@ -139,7 +139,7 @@ def test_a_sweep_whose_jobs_sbatch_refuses_stops_in_one_line_naming_them(tmp_pat
     assert res.returncode == 2, res.stdout + res.stderr
     assert "Traceback" not in res.stderr, res.stderr
     assert res.stderr.splitlines()[-1] == (
-        "config error: sbatch refused the sweep's jobs #0-#1: sbatch: error: Batch job submission failed: Invalid "
+        "config error: sbatch refused the sweep's jobs #0, #1: sbatch: error: Batch job submission failed: Invalid "
         "account or account/partition combination specified; no job of the sweep was submitted")
     assert not list(sweep_dir.glob("0*"))  # no run directory: no job ran
 
@@ -343,8 +343,8 @@ def test_a_local_launcher_sweep_runs_each_job_in_its_own_process_outlives_a_kill
     """The sweep, 8 steps a run, through the basic launcher (in this process) and through hydra/launcher=local, one
     job at a time (two batches). In the local sweep job #0 is SIGKILLed at step 3 (after its step-2 checkpoint):
     the command says so in one line naming the job and its log, runs job #1, renders the summary with #0 failed,
-    and exits 1 with the command that continues the sweep in its directory. That command reuses #1 and resumes #0
-    from step 2, and the sweep's summary then equals the basic launcher's."""
+    and exits 1 with the command that continues the sweep in its directory. That command keeps #1 without a job
+    and resumes #0 from step 2, and the sweep's summary then equals the basic launcher's."""
     import torch
 
     args = [*SWEEP, "train.steps=8", "train.checkpoint_every=2", "eval.protocol=reference"]
@@ -384,15 +384,19 @@ def test_a_local_launcher_sweep_runs_each_job_in_its_own_process_outlives_a_kill
     rec = read_metrics(run_dir)
     assert rec.status == "failed" and rec.extra["resumable"] and rec.error.startswith(said.split(": ", 1)[1])
 
-    assert lines[-1].startswith("continue the sweep there (finished jobs reused, stopped ones resumed")
+    assert lines[-1].startswith("continue the sweep there (finished runs kept, stopped ones resumed")
     command, make_hint = lines[-1].split("): ", 1)[1].rsplit(" (make sweep: ", 1)
     assert make_hint == f"the same command with SWEEP_DIR={sweep_dir})"
     again = _run([sys.executable, *shlex.split(command)[1:]])
     assert again.returncode == 0, again.stderr[-3000:]
     assert read_metrics(run_dir).status == "completed" and [r["step"] for r in read_curve(run_dir)] == [1, 2, 4, 6, 8]
     job_logs = "".join(p.read_text() for p in (sweep_dir / ".submitit").glob("*/*_log.*"))
+    assert f"resuming {run_dir} from step 2" in job_logs
+    # #1's run is complete with its config: no job for it (no wait in a cluster's queue for nothing).
     finished = next(sweep_dir.glob("001-*"))
-    assert f"resuming {run_dir} from step 2" in job_logs and f"{finished} is finished (step 8 of 8)" in job_logs
+    assert (f"sweep job #1 (experiment=wt2-nt-1024/pcaf_context scale=smoke memory.top_k=16 train.steps=8 "
+            f"train.checkpoint_every=2 eval.protocol=reference): {finished} is finished with this config: kept, no job "
+            "submitted") in again.stderr.splitlines()
 
     basic_dir, basic_rows = _sweep_table(tmp_path / "basic")
     with (sweep_dir / "sweep_memory.top_k.csv").open() as fh:
@@ -412,7 +416,7 @@ def test_a_local_launcher_sweep_runs_each_job_in_its_own_process_outlives_a_kill
     pids = {env["pid"] for env in envs}
     assert len(envs) == 2 and len(pids) == 2 and first.pid not in pids
     assert all(env["argv"][0].endswith(os.path.join("submitit", "core", "_submit.py")) for env in envs)
-    assert len({p.name for p in (sweep_dir / ".submitit").iterdir()} - {"%j"}) == 4  # two jobs a command
+    assert len({p.name for p in (sweep_dir / ".submitit").iterdir()} - {"%j"}) == 3  # 2 jobs, then #0's again
     assert {p.name for p in basic_dir.glob("0*")} == {p.name for p in sweep_dir.glob("0*")}
 
 # --------------------------------------------------------------------------- a table's jobs: killed, preempted

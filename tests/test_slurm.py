@@ -88,8 +88,8 @@ def test_a_tables_rows_run_as_slurm_jobs_and_the_same_command_collects_them(slur
 def test_a_sweeps_values_run_as_one_job_array_and_a_cancelled_one_is_said_and_resumed(slurm, tmp_path):
     """The sweep's two values as one Slurm job array, a task at a time (array_parallelism=1). scancel ends task 0 at
     step 3: the command says so in one line with sacct's state, runs task 1, renders the summary and exits 1 with the
-    command that continues the sweep; that command (a second array) keeps #1 and resumes #0 from step 2, and its
-    task 0, signalled at step 5 as before a time limit, is requeued by Slurm and resumes from step 4."""
+    command that continues the sweep; that command keeps #1 without a job and resumes #0 from step 2 in one job,
+    which, signalled at step 5 as before a time limit, is requeued by Slurm and resumes from step 4."""
     sweep_dir = tmp_path / "sweep"
     args = [*SWEEP, "hydra/launcher=slurm", *ON_THE_NODE, "hydra.launcher.array_parallelism=1", "train.steps=8",
             "train.checkpoint_every=2", "eval.protocol=reference"]
@@ -120,8 +120,10 @@ def test_a_sweeps_values_run_as_one_job_array_and_a_cancelled_one_is_said_and_re
                              stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
                              env=_slurm_env(slurm, PCAF_SITE_HOLD_AT_STEP="5", PCAF_SITE_HOLD_MARKER=str(held)))
     _wait_for(held.exists, "the continued task 0 to reach step 5", again, log, timeout=300)
+    # One job, not an array: #1's run is complete with its config, so no job is submitted for it.
     (second,) = [p.name for p in (sweep_dir / ".submitit").iterdir() if p.name.isdigit() and p.name != array]
-    subprocess.run(["scancel", "--signal=USR2", f"{second}_0"], env=slurm, check=True, timeout=30)
+    assert "is finished with this config: kept, no job submitted" in log.read_text()
+    subprocess.run(["scancel", "--signal=USR2", second], env=slurm, check=True, timeout=30)
     assert again.wait(300) == 0, log.read_text()[-3000:]
     assert "Traceback" not in log.read_text() and "ended without finishing" not in log.read_text()
     with (sweep_dir / "sweep_memory.top_k.csv").open() as fh:
