@@ -169,11 +169,13 @@ def _launch_with(executor, tmp_path: Path, monkeypatch, job_overrides: list[list
 
 
 class _Executor:
+    """submitit's executor as the launcher uses it, keeping the parameters it is given."""
+
     def __init__(self, **kwargs):
-        pass
+        self.parameters = dict(kwargs)
 
     def update_parameters(self, **kwargs):
-        pass
+        self.parameters.update(kwargs)
 
 
 CONTINUE = ("python -m experiments.run -m memory.top_k=4,8,16 hydra/launcher=slurm hydra.sweeper.max_batch_size=2 "

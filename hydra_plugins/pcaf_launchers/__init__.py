@@ -14,22 +14,23 @@ from collections.abc import Sequence
 
 try:
     from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
-except ImportError:
-    pass
-else:
+except ImportError:  # no cluster extra: no launcher classes here for Hydra's scan to find
+    LocalLauncher = SlurmLauncher = None
 
-    class SweepLocalLauncher(LocalLauncher):
+
+class _SuiteReports:
+    """The launch of the suite's launchers: :func:`experiments.sweep_jobs.launch` over the plugin's job call."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
+        from experiments.sweep_jobs import launch
+
+        return launch(self, job_overrides, initial_job_idx)
+
+
+if LocalLauncher is not None:
+
+    class SweepLocalLauncher(_SuiteReports, LocalLauncher):
         """Every job of a sweep in its own process on this machine (submitit's local executor)."""
 
-        def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
-            from experiments.sweep_jobs import launch
-
-            return launch(self, job_overrides, initial_job_idx)
-
-    class SweepSlurmLauncher(SlurmLauncher):
+    class SweepSlurmLauncher(_SuiteReports, SlurmLauncher):
         """Every batch of a sweep as one Slurm job array, submitted with ``sbatch``."""
-
-        def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
-            from experiments.sweep_jobs import launch
-
-            return launch(self, job_overrides, initial_job_idx)
